@@ -1,0 +1,1 @@
+"""JAX adapter of xckpt (issue: JAX adapter). Not implemented yet."""

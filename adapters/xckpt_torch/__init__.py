@@ -1,0 +1,1 @@
+"""PyTorch adapter of xckpt (issue: PyTorch adapter). Not implemented yet."""

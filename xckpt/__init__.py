@@ -1,0 +1,37 @@
+"""xckpt: a framework-neutral distributed checkpoint format (Zarr v3 + a JSON manifest).
+
+The numpy-level API is here; the PyTorch and JAX adapters plug in through
+:mod:`xckpt.registry` and are reachable as ``xckpt.torch`` and ``xckpt.jax``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+from .coord import Coordinator, LocalCoordinator  # noqa: E402
+from .errors import XckptError  # noqa: E402
+from .host import ReadSpec  # noqa: E402
+from .load import XckptWarning, load  # noqa: E402
+from .manifest import Manifest  # noqa: E402
+from .regions import Region  # noqa: E402
+from .save import save  # noqa: E402
+from .tree import Value  # noqa: E402
+from .inspect import inspect  # noqa: E402
+from .validate import validate  # noqa: E402
+
+__all__ = ["save", "load", "inspect", "validate", "Value", "ReadSpec", "Region", "Manifest",
+           "Coordinator", "LocalCoordinator", "XckptError", "XckptWarning", "__version__"]
+
+_ADAPTERS = {"torch": "xckpt_torch", "jax": "xckpt_jax"}
+
+
+def __getattr__(name: str) -> Any:
+    """``xckpt.torch`` and ``xckpt.jax``: the adapters, imported on first use."""
+    if name in _ADAPTERS:
+        module = importlib.import_module(_ADAPTERS[name])
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'xckpt' has no attribute {name!r}")

@@ -1,0 +1,118 @@
+"""The ``xckpt`` command line: inspect, validate, convert, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from .errors import XckptError
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Print a readable tree of leaves, or JSON."""
+    from .inspect import inspect
+    info = inspect(args.path)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    prod = info["producer"]
+    print(f"{info['path']}  ({info['format']} {info['version']}, written by "
+          f"{prod.get('library', '?')} {prod.get('library_version', '')} / {prod.get('framework', '?')} "
+          f"{prod.get('framework_version', '')})")
+    width = max([len(leaf["key"]) for leaf in info["leaves"]] + [4])
+    for leaf in info["leaves"]:
+        if leaf["kind"] == "array":
+            sh = leaf.get("sharding") or {}
+            how = ""
+            if sh.get("mesh_shape"):
+                how = f"mesh {sh['mesh_shape']} {sh.get('dim_axes', '')}"
+            elif sh.get("num_shards", 1) > 1:
+                how = f"{sh['num_shards']} shards of {sh.get('shard_shape')}"
+            print(f"  {leaf['key']:<{width}}  {leaf['dtype']:<9} {str(leaf['shape']):<18} "
+                  f"{_fmt_bytes(leaf['bytes']):>10}  {how}")
+        else:
+            print(f"  {leaf['key']:<{width}}  {leaf['type']:<9} (value)")
+    print(f"{info['arrays']} arrays, {info['values']} values, {_fmt_bytes(info['total_bytes'])} of array data")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Validate; exit 0 when the checkpoint conforms, 1 otherwise."""
+    from .validate import validate
+    report = validate(args.path, deep=args.deep)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        for f in report.findings:
+            print(str(f))
+        state = "OK" if report.ok else "INVALID"
+        print(f"{state}: {report.path} ({report.arrays} arrays, {report.chunks} chunk objects"
+              + (f", {report.bytes_checked} bytes crc-checked" if args.deep else "") + ")")
+    return 0 if report.ok else 1
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Convert between xckpt and other formats."""
+    from .convert import convert
+    convert(args.src, args.dst, source=args.from_format, target=args.to_format, overwrite=args.overwrite)
+    print(f"wrote {args.dst}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run the main job."""
+    from .demo import main as demo_main
+    return demo_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``xckpt`` command."""
+    p = argparse.ArgumentParser(prog="xckpt", description="Cross-framework distributed checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("inspect", help="list the leaves of a checkpoint")
+    s.add_argument("path")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_inspect)
+    s = sub.add_parser("validate", help="check a checkpoint against the spec")
+    s.add_argument("path")
+    s.add_argument("--deep", action="store_true", help="also verify every chunk's crc32c")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_validate)
+    s = sub.add_parser("convert", help="convert a checkpoint between formats")
+    s.add_argument("src")
+    s.add_argument("dst")
+    s.add_argument("--from", dest="from_format", default="xckpt", choices=["xckpt", "orbax", "dcp"])
+    s.add_argument("--to", dest="to_format", default="xckpt", choices=["xckpt", "dcp"])
+    s.add_argument("--overwrite", action="store_true")
+    s.set_defaults(fn=cmd_convert)
+    s = sub.add_parser("demo", help="run the main job")
+    s.add_argument("--out", default="demo_out", help="directory for checkpoints and the plot")
+    s.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``xckpt`` command."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except XckptError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Converting checkpoints of other formats into xckpt (and back), leaf by leaf.
+
+A converter turns the source into a tree whose array leaves are
+:class:`~xckpt.registry.ArraySource` objects that read lazily, region by region,
+so a conversion never holds more than a few pieces of one array in memory.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from . import dtypes
+from .errors import UnsupportedError
+from .regions import Region
+from .registry import ArraySource, Shard, register_source
+
+#: Bytes per piece when a lazily read array is split for conversion.
+PIECE_BYTES = 64 << 20
+
+
+class LazySource(ArraySource):
+    """An array read region by region from somewhere else (another checkpoint)."""
+
+
+def lazy_array(shape: tuple[int, ...], dtype: str, read: Callable[[Region], np.ndarray],
+               piece_bytes: int = PIECE_BYTES, sharding: dict[str, Any] | None = None) -> LazySource:
+    """An array leaf to save whose data is read by ``read(region)`` in pieces along dimension 0."""
+    shape = tuple(int(s) for s in shape)
+    if not shape or shape[0] == 0:
+        return LazySource(shape, dtype, [Shard(Region.full(shape), lambda: read(Region.full(shape)))], sharding)
+    row_bytes = math.prod(shape[1:]) * dtypes.itemsize(dtype)
+    rows = max(1, piece_bytes // max(1, row_bytes))
+    shards = []
+    for start in range(0, shape[0], rows):
+        r = Region((start,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - start),) + shape[1:])
+        shards.append(Shard(r, lambda r=r: read(r)))
+    return LazySource(shape, dtype, shards, sharding)
+
+
+register_source(lambda x: isinstance(x, LazySource), lambda x: x)
+
+_converters: dict[tuple[str, str], Callable[..., None]] = {}
+
+
+def register_converter(source: str, target: str, fn: Callable[..., None]) -> None:
+    """Register ``fn(src, dst, overwrite=...)`` converting format ``source`` to ``target``."""
+    _converters[(source, target)] = fn
+
+
+def convert(src: str, dst: str, *, source: str = "xckpt", target: str = "xckpt", overwrite: bool = False) -> None:
+    """Convert the checkpoint at ``src`` (format ``source``) to ``dst`` (format ``target``)."""
+    if (source, target) not in _converters:
+        if source == "dcp" or target == "dcp":
+            import xckpt_torch  # noqa: F401 - registers the DCP converters
+        if source == "orbax":
+            from . import orbax_read  # noqa: F401 - registers the Orbax converter
+        if source == "xckpt" and target == "xckpt":
+            from . import orbax_read  # noqa: F401 - the generic copy lives beside the Orbax reader
+    fn = _converters.get((source, target))
+    if fn is None:
+        raise UnsupportedError(f"no converter from {source} to {target}", code="convert.unsupported")
+    fn(src, dst, overwrite=overwrite)

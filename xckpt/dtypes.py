@@ -1,0 +1,66 @@
+"""Logical dtypes of xckpt and how each is stored in Zarr v3.
+
+A logical dtype is what the manifest records and what a reader produces. The
+storage dtype is the Zarr v3 ``data_type`` of the array on disk. They are equal
+for every type except the float8 family, stored as raw ``uint8`` bytes.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .errors import UnsupportedError
+
+_NATIVE = (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+)
+_EXTENSION = {"bfloat16": ml_dtypes.bfloat16}
+_FLOAT8 = {
+    name: getattr(ml_dtypes, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                 "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4", "float8_e8m0fnu")
+    if hasattr(ml_dtypes, name)
+}
+
+#: Every logical dtype name this version of the format defines.
+LOGICAL_DTYPES: tuple[str, ...] = _NATIVE + tuple(_EXTENSION) + tuple(_FLOAT8)
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a logical dtype name."""
+    if name in _NATIVE:
+        return np.dtype(name)
+    if name in _EXTENSION:
+        return np.dtype(_EXTENSION[name])
+    if name in _FLOAT8:
+        return np.dtype(_FLOAT8[name])
+    raise UnsupportedError(f"unknown dtype {name!r}; supported: {', '.join(LOGICAL_DTYPES)}",
+                           code="dtype.unsupported")
+
+
+def logical_name(dtype: object) -> str:
+    """The logical dtype name of a numpy dtype (or anything ``np.dtype`` accepts)."""
+    dt = np.dtype(dtype)  # type: ignore[call-overload]
+    name = dt.name
+    if name in LOGICAL_DTYPES:
+        return name
+    raise UnsupportedError(f"dtype {dt} is not storable; supported: {', '.join(LOGICAL_DTYPES)}",
+                           code="dtype.unsupported")
+
+
+def storage_name(name: str) -> str:
+    """The Zarr v3 ``data_type`` used on disk for a logical dtype name."""
+    numpy_dtype(name)
+    return "uint8" if name in _FLOAT8 else name
+
+
+def is_raw(name: str) -> bool:
+    """Whether the logical dtype is stored as raw bytes of another dtype."""
+    return name in _FLOAT8
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of a logical dtype."""
+    return numpy_dtype(name).itemsize

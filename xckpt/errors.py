@@ -1,0 +1,119 @@
+"""Every error xckpt raises derives from :class:`XckptError`.
+
+Each error carries a stable ``code`` (the same codes the validator reports and
+the spec lists), and where known the ``file`` and ``leaf`` it concerns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class XckptError(Exception):
+    """Base class of every xckpt error."""
+
+    code: str = "error"
+
+    def __init__(self, message: str, *, code: str | None = None, file: str | None = None,
+                 leaf: str | None = None) -> None:
+        self.code = code or type(self).code
+        self.file = file
+        self.leaf = leaf
+        where = []
+        if leaf is not None:
+            where.append(f"leaf {leaf!r}")
+        if file is not None:
+            where.append(f"file {file}")
+        suffix = f" ({', '.join(where)})" if where else ""
+        super().__init__(f"[{self.code}] {message}{suffix}")
+        self.message = message
+
+    def to_json(self) -> dict[str, Any]:
+        """The error as a JSON-able finding."""
+        return {"code": self.code, "message": self.message, "file": self.file, "leaf": self.leaf}
+
+
+class NotACheckpointError(XckptError):
+    """The path holds no committed checkpoint (no manifest)."""
+
+    code = "manifest.missing"
+
+
+class ManifestError(XckptError):
+    """The manifest is unreadable or does not conform to the schema."""
+
+    code = "manifest.invalid"
+
+
+class VersionError(XckptError):
+    """The manifest names a format version this reader does not support."""
+
+    code = "manifest.version"
+
+
+class UnsafePathError(XckptError):
+    """A stored path would leave the checkpoint (``..``, absolute, link)."""
+
+    code = "path.unsafe"
+
+
+class ShapeError(XckptError):
+    """A shape is invalid, absurdly large, or does not match."""
+
+    code = "shape.invalid"
+
+
+class DataError(XckptError):
+    """Array data is missing, truncated or inconsistent with its metadata."""
+
+    code = "chunk.missing"
+
+
+class IntegrityError(XckptError):
+    """A checksum does not match."""
+
+    code = "checksum.mismatch"
+
+
+class TreeError(XckptError):
+    """The tree given to save or load cannot be handled (bad key, collision, mismatch)."""
+
+    code = "tree.invalid"
+
+
+class KeyMismatchError(TreeError):
+    """Keys requested by a load target and keys stored in the checkpoint differ."""
+
+    code = "tree.key_mismatch"
+
+    def __init__(self, message: str, *, missing: list[str] | None = None,
+                 unexpected: list[str] | None = None, mismatched: list[str] | None = None,
+                 file: str | None = None) -> None:
+        self.missing = list(missing or [])
+        self.unexpected = list(unexpected or [])
+        self.mismatched = list(mismatched or [])
+        super().__init__(message, file=file)
+
+
+class SaveError(XckptError):
+    """A save failed; the target path is left as it was before the save."""
+
+    code = "save.failed"
+
+
+class CoordinationError(XckptError):
+    """Processes taking part in a collective save or load disagree."""
+
+    code = "coord.mismatch"
+
+
+class ResourceError(XckptError):
+    """A load would need more memory than allowed."""
+
+    code = "resource.too_large"
+
+
+class UnsupportedError(XckptError):
+    """A value, dtype or feature that this version of xckpt does not handle."""
+
+    code = "unsupported"

@@ -1,0 +1,65 @@
+"""numpy leaves: how the core saves and loads plain host arrays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import dtypes
+from .errors import ShapeError
+from .regions import Region
+from .registry import ArraySource, ArrayTarget, Shard, register_source, register_target
+
+
+@dataclass(frozen=True)
+class ReadSpec:
+    """A numpy load target: read ``region`` (default: all) of a stored array as ``dtype``.
+
+    ``region`` is a :class:`Region` or a tuple of slices with explicit bounds.
+    """
+
+    region: Region | tuple[slice, ...] | None = None
+    dtype: Any = None
+
+
+def array_source(arr: np.ndarray | np.generic) -> ArraySource:
+    """A numpy array held whole by this process (a replica on every process that has it)."""
+    a = np.asarray(arr)
+    return ArraySource(tuple(a.shape), dtypes.logical_name(a.dtype),
+                       [Shard(Region.full(a.shape), lambda a=a: a)])
+
+
+def _full_target(shape: tuple[int, ...], dtype: str | None) -> ArrayTarget:
+    return ArrayTarget(shape, dtype, [Region.full(shape)], lambda parts: parts[0])
+
+
+def ndarray_target(like: np.ndarray, entry: Any) -> ArrayTarget:
+    """Load a whole array as a new numpy array with ``like``'s dtype."""
+    return _full_target(tuple(like.shape), dtypes.logical_name(like.dtype))
+
+
+def readspec_target(like: ReadSpec, entry: Any) -> ArrayTarget:
+    """Load a region of an array, optionally cast."""
+    dtype = None if like.dtype is None else dtypes.logical_name(like.dtype)
+    region = like.region
+    if region is None:
+        return _full_target(tuple(entry.shape), dtype)
+    if not isinstance(region, Region):
+        if len(region) != len(entry.shape):
+            raise ShapeError(f"{len(region)} slices given for an array of rank {len(entry.shape)}")
+        offs, sizes = [], []
+        for s, n in zip(region, entry.shape):
+            start, stop, step = s.indices(n)
+            if step != 1:
+                raise ShapeError("strided regions are not supported")
+            offs.append(start)
+            sizes.append(max(0, stop - start))
+        region = Region(tuple(offs), tuple(sizes))
+    return ArrayTarget(tuple(entry.shape), dtype, [region], lambda parts: parts[0])
+
+
+register_source(lambda x: isinstance(x, (np.ndarray, np.generic)), array_source)
+register_target(lambda x: isinstance(x, np.ndarray), ndarray_target)
+register_target(lambda x: isinstance(x, ReadSpec), readspec_target)

@@ -1,0 +1,118 @@
+"""Opening a stored checkpoint for reading: its manifest, its values, its arrays.
+
+:func:`open_checkpoint` returns a :class:`Checkpoint` whatever wrote it: xckpt, or
+Orbax (zarr v2, zarr v3, OCDBT; see :mod:`xckpt.orbax_read`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import google_crc32c
+import tensorstore as ts
+
+from . import arrays, manifest as manifest_mod, naming, storage, values as values_mod
+from .errors import DataError, IntegrityError, ManifestError, NotACheckpointError, XckptError
+from .manifest import ArrayEntry, Manifest, ValueEntry
+from .storage import Location
+from .tree import key_str
+
+
+class Checkpoint:
+    """A committed xckpt checkpoint, opened for reading."""
+
+    format = "xckpt"
+
+    def __init__(self, loc: Location, manifest: Manifest) -> None:
+        self.loc = loc
+        self.manifest = manifest
+        self._values: dict[int, Any] | None = None
+
+    def values(self) -> dict[int, Any]:
+        """Value leaves by leaf index, checked against the manifest's size and crc32c."""
+        if self._values is None:
+            self._values = read_values(self.loc, self.manifest)
+        return self._values
+
+    def array_spec(self, entry: ArrayEntry) -> dict[str, Any]:
+        """The TensorStore spec that opens ``entry``, checked against its ``zarr.json``."""
+        meta = arrays.zarr_metadata(entry.shape, entry.storage_dtype, entry.chunk_shape,
+                                    entry.inner_chunk_shape, entry.compression)
+        spec = arrays.spec(self.loc, entry.path, meta)
+        spec["fill_missing_data_reads"] = False
+        return spec
+
+    def open_array(self, entry: ArrayEntry) -> "ts.Future[ts.TensorStore]":
+        """Start opening an array leaf."""
+        return ts.open(self.array_spec(entry), open=True, read=True, context=arrays.context())
+
+
+def read_manifest(loc: Location) -> Manifest:
+    """Read and check the manifest at ``loc``."""
+    data = storage.read_bytes(loc, naming.MANIFEST)
+    if data is None:
+        raise NotACheckpointError(f"{loc} holds no committed xckpt checkpoint (no {naming.MANIFEST})",
+                                  file=str(loc.child(naming.MANIFEST)))
+    return manifest_mod.parse(data, file=str(loc.child(naming.MANIFEST)))
+
+
+def read_values(loc: Location, m: Manifest) -> dict[int, Any]:
+    """Read, verify and decode ``values.msgpack``."""
+    if m.values is None:
+        return {}
+    file = str(loc.child(naming.VALUES))
+    blob = storage.read_bytes(loc, naming.VALUES)
+    if blob is None:
+        raise DataError("values file is missing", code="values.missing", file=file)
+    if len(blob) != m.values["size"]:
+        raise DataError(f"values file has {len(blob)} bytes, the manifest says {m.values['size']}",
+                        code="values.size", file=file)
+    if google_crc32c.value(blob) != m.values["crc32c"]:
+        raise IntegrityError("values file crc32c does not match the manifest", code="values.crc32c", file=file)
+    try:
+        decoded = values_mod.decode(blob)
+    except (ValueError, XckptError, Exception) as exc:  # msgpack raises several types
+        raise ManifestError(f"values file cannot be decoded: {exc}", code="values.invalid", file=file) from exc
+    if not isinstance(decoded, dict):
+        raise ManifestError("values file is not a map", code="values.invalid", file=file)
+    out: dict[int, Any] = {}
+    for i, e in enumerate(m.leaves):
+        if isinstance(e, ValueEntry):
+            if i not in decoded:
+                raise DataError("value is missing from the values file", code="values.missing", file=file,
+                                leaf=key_str(e.key))
+            v = decoded[i]
+            if values_mod.value_type(v) != e.type:
+                raise ManifestError(f"value has type {values_mod.value_type(v)}, the manifest says {e.type}",
+                                    code="values.type", file=file, leaf=key_str(e.key))
+            out[i] = v
+    return out
+
+
+def open_checkpoint(path: Any) -> Checkpoint:
+    """Open the checkpoint at ``path``: xckpt, or one written by Orbax."""
+    loc = Location.of(path)
+    if storage.read_bytes(loc, naming.MANIFEST, slice(0, 0)) is None and \
+            storage.read_bytes(loc, naming.ORBAX_METADATA, slice(0, 0)) is not None:
+        from . import orbax_read
+        return orbax_read.open_orbax(loc)
+    return Checkpoint(loc, read_manifest(loc))
+
+
+def translate(exc: BaseException, entry: ArrayEntry, file: str) -> XckptError:
+    """Turn a TensorStore error about an array into a specific xckpt error."""
+    if isinstance(exc, XckptError):
+        return exc
+    text = str(exc)
+    leaf = key_str(entry.key)
+    if "Digest mismatch" in text or "checksum" in text.lower():
+        return IntegrityError(f"crc32c mismatch: {text[:400]}", code="chunk.crc32c", file=file, leaf=leaf)
+    if "is missing" in text or "NOT_FOUND" in text:
+        return DataError(f"array data is missing: {text[:400]}", code="chunk.missing", file=file, leaf=leaf)
+    if "size of" in text or "DATA_LOSS" in text or "OUT_OF_RANGE" in text:
+        return DataError(f"array data is truncated or corrupt: {text[:400]}", code="chunk.truncated",
+                         file=file, leaf=leaf)
+    if "FAILED_PRECONDITION" in text or "does not match" in text or "Error opening" in text:
+        return DataError(f"zarr.json does not match the manifest: {text[:400]}", code="array.metadata",
+                         file=file, leaf=leaf)
+    return DataError(f"cannot read array: {text[:400]}", code="array.read", file=file, leaf=leaf)

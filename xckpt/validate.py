@@ -1,0 +1,267 @@
+"""The validator: does a directory conform to the xckpt 1.0 spec?
+
+Every finding has a stable code (listed in the spec) and names the file and leaf.
+Without ``deep``, only metadata and shard indexes are read: every offset in every
+shard index is checked against the object's size before it is trusted. With
+``deep``, every inner chunk's crc32c is recomputed, one chunk at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from itertools import product
+from typing import Any, Iterator
+
+import google_crc32c
+import numpy as np
+
+from . import arrays, dtypes, naming, orbax_files, storage
+from .errors import XckptError
+from .manifest import ArrayEntry, Manifest, ValueEntry
+from .reader import read_manifest, read_values
+from .regions import grid_shape
+from .storage import Location
+from .tree import key_str
+
+_MISSING = 2**64 - 1
+
+
+@dataclass
+class Finding:
+    """One problem found: a stable code, a message, and the file and leaf concerned."""
+
+    code: str
+    message: str
+    file: str | None = None
+    leaf: str | None = None
+    severity: str = "error"
+
+    def __str__(self) -> str:
+        where = ", ".join(x for x in (f"leaf {self.leaf}" if self.leaf else "", self.file or "") if x)
+        return f"{self.severity.upper()} {self.code}: {self.message}" + (f" [{where}]" if where else "")
+
+
+@dataclass
+class Report:
+    """The outcome of a validation."""
+
+    path: str
+    deep: bool
+    findings: list[Finding] = field(default_factory=list)
+    arrays: int = 0
+    chunks: int = 0
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when no finding is an error (warnings allowed)."""
+        return not any(f.severity == "error" for f in self.findings)
+
+    def codes(self) -> list[str]:
+        """The codes of all findings, in order."""
+        return [f.code for f in self.findings]
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able form, for ``xckpt validate --json``."""
+        return {"path": self.path, "ok": self.ok, "deep": self.deep, "arrays": self.arrays,
+                "chunks": self.chunks, "bytes_checked": self.bytes_checked,
+                "findings": [asdict(f) for f in self.findings]}
+
+
+def validate(path: Any, deep: bool = False) -> Report:
+    """Check a checkpoint against the spec; see :class:`Report`."""
+    loc = Location.of(path)
+    report = Report(str(loc), deep)
+    add = report.findings.append
+    try:
+        m = read_manifest(loc)
+    except XckptError as exc:
+        add(Finding(exc.code, exc.message, exc.file, exc.leaf))
+        return report
+    if loc.is_local:
+        _check_links(loc, report)
+    if not storage.exists(loc, naming.COMMIT):
+        add(Finding("commit.missing", f"{naming.COMMIT} is missing (Orbax will treat the checkpoint as unfinished)",
+                    str(loc.child(naming.COMMIT)), severity="warning"))
+    vals: dict[int, Any] = {}
+    try:
+        vals = read_values(loc, m)
+    except XckptError as exc:
+        add(Finding(exc.code, exc.message, exc.file, exc.leaf))
+    for e in m.arrays():
+        report.arrays += 1
+        _check_array(loc, e, deep, report)
+    _check_orbax(loc, m, vals, report)
+    return report
+
+
+def _check_links(loc: Location, report: Report) -> None:
+    root = os.path.realpath(loc.local_path)
+    for dirpath, dirnames, filenames in os.walk(loc.local_path):
+        for name in dirnames + filenames:
+            full = os.path.join(dirpath, name)
+            if os.path.islink(full):
+                report.findings.append(Finding("path.link", f"symbolic link to {os.readlink(full)!r}; "
+                                               "a checkpoint must hold plain files only", full))
+            elif not os.path.realpath(full).startswith(root + os.sep):
+                report.findings.append(Finding("path.unsafe", "path resolves outside the checkpoint", full))
+
+
+def _expected_chunk_names(e: ArrayEntry) -> Iterator[tuple[tuple[int, ...], str]]:
+    if any(s == 0 for s in e.shape):
+        return
+    if not e.shape:
+        yield (), "c"
+        return
+    for idx in product(*(range(n) for n in grid_shape(e.shape, e.chunk_shape))):
+        yield idx, "c/" + "/".join(str(i) for i in idx)
+
+
+def _check_array(loc: Location, e: ArrayEntry, deep: bool, report: Report) -> None:
+    add = report.findings.append
+    leaf = key_str(e.key)
+    arr_loc = loc.child(e.path)
+    meta_file = str(arr_loc.child("zarr.json"))
+    raw = storage.read_bytes(loc, e.path + "/zarr.json")
+    if raw is None:
+        add(Finding("array.metadata_missing", "zarr.json is missing", meta_file, leaf))
+        return
+    try:
+        meta = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        add(Finding("array.metadata_json", f"zarr.json is not valid JSON: {exc}", meta_file, leaf))
+        return
+    expected = arrays.zarr_metadata(e.shape, e.storage_dtype, e.chunk_shape, e.inner_chunk_shape, e.compression)
+    for field_name in ("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "fill_value", "codecs"):
+        if _normal(meta.get(field_name)) != _normal(expected[field_name]):
+            add(Finding("array.metadata_mismatch", f"zarr.json {field_name} is {meta.get(field_name)!r}, "
+                        f"the manifest implies {expected[field_name]!r}", meta_file, leaf))
+            return
+    enc = meta.get("chunk_key_encoding", {})
+    if enc.get("name") != "default" or enc.get("configuration", {}).get("separator", "/") != "/":
+        add(Finding("array.metadata_mismatch", f"chunk_key_encoding is {enc!r}, expected default with '/'",
+                    meta_file, leaf))
+        return
+    stored = set(storage.list_names(loc, e.path + "/"))
+    stored.discard(e.path + "/zarr.json")
+    names = dict(_expected_chunk_names(e))
+    for idx, name in names.items():
+        full = e.path + "/" + name
+        if full not in stored:
+            add(Finding("chunk.missing", f"chunk {list(idx)} is missing", str(loc.child(full)), leaf))
+            continue
+        stored.discard(full)
+        report.chunks += 1
+        _check_shard(loc, full, e, idx, deep, report)
+    for extra in sorted(stored):
+        add(Finding("chunk.unexpected", "object is not a chunk of this array's grid", str(loc.child(extra)), leaf))
+
+
+def _normal(v: Any) -> Any:
+    """Normalise JSON for comparison (TensorStore omits defaults such as index_location)."""
+    if isinstance(v, dict):
+        out = {k: _normal(x) for k, x in v.items()}
+        if v.get("name") == "sharding_indexed":
+            out.setdefault("configuration", {}).setdefault("index_location", "end")
+        if isinstance(out.get("configuration"), dict) and "index_codecs" in out["configuration"]:
+            out["configuration"].setdefault("index_location", "end")
+        return out
+    if isinstance(v, list):
+        return [_normal(x) for x in v]
+    if isinstance(v, float) and v == int(v):
+        return int(v)
+    return v
+
+
+def _check_shard(loc: Location, name: str, e: ArrayEntry, idx: tuple[int, ...], deep: bool,
+                 report: Report) -> None:
+    add = report.findings.append
+    leaf = key_str(e.key)
+    file = str(loc.child(name))
+    size = storage.size_of(loc, name)
+    index_len = arrays.index_nbytes(e.chunk_shape, e.inner_chunk_shape)
+    if size is None or size < index_len:
+        add(Finding("chunk.truncated", f"object has {size} bytes, less than its {index_len}-byte shard index",
+                    file, leaf))
+        return
+    index = storage.read_bytes(loc, name, slice(size - index_len, size)) or b""
+    body, crc = index[:-4], int.from_bytes(index[-4:], "little")
+    if google_crc32c.value(body) != crc:
+        add(Finding("chunk.crc32c", "shard index crc32c does not match", file, leaf))
+        return
+    pairs = np.frombuffer(body, dtype="<u8").reshape(-1, 2)
+    inner_grid = [c // i for c, i in zip(e.chunk_shape, e.inner_chunk_shape)]
+    itemsize = np.dtype(dtypes.numpy_dtype(e.storage_dtype)).itemsize
+    raw_len = math.prod(e.inner_chunk_shape) * itemsize + 4
+    data_end = size - index_len
+    spans = []
+    for n, inner in enumerate(product(*(range(g) for g in inner_grid))):
+        start = [ci * c + ii * i for ci, c, ii, i in zip(idx, e.chunk_shape, inner, e.inner_chunk_shape)]
+        inside = all(s < dim for s, dim in zip(start, e.shape))
+        off, nbytes = int(pairs[n][0]), int(pairs[n][1])
+        if off == _MISSING and nbytes == _MISSING:
+            if inside:
+                add(Finding("chunk.missing", f"inner chunk {list(inner)} is missing from the shard", file, leaf))
+                return
+            continue
+        if off + nbytes > data_end or nbytes < 4:
+            add(Finding("chunk.truncated", f"inner chunk {list(inner)} at bytes [{off}, {off + nbytes}) lies "
+                        f"outside the {data_end} data bytes", file, leaf))
+            return
+        if e.compression == "none" and nbytes != raw_len:
+            add(Finding("chunk.size", f"inner chunk {list(inner)} has {nbytes} bytes, expected {raw_len}",
+                        file, leaf))
+            return
+        spans.append((off, nbytes, inner))
+    spans.sort()
+    for (a_off, a_len, a_idx), (b_off, _, b_idx) in zip(spans, spans[1:]):
+        if a_off + a_len > b_off:
+            add(Finding("chunk.overlap", f"inner chunks {list(a_idx)} and {list(b_idx)} overlap", file, leaf))
+            return
+    if deep:
+        for off, nbytes, inner in spans:
+            data = storage.read_bytes(loc, name, slice(off, off + nbytes)) or b""
+            report.bytes_checked += len(data)
+            if len(data) != nbytes or google_crc32c.value(data[:-4]) != int.from_bytes(data[-4:], "little"):
+                add(Finding("chunk.crc32c", f"inner chunk {list(inner)} crc32c does not match", file, leaf))
+                return
+
+
+def _check_orbax(loc: Location, m: Manifest, vals: dict[int, Any], report: Report) -> None:
+    add = report.findings.append
+    file = str(loc.child(naming.ORBAX_METADATA))
+    raw = storage.read_bytes(loc, naming.ORBAX_METADATA)
+    if raw is None:
+        add(Finding("orbax.missing", "_METADATA is missing; Orbax cannot restore this checkpoint", file))
+        return
+    try:
+        meta = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        add(Finding("orbax.invalid", f"_METADATA is not valid JSON: {exc}", file))
+        return
+    strings = {e.key: vals[i] for i, e in enumerate(m.leaves)
+               if isinstance(e, ValueEntry) and e.type == "str" and i in vals}
+    expected = json.loads(orbax_files.files(m, strings)[naming.ORBAX_METADATA])
+    if not isinstance(meta, dict) or meta.get("use_zarr3") is not True:
+        add(Finding("orbax.mismatch", "_METADATA must set use_zarr3: true", file))
+        return
+    got_tree = meta.get("tree_metadata") or {}
+    for k in sorted(set(expected["tree_metadata"]) | set(got_tree)):
+        if got_tree.get(k) != expected["tree_metadata"].get(k):
+            add(Finding("orbax.mismatch", f"_METADATA entry {k} does not agree with the manifest", file))
+            return
+    for i, e in enumerate(m.leaves):
+        if isinstance(e, ValueEntry) and e.orbax_path and i in vals:
+            try:
+                import tensorstore as ts
+                got = ts.open(arrays.spec(loc, e.orbax_path), open=True, read=True,
+                              context=arrays.context()).result().read().result()
+                if got.shape != () or got.item() != vals[i]:
+                    add(Finding("orbax.mismatch", f"scalar mirror holds {got!r}, the value is {vals[i]!r}",
+                                str(loc.child(e.orbax_path)), key_str(e.key)))
+            except Exception as exc:  # noqa: BLE001 - any failure to read is a finding
+                add(Finding("orbax.mismatch", f"scalar mirror cannot be read: {exc}",
+                            str(loc.child(e.orbax_path)), key_str(e.key)))
