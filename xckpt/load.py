@@ -65,7 +65,8 @@ def _rebuild_dict(like: dict, parts: dict[Any, Callable[[dict[Key, Any]], Any]],
         return out
 
 
-def load(path: Any, like: Any = None, *, strict: bool = True, max_bytes: int | None = None) -> Any:
+def load(path: Any, like: Any = None, *, strict: bool = True, max_bytes: int | None = None,
+         mapping: Any = None) -> Any:
     """Load a checkpoint (xckpt, or one written by Orbax).
 
     Without ``like``: the whole tree, arrays as numpy. With ``like``: a tree whose
@@ -73,10 +74,13 @@ def load(path: Any, like: Any = None, *, strict: bool = True, max_bytes: int | N
     arrays and shardings through the adapters, Python values; ``None`` skips a leaf).
     A dict at the root selects which top-level entries to load; below that, keys must
     match exactly, or with ``strict=False`` differences are warned about and the
-    target's own leaves are kept.
+    target's own leaves are kept. ``mapping`` (see :mod:`xckpt.mapping`) renames keys and
+    transforms layouts lazily between the stored arrays and the target.
     """
     registry.autoload()
     ckpt = open_checkpoint(path)
+    if mapping is not None:
+        ckpt = mapping.apply(ckpt)
     m = ckpt.manifest
     if like is None:
         results = _read(ckpt, [(i, _numpy_target(e)) for i, e in enumerate(m.leaves)
