@@ -71,8 +71,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the main job."""
-    from .demo import main as demo_main
-    return demo_main(args)
+    import importlib
+    demo = importlib.import_module("xckpt_demo")  # lives outside the core: it uses torch and jax
+    return int(demo.main(args))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ import numpy as np
 from . import dtypes
 from .errors import UnsupportedError
 from .regions import Region
-from .registry import ArraySource, Shard, register_source
+from .registry import ArraySource, Shard
 
 #: Bytes per piece when a lazily read array is split for conversion.
 PIECE_BYTES = 64 << 20
@@ -39,8 +39,6 @@ def lazy_array(shape: tuple[int, ...], dtype: str, read: Callable[[Region], np.n
         shards.append(Shard(r, lambda r=r: read(r)))
     return LazySource(shape, dtype, shards, sharding)
 
-
-register_source(lambda x: isinstance(x, LazySource), lambda x: x)
 
 _converters: dict[tuple[str, str], Callable[..., None]] = {}
 

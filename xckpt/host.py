@@ -60,6 +60,7 @@ def readspec_target(like: ReadSpec, entry: Any) -> ArrayTarget:
     return ArrayTarget(tuple(entry.shape), dtype, [region], lambda parts: parts[0])
 
 
+register_source(lambda x: isinstance(x, ArraySource), lambda x: x)
 register_source(lambda x: isinstance(x, (np.ndarray, np.generic)), array_source)
 register_target(lambda x: isinstance(x, np.ndarray), ndarray_target)
 register_target(lambda x: isinstance(x, ReadSpec), readspec_target)

@@ -70,7 +70,7 @@ class PreparedSave:
 def _source(key: Key, obj: Any) -> tuple[ArraySource | Any, LeafDesc]:
     if isinstance(obj, Value):
         return obj.value, LeafDesc(key, "value", value_type=values.value_type(obj.value))
-    if isinstance(obj, _SCALARS):
+    if isinstance(obj, _SCALARS) and not isinstance(obj, np.generic):  # np.float64 subclasses float
         return obj, LeafDesc(key, "value", value_type=values.value_type(obj))
     make = registry.source_for(obj)
     if make is None:
@@ -111,9 +111,10 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
                 raise SaveError(f"{final.local_path} already exists; pass overwrite=True to replace it",
                                 code="save.exists", file=final.local_path)
             tmp_url = storage.temporary_sibling(final).url
-    except XckptError as exc:
-        error = str(exc)
-        raised: XckptError | None = exc
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
+        raised: XckptError | None = exc if isinstance(exc, XckptError) else SaveError(
+            f"cannot prepare the save: {type(exc).__name__}: {exc}")
+        error = str(raised)
     else:
         raised = None
     gathered = coordmod.all_gather(coord, {"error": error, "tmp": tmp_url,
@@ -121,7 +122,7 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
     failures = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
     if failures:
         if raised is not None:
-            raise raised
+            raise raised from (raised.__cause__ or raised.__context__)
         raise CoordinationError(f"rank {failures[0][0]} failed to prepare the save: {failures[0][1]}")
     per_rank = [[LeafDesc.from_wire(w) for w in g["descs"]] for g in gathered]
     plan = plan_save(per_rank, inner_chunk_bytes=opts.inner_chunk_bytes)
@@ -131,42 +132,58 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
 
 
 def write_local(p: PreparedSave) -> int:
-    """Step 2: write every region assigned to this process. Returns the bytes written."""
+    """Step 2: write every region assigned to this process. Returns the bytes written.
+
+    At most ``max_inflight_bytes`` of fetched host data is held at once. On any error,
+    every write already started is waited for before the error propagates, so that
+    nothing writes into the temporary directory once it is cleaned up.
+    """
     started = time.perf_counter()
     inflight: deque[tuple[int, Any]] = deque()
     held = 0
     written = 0
     opened: dict[int, Any] = {}
-    for i, region in p.plan.assigned(p.coord.rank):
-        lp = p.plan.leaves[i]
-        assert lp is not None
-        src: ArraySource = p.sources[i]
-        shard = next((s for s in src.shards if s.region == region), None)
-        if shard is None:
-            raise SaveError("planned region is not held by this process", leaf=key_str(lp.key))
-        if i not in opened:
-            opened[i] = arrays.open_for_write(p.tmp, p.names[lp.key], _metadata(lp, p.options))
-        data = np.asarray(shard.fetch())
-        if not data.flags.c_contiguous:
-            data = data.copy(order="C")
-        if tuple(data.shape) != region.sizes or dtypes.logical_name(data.dtype) != lp.dtype:
-            raise SaveError(f"shard data has shape {data.shape} and dtype {data.dtype}, expected "
-                            f"{region.sizes} {lp.dtype}", leaf=key_str(lp.key))
-        if dtypes.is_raw(lp.dtype):
-            data = data.view(np.uint8)
-        fut = opened[i][region.slices()].write(data, can_reference_source_data_indefinitely=True)
-        inflight.append((data.nbytes, fut))
-        held += data.nbytes
-        written += data.nbytes
-        while held > p.options.max_inflight_bytes and len(inflight) > 1:
-            n, f = inflight.popleft()
-            f.result()
-            held -= n
-    for _, f in inflight:
-        f.result()
+    try:
+        for i, region in p.plan.assigned(p.coord.rank):
+            lp = p.plan.leaves[i]
+            assert lp is not None
+            src: ArraySource = p.sources[i]
+            shard = next((s for s in src.shards if s.region == region), None)
+            if shard is None:
+                raise SaveError("planned region is not held by this process", leaf=key_str(lp.key))
+            if i not in opened:
+                opened[i] = arrays.open_for_write(p.tmp, p.names[lp.key], _metadata(lp, p.options))
+            data = _host_data(shard.fetch(), region, lp)
+            fut = opened[i][region.slices()].write(data, can_reference_source_data_indefinitely=True)
+            inflight.append((data.nbytes, fut))
+            held += data.nbytes
+            written += data.nbytes
+            while held > p.options.max_inflight_bytes and len(inflight) > 1:
+                n, f = inflight.popleft()
+                f.result()
+                held -= n
+        while inflight:
+            inflight.popleft()[1].result()
+    finally:
+        for _, f in inflight:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 - the first error is already propagating
+                pass
     p.bytes_written = written
     p.stats["write_s"] = time.perf_counter() - started
     return written
+
+
+def _host_data(data: Any, region: Any, lp: Any) -> np.ndarray:
+    """Check a fetched shard against the plan; give C-contiguous storage-dtype data."""
+    data = np.asarray(data)
+    if tuple(data.shape) != region.sizes or dtypes.logical_name(data.dtype) != lp.dtype:
+        raise SaveError(f"shard data has shape {data.shape} and dtype {data.dtype}, expected "
+                        f"{region.sizes} {lp.dtype}", leaf=key_str(lp.key))
+    if not data.flags.c_contiguous:
+        data = data.copy(order="C")
+    return data.view(np.uint8) if dtypes.is_raw(lp.dtype) else data
 
 
 def _metadata(lp: Any, opts: SaveOptions) -> dict[str, Any]:

@@ -1,0 +1,189 @@
+"""numpy-level round trips through real TensorStore files."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import xckpt
+from xckpt import dtypes
+from xckpt.errors import KeyMismatchError, TreeError
+from xckpt.regions import Region
+from xckpt.registry import ArraySource, Shard
+
+from threaded import run_ranks
+
+ALL_DTYPES = dtypes.LOGICAL_DTYPES
+
+
+def _sample(name: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    dt = dtypes.numpy_dtype(name)
+    if name == "bool":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    if name.startswith(("int", "uint")):
+        info = np.iinfo(dt)
+        return rng.integers(info.min, info.max, size=shape, dtype=dt, endpoint=True)
+    if name.startswith("complex"):
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dt)
+    if dtypes.is_raw(name):
+        return rng.integers(0, 256, size=shape, dtype=np.uint8).view(dt)
+    return rng.standard_normal(shape).astype(dt)
+
+
+def _assert_bitwise_equal(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
+
+
+@pytest.mark.parametrize("name", ALL_DTYPES)
+def test_every_dtype_round_trips_bit_exact(tmp_path, name):
+    arrays = {"m": _sample(name, (6, 5), 1), "s": _sample(name, (), 2), "e": _sample(name, (0, 3), 3),
+              "v": _sample(name, (7,), 4)}
+    xckpt.save({"a": arrays}, tmp_path / "c")
+    out = xckpt.load(tmp_path / "c")
+    for k, want in arrays.items():
+        got = out["a"][k]
+        assert got.dtype == want.dtype, k
+        _assert_bitwise_equal(want, got)
+    assert xckpt.validate(tmp_path / "c", deep=True).ok
+
+
+def test_tree_structure_and_values_preserved(tmp_path):
+    NT = collections.namedtuple("NT", ["mu", "nu"])
+    tree = {
+        "model": {"layers.0.weight": np.arange(6.0).reshape(2, 3), "layers.0.bias": np.zeros(2, np.float32)},
+        "opt": [NT(np.ones(2), np.full(2, 2.0)), (1, "two", None), {}],
+        "state": {0: {"step": 3}, 1: {"step": 4}},
+        "step": 1000, "lr": 1e-3, "name": "run-1", "flag": True, "blob": b"\x00\x01", "z": 2 + 1j,
+        "huge": 2**80, "nothing": None, "empty_list": [], "opaque": xckpt.Value({"a": [1, (2, 3)], 4: None}),
+    }
+    xckpt.save(tree, tmp_path / "c")
+    out = xckpt.load(tmp_path / "c")
+    np.testing.assert_array_equal(out["model"]["layers.0.weight"], tree["model"]["layers.0.weight"])
+    np.testing.assert_array_equal(out["model"]["layers.0.bias"], tree["model"]["layers.0.bias"])
+    assert type(out["opt"]) is list and type(out["opt"][1]) is tuple
+    assert type(out["opt"][0]).__name__ == "NT" and out["opt"][0]._fields == ("mu", "nu")
+    np.testing.assert_array_equal(out["opt"][0].nu, np.full(2, 2.0))
+    assert out["opt"][1] == (1, "two", None) and out["opt"][2] == {}
+    assert out["state"] == {0: {"step": 3}, 1: {"step": 4}}
+    for k in ("step", "lr", "name", "flag", "blob", "z", "huge", "nothing", "empty_list"):
+        assert out[k] == tree[k] and type(out[k]) is type(tree[k]), k
+    assert out["opaque"] == {"a": [1, (2, 3)], 4: None}
+    assert xckpt.validate(tmp_path / "c", deep=True).ok
+
+
+def test_like_selects_subset_region_and_cast(tmp_path):
+    w = np.arange(64, dtype=np.float32).reshape(8, 8)
+    xckpt.save({"params": {"w": w, "b": np.ones(8, ml_dtypes.bfloat16)}, "step": 5, "other": np.ones(3)},
+               tmp_path / "c")
+    out = xckpt.load(tmp_path / "c", like={
+        "params": {"w": xckpt.ReadSpec(region=(slice(2, 6), slice(1, 8)), dtype=np.float64),
+                   "b": np.zeros(8, np.float32)},
+        "step": 0})
+    assert set(out) == {"params", "step"} and out["step"] == 5
+    assert out["params"]["w"].dtype == np.float64
+    np.testing.assert_array_equal(out["params"]["w"], w[2:6, 1:8].astype(np.float64))
+    assert out["params"]["b"].dtype == np.float32
+    np.testing.assert_array_equal(out["params"]["b"], np.ones(8, np.float32))
+    skipped = xckpt.load(tmp_path / "c", like={"params": {"w": None, "b": np.zeros(8, np.float32)}})
+    assert skipped["params"]["w"] is None
+
+
+def test_strict_load_lists_missing_unexpected_and_mismatched(tmp_path):
+    xckpt.save({"model": {"a": np.ones(2), "b": np.ones(3), "extra": np.ones(1)}}, tmp_path / "c")
+    like = {"model": {"a": np.zeros(2), "b": np.zeros(4), "gone": np.zeros(1)}}
+    with pytest.raises(KeyMismatchError) as info:
+        xckpt.load(tmp_path / "c", like=like)
+    err = info.value
+    assert err.missing == ["model/gone"] and err.unexpected == ["model/extra"]
+    assert len(err.mismatched) == 1 and err.mismatched[0].startswith("model/b")
+    with pytest.warns(xckpt.XckptWarning, match="model/gone"):
+        out = xckpt.load(tmp_path / "c", like=like, strict=False)
+    np.testing.assert_array_equal(out["model"]["a"], np.ones(2))
+    np.testing.assert_array_equal(out["model"]["b"], np.zeros(4))  # the target's own leaf is kept
+
+
+def test_name_collision_and_bad_keys_refused(tmp_path):
+    with pytest.raises(TreeError, match="would both be stored as 'a.b'") as info:
+        xckpt.save({"a.b": np.ones(1), "a": {"b": np.ones(1)}}, tmp_path / "c")
+    assert info.value.code == "tree.name_collision"
+    with pytest.raises(TreeError, match="path separator"):
+        xckpt.save({"a/b": np.ones(1)}, tmp_path / "d")
+    with pytest.raises(TreeError, match="reserved"):
+        xckpt.save({"_METADATA": np.ones(1)}, tmp_path / "e")
+    with pytest.raises(TreeError, match="cannot save a leaf of type"):
+        xckpt.save({"x": object()}, tmp_path / "f")
+    assert not os.path.exists(tmp_path / "c") and not os.listdir(tmp_path)
+
+
+def test_zarr_python_reads_xckpt_float32_array(tmp_path):
+    zarr = pytest.importorskip("zarr")
+    w = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32)
+    xckpt.save({"w": w, "s": np.float32(2.5)}, tmp_path / "c", inner_chunk_bytes=1024)
+    arr = zarr.open_array(str(tmp_path / "c" / "w"), mode="r")
+    np.testing.assert_array_equal(arr[...], w)
+    np.testing.assert_array_equal(arr[3:17, 5:40], w[3:17, 5:40])
+    assert float(zarr.open_array(str(tmp_path / "c" / "s"), mode="r")[...]) == 2.5
+
+
+def _sharded_source(full: np.ndarray, rank: int, world: int, axis: int) -> ArraySource:
+    """Rank's slice of ``full`` along ``axis`` (torch.chunk-style uneven split)."""
+    n = full.shape[axis]
+    step = -(-n // world)
+    start, stop = min(rank * step, n), min((rank + 1) * step, n)
+    offs = [0] * full.ndim
+    sizes = list(full.shape)
+    offs[axis], sizes[axis] = start, stop - start
+    region = Region(tuple(offs), tuple(sizes))
+    return ArraySource(full.shape, dtypes.logical_name(full.dtype),
+                       [Shard(region, lambda: full[region.slices()])], {"num_processes": world})
+
+
+def test_multi_rank_save_writes_each_region_once_and_balances(tmp_path):
+    big = np.arange(10 * 6, dtype=np.float32).reshape(10, 6)
+    rep = np.arange(1000, dtype=np.int64)
+    world = 4
+
+    def body(coord):
+        tree = {"big": _sharded_source(big, coord.rank, world, 0), "rep": rep, "step": 7}
+        return xckpt.save(tree, tmp_path / "c", coordinator=coord)
+
+    manifests = run_ranks(world, body)
+    entry = {e.path: e for e in manifests[0].arrays()}
+    assert entry["big"].chunk_shape == (3, 6)  # ceil(10/4) rows per shard, last shard short
+    assert os.listdir(tmp_path / "c" / "big" / "c") and len(os.listdir(tmp_path / "c" / "big" / "c")) == 4
+    out = xckpt.load(tmp_path / "c")
+    np.testing.assert_array_equal(out["big"], big)
+    np.testing.assert_array_equal(out["rep"], rep)
+    assert out["step"] == 7
+    assert xckpt.validate(tmp_path / "c", deep=True).ok
+
+
+def test_core_imports_neither_torch_nor_jax(tmp_path):
+    code = (
+        "import sys, numpy as np, xckpt\n"
+        f"xckpt.save({{'w': np.ones((3, 3))}}, {str(tmp_path / 'c')!r})\n"
+        f"assert xckpt.validate({str(tmp_path / 'c')!r}, deep=True).ok\n"
+        f"np.testing.assert_array_equal(xckpt.load({str(tmp_path / 'c')!r})['w'], np.ones((3, 3)))\n"
+        "import xckpt.cli, xckpt.convert, xckpt.validate\n"
+        "bad = [m for m in ('torch', 'jax', 'flax', 'orbax') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_manifest_is_json_with_keys_as_lists(tmp_path):
+    xckpt.save({"model": {"layers.0.weight": np.ones((2, 2))}}, tmp_path / "c")
+    manifest = json.loads((tmp_path / "c" / "xckpt.json").read_text())
+    assert manifest["format"] == "xckpt" and manifest["version"] == "1.0"
+    (leaf,) = manifest["leaves"]
+    assert leaf["key"] == ["model", "layers.0.weight"] and leaf["path"] == "model.layers.0.weight"
+    assert leaf["shape"] == [2, 2] and leaf["dtype"] == "float64"

@@ -1,0 +1,53 @@
+"""Plain Orbax restores a checkpoint written by the numpy-level xckpt engine, without conversion."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import xckpt
+
+jax = pytest.importorskip("jax")
+ocp = pytest.importorskip("orbax.checkpoint")
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+
+def _tree():
+    rng = np.random.default_rng(0)
+    return {"params": {"w": rng.standard_normal((16, 8)).astype(np.float32),
+                       "emb": rng.standard_normal((8, 4)).astype(ml_dtypes.bfloat16),
+                       "ids": np.arange(12, dtype=np.int32).reshape(3, 4)},
+            "step": 42, "lr": 0.5, "done": False, "layers": [np.ones(3, np.float32), np.arange(8, dtype=np.float32)],
+            "nothing": None}
+
+
+def test_standard_checkpointer_restores_onto_a_mesh(tmp_path):
+    tree = _tree()
+    xckpt.save(tree, tmp_path / "c", inner_chunk_bytes=128)
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
+    sds = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))  # noqa: E731
+    target = {"params": {"w": sds(tree["params"]["w"], P("x", "y")), "emb": sds(tree["params"]["emb"], P("y")),
+                         "ids": sds(tree["params"]["ids"], P())},
+              "step": 0, "lr": 0.0, "done": True,
+              "layers": [sds(tree["layers"][0], P()), sds(tree["layers"][1], P("x"))], "nothing": None}
+    out = ocp.StandardCheckpointer().restore(tmp_path / "c", target)
+    for name in ("w", "emb", "ids"):
+        got = out["params"][name]
+        assert isinstance(got, jax.Array) and got.sharding == target["params"][name].sharding
+        assert got.dtype == tree["params"][name].dtype
+        np.testing.assert_array_equal(np.asarray(got), tree["params"][name])
+    assert out["step"] == 42 and out["lr"] == 0.5 and out["done"] is False and out["nothing"] is None
+    np.testing.assert_array_equal(np.asarray(out["layers"][1]), tree["layers"][1])
+
+
+def test_pytree_checkpointer_restores_without_target(tmp_path):
+    tree = _tree()
+    tree["name"] = "run-7"
+    xckpt.save(tree, tmp_path / "c")
+    out = ocp.PyTreeCheckpointer().restore(tmp_path / "c")
+    for name in ("w", "emb", "ids"):
+        np.testing.assert_array_equal(np.asarray(out["params"][name]), tree["params"][name])
+        assert np.asarray(out["params"][name]).dtype == tree["params"][name].dtype
+    assert out["step"] == 42 and out["name"] == "run-7" and out["done"] is False
+    np.testing.assert_array_equal(out["layers"][0], tree["layers"][0])
