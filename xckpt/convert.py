@@ -48,6 +48,60 @@ def register_converter(source: str, target: str, fn: Callable[..., None]) -> Non
     _converters[(source, target)] = fn
 
 
+def _read_region(ckpt: Any, entry: Any) -> Callable[[Region], np.ndarray]:
+    """A function reading regions of one stored array of ``ckpt`` in its logical dtype (opened once)."""
+    from .reader import translate
+    state: dict[str, Any] = {}
+    want = dtypes.numpy_dtype(entry.dtype)
+
+    def read(region: Region) -> np.ndarray:
+        try:
+            if "store" not in state:
+                state["store"] = ckpt.open_array(entry).result()
+            raw = np.asarray(state["store"][region.slices()].read().result())
+        except Exception as exc:  # noqa: BLE001 - translated to a specific xckpt error
+            raise translate(exc, entry, str(ckpt.loc.child(entry.path))) from exc
+        return raw.view(want) if raw.dtype != want and dtypes.is_raw(entry.dtype) else raw
+
+    return read
+
+
+def copy_checkpoint(ckpt: Any, dst: str, *, overwrite: bool = False) -> Any:
+    """Save any opened checkpoint (:func:`xckpt.reader.open_checkpoint`) as xckpt at ``dst``.
+
+    Arrays are streamed region by region (:func:`lazy_array`); values are copied as they
+    are. Returns the manifest written.
+    """
+    from .coord import LocalCoordinator
+    from .manifest import ArrayEntry
+    from .save import save
+    from .tree import Value, unflatten
+    m = ckpt.manifest
+    vals = ckpt.values()
+    leaves: list[Any] = []
+    for i, e in enumerate(m.leaves):
+        if isinstance(e, ArrayEntry):
+            # the source's own shard layout does not describe the copy's; the mesh description does
+            sharding = {k: v for k, v in (e.sharding or {}).items() if k not in ("shard_shape", "num_shards")}
+            leaves.append(lazy_array(e.shape, e.dtype, _read_region(ckpt, e), sharding=sharding or None))
+        else:
+            v = vals[i]
+            leaves.append(Value(v) if isinstance(v, (list, tuple, dict)) else v)
+    metadata = dict(m.metadata)
+    metadata["converted_from"] = {"format": ckpt.format, "path": str(ckpt.loc), "producer": m.producer}
+    return save(unflatten(m.tree, leaves), dst, coordinator=LocalCoordinator(), overwrite=overwrite,
+                metadata=metadata)
+
+
+def _xckpt_to_xckpt(src: str, dst: str, *, overwrite: bool = False) -> None:
+    """Re-save a checkpoint as xckpt (a verified copy: every chunk is read and rewritten)."""
+    from .reader import open_checkpoint
+    copy_checkpoint(open_checkpoint(src), dst, overwrite=overwrite)
+
+
+register_converter("xckpt", "xckpt", _xckpt_to_xckpt)
+
+
 def convert(src: str, dst: str, *, source: str = "xckpt", target: str = "xckpt", overwrite: bool = False) -> None:
     """Convert the checkpoint at ``src`` (format ``source``) to ``dst`` (format ``target``)."""
     if (source, target) not in _converters:
@@ -55,8 +109,6 @@ def convert(src: str, dst: str, *, source: str = "xckpt", target: str = "xckpt",
             import xckpt_torch  # noqa: F401 - registers the DCP converters
         if source == "orbax":
             from . import orbax_read  # noqa: F401 - registers the Orbax converter
-        if source == "xckpt" and target == "xckpt":
-            from . import orbax_read  # noqa: F401 - the generic copy lives beside the Orbax reader
     fn = _converters.get((source, target))
     if fn is None:
         raise UnsupportedError(f"no converter from {source} to {target}", code="convert.unsupported")

@@ -19,7 +19,7 @@ import jsonschema
 from . import dtypes, naming
 from .errors import ManifestError, ShapeError, UnsafePathError, VersionError, XckptError
 from .regions import grid_shape
-from .tree import Key, Node, iter_nodes, key_str
+from .tree import MAX_DEPTH, Key, Node, iter_nodes, key_str
 
 FORMAT = "xckpt"
 VERSION = "1.0"
@@ -127,6 +127,8 @@ def parse(data: bytes, *, file: str = naming.MANIFEST) -> Manifest:
         obj = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ManifestError(f"manifest is not valid JSON: {exc}", code="manifest.json", file=file) from exc
+    except RecursionError:
+        raise ManifestError("manifest nests too deeply to be parsed", code="manifest.json", file=file) from None
     if not isinstance(obj, dict):
         raise ManifestError("manifest is not a JSON object", code="manifest.schema", file=file)
     if obj.get("format") != FORMAT:
@@ -135,6 +137,8 @@ def parse(data: bytes, *, file: str = naming.MANIFEST) -> Manifest:
     if obj.get("version") not in SUPPORTED_VERSIONS:
         raise VersionError(f"format version {obj.get('version')!r} is not supported "
                            f"(this reader supports {', '.join(SUPPORTED_VERSIONS)})", file=file)
+    if _depth(obj.get("tree")) > MAX_DEPTH:
+        raise ManifestError(f"tree nests deeper than {MAX_DEPTH} levels", code="manifest.tree", file=file)
     _check_schema(obj, file)
     leaves: list[Entry] = []
     for i, raw in enumerate(obj["leaves"]):
@@ -149,26 +153,54 @@ def parse(data: bytes, *, file: str = naming.MANIFEST) -> Manifest:
     return m
 
 
+def _depth(node: Any) -> int:
+    """Longest key of any node of a tree, computed without recursion (checked before the schema)."""
+    deepest, stack = 0, [(node, 0)]
+    while stack and deepest <= MAX_DEPTH:
+        n, d = stack.pop()
+        deepest = max(deepest, d)
+        if isinstance(n, dict) and isinstance(n.get("items"), list):
+            for item in n["items"]:
+                pair = n.get("kind") == "dict" and isinstance(item, list) and len(item) == 2
+                stack.append((item[1] if pair else item, d + 1))
+    return deepest
+
+
 def _check_schema(obj: dict[str, Any], file: str) -> None:
     validator = jsonschema.Draft202012Validator(schema())
     errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path))
     if errors:
-        err = min(errors, key=lambda e: len(list(e.absolute_path)))
+        err = _explain(jsonschema.exceptions.best_match(errors))
         where = "/".join(str(p) for p in err.absolute_path) or "<root>"
         leaf = None
         path = list(err.absolute_path)
         if len(path) >= 2 and path[0] == "leaves" and isinstance(path[1], int):
             raw_key = obj["leaves"][path[1]].get("key") if isinstance(obj["leaves"][path[1]], dict) else None
             leaf = key_str(tuple(raw_key)) if isinstance(raw_key, list) else None
-        code = "shape.too_large" if _is_size_error(err) else "manifest.schema"
+        code = "shape.too_large" if any(_is_size_error(e) for e in errors) else "manifest.schema"
         raise (ShapeError if code == "shape.too_large" else ManifestError)(
             f"manifest does not match the schema at {where}: {err.message[:300]}",
             code=code, file=file, leaf=leaf)
 
 
+def _explain(err: jsonschema.ValidationError) -> jsonschema.ValidationError:
+    """Below a oneOf, the error of the branch whose ``kind`` matched, for a useful message."""
+    while err.context:
+        branches: dict[Any, list[jsonschema.ValidationError]] = {}
+        for e in err.context:
+            branches.setdefault(e.relative_schema_path[0], []).append(e)
+        matching = [b for b in branches.values() if not any(list(e.relative_path) == ["kind"] for e in b)]
+        pool = matching[0] if len(matching) == 1 else list(err.context)
+        err = max(pool, key=jsonschema.exceptions.relevance)
+    return err
+
+
 def _is_size_error(err: jsonschema.ValidationError) -> bool:
-    return err.validator == "maximum" and any(p in ("shape", "chunk_shape", "inner_chunk_shape")
-                                              for p in err.absolute_path)
+    """Whether the error (or one below a oneOf) is a dimension above 2**53 - 1."""
+    if err.validator == "maximum" and any(p in ("shape", "chunk_shape", "inner_chunk_shape")
+                                          for p in err.absolute_path):
+        return True
+    return any(_is_size_error(e) for e in err.context or ())
 
 
 def _array_entry(raw: dict[str, Any], key: Key, file: str) -> ArrayEntry:

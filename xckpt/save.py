@@ -122,7 +122,7 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
     failures = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
     if failures:
         if raised is not None:
-            raise raised from (raised.__cause__ or raised.__context__)
+            raise raised
         raise CoordinationError(f"rank {failures[0][0]} failed to prepare the save: {failures[0][1]}")
     per_rank = [[LeafDesc.from_wire(w) for w in g["descs"]] for g in gathered]
     plan = plan_save(per_rank, inner_chunk_bytes=opts.inner_chunk_bytes)
@@ -269,6 +269,8 @@ def save(tree: Any, path: Any, *, coordinator: Coordinator | None = None, overwr
     Each process writes only the regions the plan assigns it; the checkpoint appears
     at ``path`` only once complete. Returns the manifest written.
     """
+    from .save_async import wait_pending  # a pending asynchronous save finishes first
+    wait_pending()
     opts = SaveOptions(overwrite=overwrite, compression=compression, metadata=dict(metadata or {}),
                        max_inflight_bytes=max_inflight_bytes, inner_chunk_bytes=inner_chunk_bytes)
     p = prepare(tree, path, coordinator=coordinator, options=opts)

@@ -20,6 +20,8 @@ from .errors import TreeError
 
 Key = tuple[Any, ...]
 Node = dict[str, Any]
+#: Deepest container nesting a tree may have (keys have at most this many components).
+MAX_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,9 @@ def flatten(tree: Any, view: Callable[[Any], Any] | None = None) -> tuple[Node, 
     leaves: list[tuple[Key, Any]] = []
 
     def walk(obj: Any, key: Key, depth: int) -> Node:
-        if depth > 256:
-            raise TreeError("tree deeper than 256 levels (a cycle?)", leaf=key_str(key))
+        if depth > 256 or len(key) > MAX_DEPTH:
+            raise TreeError(f"tree deeper than {MAX_DEPTH} levels (a cycle?)", code="tree.too_deep",
+                            leaf=key_str(key[:8]) + "/...")
         if isinstance(obj, Value):
             leaves.append((key, obj))
             return {"kind": "leaf", "index": len(leaves) - 1}

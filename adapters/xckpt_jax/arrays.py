@@ -1,0 +1,140 @@
+"""jax.Array leaves: what each process saves of them, and how load targets are built.
+
+Saving: every process lists the distinct regions its addressable devices hold
+(one shard per region, the lowest ``replica_id`` among its own devices) and
+starts the device-to-host copy of each at once, so no write waits for one copy
+before the next has started. The core planner keeps one writer per region across
+processes, balanced by bytes.
+
+Loading: a target leaf (``jax.ShapeDtypeStruct`` with a sharding, a real
+``jax.Array``, or a bare ``jax.sharding.Sharding``) asks for the regions its
+addressable devices need, identical regions once, and the result is assembled
+with ``jax.make_array_from_single_device_arrays``: no process ever holds the
+whole array on the host unless its devices need all of it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
+
+from xckpt import dtypes
+from xckpt.errors import SaveError, ShapeError, UnsupportedError
+from xckpt.regions import Region
+from xckpt.registry import ArraySource, ArrayTarget, Shard
+
+
+def region_of(index: Sequence[slice], shape: Sequence[int]) -> Region:
+    """The region a jax shard index (a tuple of unit-step slices) selects in an array of ``shape``."""
+    offsets, sizes = [], []
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    for s, n in zip(index, shape):
+        start, stop, step = s.indices(int(n))
+        if step != 1:
+            raise ShapeError(f"shard index {index} has a strided slice; only unit steps are supported")
+        offsets.append(start)
+        sizes.append(max(0, stop - start))
+    return Region(tuple(offsets), tuple(sizes))
+
+
+def logical_dtype(dtype: Any) -> str:
+    """The xckpt logical dtype name of a jax dtype (bfloat16 and float8 included)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        raise UnsupportedError(f"cannot save arrays of the extended dtype {dtype} (e.g. typed PRNG keys); "
+                               "save jax.random.key_data(keys) instead", code="dtype.unsupported")
+    return dtypes.logical_name(np.dtype(dtype))
+
+
+def sharding_info(sharding: Sharding, ndim: int) -> dict[str, Any]:
+    """What the manifest records about a jax sharding (free-form, for people and tools)."""
+    info: dict[str, Any] = {"framework": "jax", "framework_version": jax.__version__,
+                            "sharding_type": type(sharding).__name__,
+                            "num_devices": len(sharding.device_set),
+                            "replicated": bool(sharding.is_fully_replicated)}
+    if isinstance(sharding, NamedSharding):
+        mesh = sharding.mesh
+        info["mesh_shape"] = [int(n) for n in mesh.axis_sizes]
+        info["axis_names"] = [str(a) for a in mesh.axis_names]
+        spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
+        info["dim_axes"] = [[] if p is None else [str(p)] if isinstance(p, str) else [str(a) for a in p]
+                            for p in spec]
+    return info
+
+
+def _fetch(data: jax.Array) -> np.ndarray:
+    return np.asarray(data)
+
+
+def array_source(arr: jax.Array) -> ArraySource:
+    """This process's part of a ``jax.Array``: one shard per distinct region its devices hold.
+
+    The device-to-host copy of every listed shard is started here, asynchronously,
+    before any of them is waited for.
+    """
+    if arr.is_deleted():
+        raise SaveError("cannot save a deleted (donated) jax.Array")
+    shape = tuple(int(n) for n in arr.shape)
+    dtype = logical_dtype(arr.dtype)
+    chosen: dict[Region, Any] = {}
+    for shard in arr.addressable_shards:
+        region = region_of(shard.index, shape)
+        held = chosen.get(region)
+        if held is None or shard.replica_id < held.replica_id:
+            chosen[region] = shard
+    shards = []
+    for region, shard in chosen.items():
+        data = shard.data
+        data.copy_to_host_async()
+        shards.append(Shard(region, functools.partial(_fetch, data)))
+    return ArraySource(shape, dtype, shards, sharding_info(arr.sharding, len(shape)))
+
+
+def sharded_target(shape: Sequence[int], dtype: Any, sharding: Sharding) -> ArrayTarget:
+    """Read what ``sharding``'s addressable devices need of an array of ``shape``, as ``dtype``."""
+    shape = tuple(int(n) for n in shape)
+    canonical = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    regions: list[Region] = []
+    position: dict[Region, int] = {}
+    placement: list[tuple[Any, int]] = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        region = region_of(index, shape)
+        if region not in position:
+            position[region] = len(regions)
+            regions.append(region)
+        placement.append((device, position[region]))
+
+    def build(parts: list[np.ndarray]) -> jax.Array:
+        host = [np.asarray(parts[i]).reshape(regions[i].sizes) for _, i in placement]
+        on_devices = jax.device_put(host, [d for d, _ in placement])
+        return jax.make_array_from_single_device_arrays(shape, sharding, on_devices)
+
+    return ArrayTarget(shape, logical_dtype(canonical), regions, build)
+
+
+def _default_sharding() -> Sharding:
+    return SingleDeviceSharding(jax.local_devices()[0])
+
+
+def struct_target(like: jax.ShapeDtypeStruct, entry: Any) -> ArrayTarget:
+    """A ``jax.ShapeDtypeStruct`` target: its shape, dtype and sharding (None: this process's first device)."""
+    sharding = like.sharding if isinstance(like.sharding, Sharding) else _default_sharding()
+    return sharded_target(like.shape, like.dtype, sharding)
+
+
+def array_target(like: jax.Array, entry: Any) -> ArrayTarget:
+    """A real ``jax.Array`` target: a new array with its shape, dtype and sharding."""
+    return sharded_target(like.shape, like.dtype, like.sharding)
+
+
+def sharding_target(like: Sharding, entry: Any) -> ArrayTarget:
+    """A bare ``Sharding`` target: the stored shape and dtype, placed on that sharding."""
+    return sharded_target(entry.shape, dtypes.numpy_dtype(entry.dtype), like)
+
+
+def is_jax_array(obj: Any) -> bool:
+    """Whether ``obj`` is a concrete ``jax.Array`` (not a tracer)."""
+    return isinstance(obj, jax.Array) and not isinstance(obj, jax.core.Tracer)

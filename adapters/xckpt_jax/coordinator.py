@@ -1,0 +1,127 @@
+"""The coordinator of a multi-process JAX job: jax.distributed's key-value store.
+
+Every exchange is msgpack bytes put under a fresh key (``xckpt/<op>/<seq>/<rank>``)
+and read back with blocking gets; nothing is ever unpickled, and no XLA
+collective runs, so it works the same on CPU, GPU and TPU. Every process
+numbers its operations in the same order (they are collective), and deletes its
+own keys once an all-gather or a barrier shows that every process is past them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from typing import Any
+
+import jax
+
+from xckpt.errors import CoordinationError
+
+#: How long one collective waits for the other processes, in seconds (``XCKPT_JAX_TIMEOUT_S``).
+DEFAULT_TIMEOUT_S = 1800.0
+
+_sequence = itertools.count()
+_sequence_lock = threading.Lock()
+#: Keys this process has put and not yet deleted (shared by every coordinator of the process).
+_own_keys: list[str] = []
+
+
+def _client() -> Any:
+    """The running jax.distributed client, or None outside a jax.distributed job."""
+    try:
+        from jax._src import distributed
+    except ImportError:  # pragma: no cover - a jax without this module
+        return None
+    return getattr(distributed.global_state, "client", None)
+
+
+class JaxCoordinator:
+    """Collectives over the processes of a ``jax.distributed`` job, through its key-value store."""
+
+    def __init__(self, client: Any = None, *, timeout_s: float | None = None) -> None:
+        self._client = client if client is not None else _client()
+        if self._client is None:
+            raise CoordinationError("jax.distributed is not initialized; call jax.distributed.initialize() "
+                                    "on every process first")
+        self._rank = jax.process_index()
+        self._world = jax.process_count()
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("XCKPT_JAX_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        self._timeout_ms = int(timeout_s * 1000)
+
+    @property
+    def rank(self) -> int:
+        """This process's index (``jax.process_index()``)."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes (``jax.process_count()``)."""
+        return self._world
+
+    def _op(self, kind: str) -> str:
+        with _sequence_lock:
+            return f"xckpt/{kind}/{next(_sequence)}"
+
+    def _get(self, key: str) -> bytes:
+        try:
+            return bytes(self._client.blocking_key_value_get_bytes(key, self._timeout_ms))
+        except Exception as exc:  # noqa: BLE001 - jaxlib raises its own error types
+            raise CoordinationError(f"process {self._rank} timed out or failed waiting for {key!r} "
+                                    f"from another process: {exc}") from exc
+
+    def _forget_older(self, keep: str | None = None) -> None:
+        """Delete this process's keys of earlier operations: every process is past them."""
+        with _sequence_lock:
+            stale = [k for k in _own_keys if k != keep]
+            _own_keys[:] = [keep] if keep is not None else []
+        for key in stale:
+            try:
+                self._client.key_value_delete(key)
+            except Exception:  # noqa: BLE001 - cleanup is best effort
+                pass
+
+    def _remember(self, key: str) -> None:
+        with _sequence_lock:
+            _own_keys.append(key)
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every process's ``data``, indexed by rank, on every process."""
+        base = self._op("gather")
+        own = f"{base}/{self._rank}"
+        self._client.key_value_set_bytes(own, bytes(data))
+        self._remember(own)
+        out = [bytes(data) if r == self._rank else self._get(f"{base}/{r}") for r in range(self._world)]
+        self._forget_older(keep=own)
+        return out
+
+    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
+        """``data`` of process ``root``, on every process."""
+        key = f"{self._op('bcast')}/{root}"
+        if self._rank == root:
+            if data is None:
+                raise CoordinationError("broadcast root gave no data")
+            self._client.key_value_set_bytes(key, bytes(data))
+            self._remember(key)
+            return bytes(data)
+        return self._get(key)
+
+    def barrier(self) -> None:
+        """Return once every process has called it."""
+        name = self._op("barrier")
+        try:
+            self._client.wait_at_barrier(name, self._timeout_ms)
+        except Exception as exc:  # noqa: BLE001
+            raise CoordinationError(f"process {self._rank} failed at barrier {name!r}: {exc}") from exc
+        self._forget_older()
+
+
+def default_coordinator() -> JaxCoordinator | None:
+    """The coordinator of the running multi-process jax.distributed job, or None."""
+    client = _client()
+    if client is None:
+        return None
+    if jax.process_count() <= 1:
+        return None
+    return JaxCoordinator(client)

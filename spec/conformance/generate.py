@@ -1,0 +1,661 @@
+#!/usr/bin/env python3
+"""Generate the xckpt 1.0 conformance vectors, deterministically.
+
+    python spec/conformance/generate.py            # rewrite valid/ and invalid/ next to this file
+    python spec/conformance/generate.py --out DIR  # write them under DIR instead
+    python spec/conformance/generate.py --check    # regenerate in a temporary directory and compare
+
+Every vector is a directory holding ``expected.json`` and ``checkpoint/``:
+
+* ``valid/<name>/``: ``checkpoint/`` is written by xckpt itself; ``expected.json`` holds
+  ``{"description", "tree"}``, the tree that loading it must give (see :func:`tagged`).
+* ``invalid/<name>/``: ``checkpoint/`` is a valid checkpoint with one targeted defect
+  (a byte-level corruption, a file removed, a manifest field changed); ``expected.json``
+  holds ``{"code", "deep", "load", "description"}``: the finding code a validator must
+  report, whether only a deep validation (every crc32c recomputed) finds it, and
+  whether loading the whole checkpoint must fail with that same code.
+
+Determinism: the producer recorded in the manifest is fixed, and the Orbax timestamps in
+``_CHECKPOINT_METADATA`` (the only time-dependent bytes xckpt writes) are set to a fixed
+instant after each save. Everything else xckpt writes is a function of its input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from collections import namedtuple
+from typing import Any, Callable
+
+import google_crc32c
+import ml_dtypes
+import numpy as np
+
+from xckpt import arrays, naming, values as xvalues
+from xckpt.save import SaveOptions, commit, prepare, write_local
+from xckpt.tree import Value
+from xckpt.coord import LocalCoordinator
+from xckpt.dtypes import logical_name
+from xckpt.regions import Region
+from xckpt.registry import ArraySource, Shard, register_source
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PRODUCER = {"library": "xckpt", "library_version": "conformance", "framework": "numpy",
+            "framework_version": "conformance", "generator": "spec/conformance/generate.py"}
+FIXED_NS = 1_700_000_000_000_000_000
+_MISSING = 2**64 - 1
+
+#: The logical dtypes of format 1.0 (a fixed list: the vectors must not depend on ml_dtypes' version).
+DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+          "float16", "float32", "float64", "complex64", "complex128", "bfloat16",
+          "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz",
+          "float8_e4m3", "float8_e3m4", "float8_e8m0fnu")
+
+Pair = namedtuple("Pair", ["first", "second"])
+
+
+# --------------------------------------------------------------------------- sources and saving
+
+class HostShards:
+    """An array of which this (simulated) process holds only ``regions``."""
+
+    def __init__(self, full: np.ndarray, regions: list[Region], sharding: dict[str, Any] | None = None):
+        self.full, self.regions, self.sharding = full, regions, sharding
+
+
+def _host_shards_source(x: HostShards) -> ArraySource:
+    shards = [Shard(r, lambda r=r: np.ascontiguousarray(x.full[r.slices()])) for r in x.regions]
+    return ArraySource(tuple(x.full.shape), logical_name(x.full.dtype), shards, x.sharding)
+
+
+register_source(lambda x: isinstance(x, HostShards), _host_shards_source)
+
+
+class ThreadCoordinator:
+    """One rank of a group of threads that save together, as processes of a job would."""
+
+    def __init__(self, rank: int, group: "ThreadGroup") -> None:
+        self.rank, self.world_size, self._g = rank, group.size, group
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's bytes, on every rank."""
+        g = self._g
+        g.slots[self.rank] = data
+        g.barrier.wait()
+        out = list(g.slots)
+        g.barrier.wait()
+        return out
+
+    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
+        """``root``'s bytes, on every rank."""
+        out = self.all_gather_bytes(data if self.rank == root else b"")
+        return out[root]
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        self._g.barrier.wait()
+
+
+class ThreadGroup:
+    """Shared state of a :class:`ThreadCoordinator` group."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.slots: list[bytes] = [b""] * size
+        self.barrier = threading.Barrier(size)
+
+
+def _save_one(tree: Any, path: str, coord: Any, **options: Any) -> None:
+    opts = SaveOptions(producer=dict(PRODUCER), **options)
+    p = prepare(tree, path, coordinator=coord, options=opts)
+    write_local(p)
+    commit(p)
+
+
+def _normalise(path: str) -> None:
+    name = os.path.join(path, naming.ORBAX_CHECKPOINT_METADATA)
+    with open(name) as f:
+        meta = json.load(f)
+    meta["init_timestamp_nsecs"] = meta["commit_timestamp_nsecs"] = FIXED_NS
+    with open(name, "w") as f:
+        f.write(json.dumps(meta))
+
+
+def save(tree: Any, path: str, **options: Any) -> None:
+    """Save as one process, then fix the timestamps."""
+    _save_one(tree, path, LocalCoordinator(), **options)
+    _normalise(path)
+
+
+def save_ranks(trees: list[Any], path: str, **options: Any) -> None:
+    """Save as ``len(trees)`` processes (threads), rank ``r`` holding ``trees[r]``."""
+    group = ThreadGroup(len(trees))
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            _save_one(trees[rank], path, ThreadCoordinator(rank, group), **options)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(trees))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    _normalise(path)
+
+
+# --------------------------------------------------------------------------- expected trees
+
+def tagged(obj: Any) -> Any:
+    """A JSON form of a tree that keeps every type and every bit (the ``tree`` of expected.json).
+
+    Arrays: ``{"t": "array", "dtype", "shape", "hex"}`` (little-endian bytes in C order);
+    floats as ``float.hex()``; ints as decimal strings; bytes as hex; containers keep their kind.
+    """
+    if isinstance(obj, np.ndarray):
+        data = obj.astype(obj.dtype.newbyteorder("<"), copy=False).tobytes(order="C")
+        return {"t": "array", "dtype": logical_name(obj.dtype), "shape": list(obj.shape), "hex": data.hex()}
+    if obj is None:
+        return {"t": "none"}
+    if isinstance(obj, bool):
+        return {"t": "bool", "v": obj}
+    if isinstance(obj, int):
+        return {"t": "int", "v": str(obj)}
+    if isinstance(obj, float):
+        return {"t": "float", "v": obj.hex()}
+    if isinstance(obj, complex):
+        return {"t": "complex", "v": [obj.real.hex(), obj.imag.hex()]}
+    if isinstance(obj, str):
+        return {"t": "str", "v": obj}
+    if isinstance(obj, bytes):
+        return {"t": "bytes", "v": obj.hex()}
+    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
+        return {"t": "namedtuple", "name": type(obj).__name__, "fields": list(type(obj)._fields),
+                "v": [tagged(v) for v in obj]}
+    if isinstance(obj, (list, tuple)):
+        return {"t": type(obj).__name__, "v": [tagged(v) for v in obj]}
+    if isinstance(obj, dict):
+        return {"t": "dict", "v": [[tagged(k), tagged(v)] for k, v in obj.items()]}
+    raise TypeError(f"cannot tag {type(obj)}")
+
+
+def untagged(obj: Any) -> Any:
+    """Inverse of :func:`tagged` (namedtuples come back as generated namedtuple classes)."""
+    t = obj["t"]
+    if t == "array":
+        from xckpt.dtypes import numpy_dtype
+        dt = numpy_dtype(obj["dtype"]).newbyteorder("<")
+        return np.frombuffer(bytes.fromhex(obj["hex"]), dtype=dt).reshape(obj["shape"]).astype(dt.newbyteorder("="))
+    simple: dict[str, Callable[[Any], Any]] = {
+        "none": lambda v: None, "bool": bool, "int": int, "float": float.fromhex, "str": str,
+        "complex": lambda v: complex(float.fromhex(v[0]), float.fromhex(v[1])), "bytes": bytes.fromhex}
+    if t in simple:
+        return simple[t](obj.get("v"))
+    if t == "namedtuple":
+        return namedtuple(obj["name"], obj["fields"])(*[untagged(v) for v in obj["v"]])  # type: ignore[misc]
+    if t == "list":
+        return [untagged(v) for v in obj["v"]]
+    if t == "tuple":
+        return tuple(untagged(v) for v in obj["v"])
+    if t == "dict":
+        return {_hashable(untagged(k)): untagged(v) for k, v in obj["v"]}
+    raise ValueError(f"unknown tag {t!r}")
+
+
+def _hashable(k: Any) -> Any:
+    return tuple(_hashable(x) for x in k) if isinstance(k, (list, tuple)) else k
+
+
+def _plain(tree: Any) -> Any:
+    """What loading ``tree`` with no target gives: HostShards become their full array, numpy scalars 0-d arrays."""
+    if isinstance(tree, HostShards):
+        return tree.full
+    if isinstance(tree, np.generic):
+        return np.asarray(tree)
+    if isinstance(tree, Value):
+        return tree.value
+    if isinstance(tree, dict):
+        return {k: _plain(v) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(type(tree), "_fields"):
+        return type(tree)(*[_plain(v) for v in tree])
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_plain(v) for v in tree)
+    return tree
+
+
+# --------------------------------------------------------------------------- valid vectors
+
+def _dtype_samples(name: str) -> np.ndarray:
+    from xckpt.dtypes import numpy_dtype
+    dt = numpy_dtype(name)
+    if name == "bool":
+        return np.array([True, False, True])
+    if name.startswith(("int", "uint")):
+        info = np.iinfo(dt)
+        return np.array([info.min, 0, 1, info.max], dtype=dt)
+    if name.startswith("complex"):
+        return np.array([0, 1.5 - 2j, complex(np.inf, -0.0), complex(np.nan, 1)], dtype=dt)
+    if name == "float8_e8m0fnu":  # exponent only: powers of two and NaN
+        return np.array([0.5, 1, 2, 1024, np.nan], dtype=np.float32).astype(dt)
+    info = ml_dtypes.finfo(dt)
+    vals = [0.0, -0.0, 1.0, -1.5, float(info.max), float(info.smallest_subnormal), np.nan]
+    if not name.endswith(("fn", "fnuz")):
+        vals.append(np.inf)
+    return np.array(vals, dtype=np.float64).astype(dt)
+
+
+def valid_dtypes(path: str) -> tuple[Any, str]:
+    """Every logical dtype, with extreme and special values."""
+    tree = {name: _dtype_samples(name) for name in DTYPES}
+    save(tree, path)
+    return tree, ("one 1-d array of every logical dtype of format 1.0 (float8 stored as raw uint8), "
+                  "holding extreme and special values (min/max, -0.0, subnormal, inf, NaN)")
+
+
+def valid_nested_values(path: str) -> tuple[Any, str]:
+    """A nested tree with every container kind and every value type."""
+    tree = {
+        "model": {"layers": [{"w": np.arange(6, dtype=np.float32).reshape(2, 3)},
+                             {"w": np.arange(6, 12, dtype=np.float32).reshape(2, 3)}]},
+        "pair": Pair(np.array([1, 2], dtype=np.int16), (np.array([True, False]), "inner")),
+        "values": {"none": None, "t": True, "f": False, "int": -7, "u64": 2**64 - 1, "big": -(2**70),
+                   "float": 0.1, "nan": float("nan"), "inf": float("-inf"), "complex": 1 - 2.5j,
+                   "str": "héllo ✓", "bytes": b"\x00\x01\xff"},
+        "whole": Value({"lr": 1e-3, 3: (1, "a"), (1, 2): [None, b"x"]}),
+        7: {"int_key": np.array([5], dtype=np.uint8)},
+        "empty_dict": {}, "empty_list": [], "empty_tuple": (),
+    }
+    save(tree, path)
+    return tree, ("dict, list, tuple, namedtuple and empty containers; int dict keys; a Value-wrapped dict with "
+                  "non-str keys; every value type (None, bool, int incl. 64-bit and beyond, float incl. NaN/-inf, "
+                  "complex, str, bytes)")
+
+
+def valid_empty_and_scalar(path: str) -> tuple[Any, str]:
+    """Arrays with zero elements and 0-d arrays."""
+    tree = {"empty": np.zeros((0,), np.float32), "empty2d": np.zeros((3, 0), np.int64),
+            "scalar_f": np.array(2.5, np.float64), "scalar_i": np.array(-3, np.int32),
+            "scalar_bf16": np.array(1.5, ml_dtypes.bfloat16), "scalar_f8": np.array(0.5, ml_dtypes.float8_e5m2)}
+    save(tree, path)
+    return tree, "empty arrays (no chunk object at all) and 0-d arrays (one chunk object named 'c')"
+
+
+def valid_sharded(path: str) -> tuple[Any, str]:
+    """Written by 4 ranks: a 2x2-mesh-sharded matrix, an uneven 1-d split, a replicated vector."""
+    w = np.arange(48, dtype=np.float32).reshape(8, 6)
+    v = np.arange(10, dtype=np.int64) * 3 - 7
+    bias = np.linspace(-1, 1, 6).astype(np.float16)
+    mesh = {"mesh_shape": [2, 2], "axis_names": ["x", "y"], "framework": "conformance"}
+    trees = []
+    for rank in range(4):
+        i, j = divmod(rank, 2)
+        w_region = Region((4 * i, 3 * j), (4, 3))
+        v_regions = [Region((0,), (4,)), Region((4,), (4,)), Region((8,), (2,))]  # torch.chunk(10, 3)
+        trees.append({
+            "w": HostShards(w, [w_region], dict(mesh, dim_axes=[["x"], ["y"]])),
+            "v": HostShards(v, [v_regions[rank % 3]] + ([v_regions[2]] if rank == 3 else []),
+                            {"framework": "conformance", "placements": ["Shard(0)"]}),
+            "bias": HostShards(bias, [Region.full(bias.shape)], dict(mesh, dim_axes=[[]])),
+            "step": 100,
+        })
+    save_ranks(trees, path, inner_chunk_bytes=24)
+    return _plain(trees[0]), ("saved by 4 ranks (threads with a real coordinator): 'w' 8x6 split on a 2x2 mesh "
+                              "into 4 shard objects, each of 2 inner chunks; 'v' split unevenly 4/4/2 "
+                              "(last chunk partial), held by several ranks; 'bias' replicated on every rank "
+                              "and written once")
+
+
+def valid_zstd(path: str) -> tuple[Any, str]:
+    """zstd-compressed inner chunks."""
+    tree = {"z": HostShards(np.tile(np.arange(16, dtype=np.int32), 4).reshape(8, 8),
+                            [Region((0, 0), (4, 8)), Region((4, 0), (4, 8))]),
+            "small": np.arange(3, dtype=np.float64)}
+    save(tree, path, compression="zstd", inner_chunk_bytes=64)
+    return _plain(tree), "compression 'zstd': inner codecs bytes, zstd, crc32c; 2 shards of 2 inner chunks each"
+
+
+VALID: dict[str, Callable[[str], tuple[Any, str]]] = {
+    "dtypes": valid_dtypes, "nested_values": valid_nested_values, "empty_and_scalar": valid_empty_and_scalar,
+    "sharded": valid_sharded, "zstd": valid_zstd,
+}
+
+
+# --------------------------------------------------------------------------- invalid vectors
+
+def base(path: str) -> None:
+    """The checkpoint each invalid vector corrupts: 'w' in 2 shards of 2 inner chunks, 'b', values."""
+    tree = {"w": HostShards(np.arange(16, dtype=np.float32).reshape(4, 4),
+                            [Region((0, 0), (2, 4)), Region((2, 0), (2, 4))]),
+            "b": np.arange(4, dtype=np.int32), "step": 3, "name": "run-1", "opt": [None, 0.5]}
+    save(tree, path, inner_chunk_bytes=16)
+
+
+def read(path: str, name: str) -> bytes:
+    with open(os.path.join(path, name), "rb") as f:
+        return f.read()
+
+
+def write(path: str, name: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(os.path.join(path, name)), exist_ok=True)
+    with open(os.path.join(path, name), "wb") as f:
+        f.write(data)
+
+
+def edit_manifest(path: str, fn: Callable[[dict[str, Any]], None]) -> None:
+    """Change the manifest as a JSON object, keeping its layout."""
+    m = json.loads(read(path, naming.MANIFEST))
+    fn(m)
+    write(path, naming.MANIFEST, (json.dumps(m, indent=1) + "\n").encode())
+
+
+def leaf(m: dict[str, Any], key: list[Any]) -> dict[str, Any]:
+    return next(e for e in m["leaves"] if e["key"] == key)
+
+
+def edit_index(path: str, name: str, n_inner: int, fn: Callable[[list[list[int]]], None],
+               fix_crc: bool = True) -> None:
+    """Change the (offset, nbytes) pairs of a shard index; recompute its crc32c unless told not to."""
+    data = bytearray(read(path, name))
+    start = len(data) - (16 * n_inner + 4)
+    pairs = np.frombuffer(bytes(data[start:-4]), dtype="<u8").reshape(-1, 2).tolist()
+    fn(pairs)
+    body = np.array(pairs, dtype="<u8").tobytes()
+    crc = google_crc32c.value(body) if fix_crc else int.from_bytes(data[-4:], "little")
+    data[start:] = body + crc.to_bytes(4, "little")
+    write(path, name, bytes(data))
+
+
+def rewrite_values(path: str, fn: Callable[[dict[int, Any]], None]) -> None:
+    """Change the decoded values, re-encode them, and update size and crc32c in the manifest."""
+    vals = xvalues.decode(read(path, naming.VALUES))
+    fn(vals)
+    blob = xvalues.encode(vals)
+    write(path, naming.VALUES, blob)
+    edit_manifest(path, lambda m: m["values"].update(size=len(blob), crc32c=google_crc32c.value(blob)))
+
+
+def flip(path: str, name: str, offset: int) -> None:
+    data = bytearray(read(path, name))
+    data[offset] ^= 0x40
+    write(path, name, bytes(data))
+
+
+def _remove_commit_files(p: str) -> None:
+    for name in (naming.MANIFEST, naming.ORBAX_METADATA, naming.ORBAX_CHECKPOINT_METADATA, "_strings.json",
+                 naming.COMMIT):
+        os.remove(os.path.join(p, name))
+
+
+def _orbax_meta(p: str, fn: Callable[[dict[str, Any]], None]) -> None:
+    meta = json.loads(read(p, naming.ORBAX_METADATA))
+    fn(meta)
+    write(p, naming.ORBAX_METADATA, json.dumps(meta, indent=1).encode())
+
+
+def _zarr_json(p: str, array: str, fn: Callable[[dict[str, Any]], None]) -> None:
+    meta = json.loads(read(p, array + "/zarr.json"))
+    fn(meta)
+    write(p, array + "/zarr.json", json.dumps(meta).encode())
+
+
+def _swap_keys(m: dict[str, Any]) -> None:
+    m["leaves"][0]["key"], m["leaves"][1]["key"] = m["leaves"][1]["key"], m["leaves"][0]["key"]
+
+
+def _second_leaf_shares_path(m: dict[str, Any]) -> None:
+    leaf(m, ["b"])["path"] = "w"
+
+
+def _data_offset(p: str) -> int:
+    """Offset of the first data byte of inner chunk 0 of shard w/c/0/0."""
+    data = read(p, "w/c/0/0")
+    pairs = np.frombuffer(data[-(16 * 2 + 4):-4], dtype="<u8").reshape(-1, 2)
+    return int(pairs[0][0])
+
+
+def _remove_inner(pairs: list[list[int]]) -> None:
+    pairs[1] = [_MISSING, _MISSING]
+
+
+def _index_past_end(pairs: list[list[int]]) -> None:
+    pairs[1][0] = 10_000
+
+
+def _index_overlap(pairs: list[list[int]]) -> None:
+    pairs[1] = list(pairs[0])
+
+
+def _index_size(pairs: list[list[int]]) -> None:
+    pairs[0][1] -= 4
+
+
+# name -> (code, deep, load, description, corruption applied to a copy of the base checkpoint)
+Invalid = tuple[str, bool, bool, str, Callable[[str], None]]
+INVALID: dict[str, Invalid] = {
+    "missing_manifest": ("manifest.missing", False, True,
+                         "arrays and values written, but no xckpt.json (a save interrupted before its commit)",
+                         _remove_commit_files),
+    "manifest_truncated": ("manifest.json", False, True, "xckpt.json cut in the middle",
+                           lambda p: write(p, naming.MANIFEST, read(p, naming.MANIFEST)[:200])),
+    "manifest_not_utf8": ("manifest.json", False, True, "xckpt.json holds a byte that is not UTF-8",
+                          lambda p: write(p, naming.MANIFEST, read(p, naming.MANIFEST).replace(b'"w"', b'"\xff"', 1))),
+    "manifest_not_object": ("manifest.schema", False, True, "xckpt.json is a JSON array",
+                            lambda p: write(p, naming.MANIFEST, b"[]\n")),
+    "wrong_format": ("manifest.format", False, True, "format is 'zarr', not 'xckpt'",
+                     lambda p: edit_manifest(p, lambda m: m.update(format="zarr"))),
+    "unknown_version": ("manifest.version", False, True, "version '2.0', which a 1.0 reader must refuse",
+                        lambda p: edit_manifest(p, lambda m: m.update(version="2.0"))),
+    "schema_unknown_field": ("manifest.schema", False, True, "a leaf entry has a field the schema does not allow",
+                             lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(order="F"))),
+    "schema_compression": ("manifest.schema", False, True, "compression 'lz4', not one of none/zstd",
+                           lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(compression="lz4"))),
+    "schema_missing_leaves": ("manifest.schema", False, True, "the required 'leaves' field is missing",
+                              lambda p: edit_manifest(p, lambda m: m.pop("leaves"))),
+    "shape_2e60_elements": ("shape.too_large", False, True,
+                            "shape [2**30, 2**30]: 2**60 elements, beyond the 2**53 limit; a reader must refuse "
+                            "it before allocating anything",
+                            lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(
+                                shape=[2**30, 2**30], chunk_shape=[2**30, 2**30], inner_chunk_shape=[2**30, 2**30]))),
+    "shape_dim_2e60": ("shape.too_large", False, True, "one dimension of 2**60, beyond the JSON-safe 2**53 - 1",
+                       lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(shape=[2**60, 4]))),
+    "shape_bytes_2e53": ("shape.too_large", False, True,
+                         "2**52 float32 elements: fewer than 2**53 elements but more than 2**53 bytes",
+                         lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(
+                             shape=[2**52], chunk_shape=[2**52], inner_chunk_shape=[2**52]))),
+    "too_many_chunks": ("shape.too_many_chunks", False, True, "chunk_shape [1] splits 2**25 elements into "
+                        "2**25 objects, more than the 2**24 allowed",
+                        lambda p: edit_manifest(p, lambda m: leaf(m, ["b"]).update(
+                            shape=[2**25], chunk_shape=[1], inner_chunk_shape=[1]))),
+    "shape_rank": ("shape.rank", False, True, "chunk_shape has a different rank than shape",
+                   lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(chunk_shape=[2]))),
+    "inner_not_dividing": ("shape.chunking", False, True, "inner_chunk_shape [1, 3] does not divide chunk_shape [2, 4]",
+                           lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(inner_chunk_shape=[1, 3]))),
+    "dtype_unknown": ("dtype.unsupported", False, True, "dtype 'float128' is not a format 1.0 dtype",
+                      lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(dtype="float128",
+                                                                                 storage_dtype="float128"))),
+    "dtype_storage_mismatch": ("dtype.mismatch", False, True, "storage_dtype 'int32' for dtype 'float32'",
+                               lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(storage_dtype="int32"))),
+    "path_dotdot": ("path.unsafe", False, True, "an array path '../w' that escapes the checkpoint",
+                    lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(path="../w"))),
+    "path_absolute": ("path.unsafe", False, True, "an absolute array path '/tmp/w'",
+                      lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(path="/tmp/w"))),
+    "path_nested": ("path.unsafe", False, True, "an array path 'sub/w' with a separator",
+                    lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(path="sub/w"))),
+    "path_reserved": ("path.unsafe", False, True, "an array path that is a reserved name ('_METADATA')",
+                      lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(path="_METADATA"))),
+    "path_name": ("manifest.path_name", False, False,
+                  "array 'b' stored under 'bias' rather than its key joined with '.' (Orbax would not find it)",
+                  lambda p: (os.rename(os.path.join(p, "b"), os.path.join(p, "bias")),
+                             edit_manifest(p, lambda m: leaf(m, ["b"]).update(path="bias")))),
+    "symlink": ("path.link", False, False, "a chunk object that is a symbolic link (to another chunk)",
+                lambda p: (os.remove(os.path.join(p, "w/c/1/0")), os.symlink("../0/0", os.path.join(p, "w/c/1/0")))),
+    "path_collision": ("manifest.path_collision", False, True, "two array leaves with the same path",
+                       lambda p: edit_manifest(p, _second_leaf_shares_path)),
+    "tree_leaves_disagree": ("manifest.tree", False, True, "leaf 0 and leaf 1 have swapped keys",
+                             lambda p: edit_manifest(p, _swap_keys)),
+    "tree_index_range": ("manifest.tree", False, True, "a tree leaf index beyond the leaves list",
+                         lambda p: edit_manifest(p, lambda m: m["tree"]["items"][0][1].update(index=99))),
+    "values_entry_missing": ("manifest.values", False, True, "value leaves listed but no 'values' entry",
+                             lambda p: edit_manifest(p, lambda m: m.pop("values"))),
+    "values_file_missing": ("values.missing", False, True, "values.msgpack removed",
+                            lambda p: os.remove(os.path.join(p, naming.VALUES))),
+    "values_size": ("values.size", False, True, "values.msgpack one byte longer than the manifest says",
+                    lambda p: write(p, naming.VALUES, read(p, naming.VALUES) + b"\x00")),
+    "values_crc32c": ("values.crc32c", False, True, "one byte of values.msgpack changed",
+                      lambda p: flip(p, naming.VALUES, 5)),
+    "values_type": ("values.type", False, True, "the manifest says 'step' is an int, values.msgpack holds a str",
+                    lambda p: rewrite_values(p, lambda v: v.update({2: "three"}))),
+    "values_undecodable": ("values.invalid", False, True, "values.msgpack is not msgpack (size and crc updated)",
+                           lambda p: (write(p, naming.VALUES, b"\xc1"),
+                                      edit_manifest(p, lambda m: m["values"].update(
+                                          size=1, crc32c=google_crc32c.value(b"\xc1"))))),
+    "values_leaf_missing": ("values.missing", False, True, "values.msgpack lacks the value of one leaf",
+                            lambda p: rewrite_values(p, lambda v: v.pop(2))),
+    "chunk_missing": ("chunk.missing", False, True, "shard object w/c/1/0 removed",
+                      lambda p: os.remove(os.path.join(p, "w/c/1/0"))),
+    "inner_chunk_missing": ("chunk.missing", False, True,
+                            "the shard index of w/c/0/0 marks an inner chunk inside the array as absent",
+                            lambda p: edit_index(p, "w/c/0/0", 2, _remove_inner)),
+    "chunk_truncated": ("chunk.truncated", False, True, "shard object w/c/1/0 cut to 10 bytes",
+                        lambda p: write(p, "w/c/1/0", read(p, "w/c/1/0")[:10])),
+    "index_out_of_bounds": ("chunk.truncated", False, True,
+                            "the shard index (crc32c valid) points past the end of the object",
+                            lambda p: edit_index(p, "w/c/0/0", 2, _index_past_end)),
+    "index_overlap": ("chunk.overlap", False, False, "two entries of a shard index point at the same bytes",
+                      lambda p: edit_index(p, "w/c/0/0", 2, _index_overlap)),
+    "inner_chunk_size": ("chunk.size", False, True,
+                         "an uncompressed inner chunk whose size is not its element count times itemsize + 4",
+                         lambda p: edit_index(p, "w/c/0/0", 2, _index_size)),
+    "data_crc32c": ("chunk.crc32c", True, True, "one data byte of an inner chunk changed (found only by deep "
+                    "validation, which recomputes every inner chunk's crc32c)",
+                    lambda p: flip(p, "w/c/0/0", _data_offset(p) + 1)),
+    "index_crc32c": ("chunk.crc32c", False, True, "one byte of a shard index changed, its crc32c kept",
+                     lambda p: edit_index(p, "w/c/1/0", 2, lambda pairs: pairs[0].__setitem__(0, pairs[0][0] + 1),
+                                          fix_crc=False)),
+    "zarr_json_missing": ("array.metadata_missing", False, True, "w/zarr.json removed",
+                          lambda p: os.remove(os.path.join(p, "w/zarr.json"))),
+    "zarr_json_invalid": ("array.metadata_json", False, True, "w/zarr.json is not JSON",
+                          lambda p: write(p, "w/zarr.json", b"{not json")),
+    "zarr_json_shape": ("array.metadata_mismatch", False, True, "w/zarr.json says shape [4, 8], the manifest [4, 4]",
+                        lambda p: _zarr_json(p, "w", lambda z: z.update(shape=[4, 8]))),
+    "zarr_json_dtype": ("array.metadata_mismatch", False, True, "b/zarr.json says uint32, the manifest int32",
+                        lambda p: _zarr_json(p, "b", lambda z: z.update(data_type="uint32"))),
+    "zarr_json_codecs": ("array.metadata_mismatch", False, True,
+                         "w/zarr.json lacks the inner crc32c codec the format requires",
+                         lambda p: _zarr_json(p, "w", lambda z: z["codecs"][0]["configuration"]["codecs"].pop())),
+    "chunk_unexpected": ("chunk.unexpected", False, False, "an extra object w/c/2/0 outside the chunk grid",
+                         lambda p: write(p, "w/c/2/0", read(p, "w/c/1/0"))),
+    "orbax_metadata_missing": ("orbax.missing", False, False, "_METADATA removed: Orbax could not restore it",
+                               lambda p: os.remove(os.path.join(p, naming.ORBAX_METADATA))),
+    "orbax_metadata_invalid": ("orbax.invalid", False, False, "_METADATA is not JSON",
+                               lambda p: write(p, naming.ORBAX_METADATA, b"{")),
+    "orbax_metadata_mismatch": ("orbax.mismatch", False, False,
+                                "_METADATA records 'w' with a write_shape that disagrees with the manifest",
+                                lambda p: _orbax_meta(p, lambda m: m["tree_metadata"]["('w',)"]["value_metadata"]
+                                                      .update(write_shape=[4, 4]))),
+    "orbax_metadata_extra": ("orbax.mismatch", False, False, "_METADATA records a leaf the manifest does not have",
+                             lambda p: _orbax_meta(p, lambda m: m["tree_metadata"].update({"('ghost',)": {
+                                 "key_metadata": [{"key": "ghost", "key_type": 2}],
+                                 "value_metadata": {"value_type": "scalar", "skip_deserialize": False}}}))),
+    "orbax_scalar_mirror": ("orbax.mismatch", False, False,
+                            "the 0-d mirror array of value 'step' holds a different number than values.msgpack",
+                            lambda p: _rewrite_mirror(p, "step", np.int64(4))),
+    "orbax_strings": ("orbax.mismatch", False, False, "_strings.json disagrees with the string value 'name'",
+                      lambda p: write(p, "_strings.json", json.dumps({"name": "run-2"}).encode())),
+}
+
+
+def _rewrite_mirror(p: str, name: str, value: np.generic) -> None:
+    from xckpt.storage import Location
+    meta = arrays.zarr_metadata([], str(value.dtype), [], [])
+    arrays.open_for_write(Location.of(p), name, meta).write(np.asarray(value)).result()
+
+
+# --------------------------------------------------------------------------- driver
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
+
+
+def generate(out: str) -> None:
+    """Write every vector under ``out`` (its valid/ and invalid/ are replaced)."""
+    for sub in ("valid", "invalid"):
+        shutil.rmtree(os.path.join(out, sub), ignore_errors=True)
+    for name, make in VALID.items():
+        d = os.path.join(out, "valid", name)
+        os.makedirs(d)
+        tree, description = make(os.path.join(d, "checkpoint"))
+        _write_json(os.path.join(d, "expected.json"), {"description": description, "tree": tagged(_plain(tree))})
+    with tempfile.TemporaryDirectory() as tmp:
+        pristine = os.path.join(tmp, "base")
+        base(pristine)
+        for name, (code, deep, load, description, corrupt) in INVALID.items():
+            d = os.path.join(out, "invalid", name)
+            os.makedirs(d)
+            ckpt = os.path.join(d, "checkpoint")
+            shutil.copytree(pristine, ckpt, symlinks=True)
+            corrupt(ckpt)
+            _write_json(os.path.join(d, "expected.json"),
+                        {"code": code, "deep": deep, "load": load, "description": description})
+
+
+def _same(a: str, b: str) -> list[str]:
+    """Paths that differ between two trees (content, kind or link target)."""
+    diffs = []
+    names = sorted(set(_walk(a)) | set(_walk(b)))
+    for rel in names:
+        pa, pb = os.path.join(a, rel), os.path.join(b, rel)
+        if os.path.islink(pa) or os.path.islink(pb):
+            if not (os.path.islink(pa) and os.path.islink(pb) and os.readlink(pa) == os.readlink(pb)):
+                diffs.append(rel)
+        elif not (os.path.isfile(pa) and os.path.isfile(pb) and filecmp.cmp(pa, pb, shallow=False)):
+            diffs.append(rel)
+    return diffs
+
+
+def _walk(root: str) -> list[str]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            out.append(os.path.relpath(os.path.join(dirpath, n), root))
+    return out
+
+
+def check(out: str = HERE) -> list[str]:
+    """Regenerate in a temporary directory; return the paths that differ from ``out``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        generate(tmp)
+        return [p for sub in ("valid", "invalid")
+                for p in (os.path.join(sub, x) for x in _same(os.path.join(out, sub), os.path.join(tmp, sub)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=HERE, help="directory to write valid/ and invalid/ into")
+    ap.add_argument("--check", action="store_true", help="compare a fresh generation with --out")
+    args = ap.parse_args(argv)
+    if args.check:
+        diffs = check(args.out)
+        for d in diffs:
+            print("differs:", d)
+        return 1 if diffs else 0
+    generate(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

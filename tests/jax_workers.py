@@ -1,0 +1,130 @@
+"""Worker processes of the multi-process JAX tests: real jax.distributed on CPU, 4 host devices each.
+
+Run as ``python tests/jax_workers.py PHASE RANK NPROCS PORT WORKDIR``. Every check is
+made inside the worker (values compared element by element); a failure exits non-zero
+with its traceback, which the test prints.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import xckpt  # noqa: E402
+
+
+def expected() -> dict:
+    """The global values every test saves (the same on every process)."""
+    return {
+        "w": np.arange(16 * 8, dtype=np.float32).reshape(16, 8) / 7,
+        "e": (np.arange(8 * 16, dtype=np.float32).reshape(8, 16) - 40).astype(ml_dtypes.bfloat16),
+        "i": np.arange(8 * 6, dtype=np.int32).reshape(8, 6) * -3,
+        "r": np.linspace(0, 1, 15, dtype=np.float32).reshape(5, 3),
+        "f8": (np.arange(64, dtype=np.float32).reshape(8, 8) / 8).astype(ml_dtypes.float8_e4m3fn),
+        "n": np.arange(10, dtype=np.int64),
+    }
+
+
+SPECS = {"w": P("x", "y"), "e": P(("x", "y")), "i": P("y"), "r": P(), "f8": P("x")}
+
+
+def make_tree(mesh: Mesh) -> dict:
+    """The saved tree: global jax.Arrays built from each process's own slices (no collective)."""
+    exp = expected()
+    arrays = {k: jax.make_array_from_callback(exp[k].shape, NamedSharding(mesh, spec), lambda idx, a=exp[k]: a[idx])
+              for k, spec in SPECS.items()}
+    return {"params": {k: arrays[k] for k in ("w", "e", "i")}, "opt": {"r": arrays["r"], "f8": arrays["f8"]},
+            "n": exp["n"], "step": 1000, "name": "run-1"}
+
+
+def check_local(arr: jax.Array, want: np.ndarray, sharding: NamedSharding) -> None:
+    """Every addressable shard of ``arr`` holds ``want``'s slice, on ``sharding``."""
+    assert arr.sharding == sharding, (arr.sharding, sharding)
+    assert arr.dtype == want.dtype, (arr.dtype, want.dtype)
+    assert len(arr.addressable_shards) == jax.local_device_count()
+    for shard in arr.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+
+
+def phase_save(rank: int, workdir: str) -> None:
+    from xckpt.save import prepare
+    from xckpt_jax import JaxCoordinator, array_source
+
+    coord = JaxCoordinator()
+    assert (coord.rank, coord.world_size) == (rank, 2)
+    assert coord.all_gather_bytes(f"r{rank}".encode()) == [b"r0", b"r1"]
+    assert coord.broadcast_bytes(b"root" if rank == 1 else None, root=1) == b"root"
+    coord.barrier()
+
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
+    tree = make_tree(mesh)
+    # this process lists only the regions its own devices hold, each once
+    src = array_source(tree["params"]["w"])
+    mine = {tuple((s.start, s.stop) for s in sh.index) for sh in tree["params"]["w"].addressable_shards}
+    assert {tuple(zip(s.region.offsets, s.region.ends)) for s in src.shards} == mine and len(src.shards) == 4
+    assert len(array_source(tree["opt"]["r"]).shards) == 1
+    # replicas are written once, the bytes spread over both processes
+    p = prepare(tree, os.path.join(workdir, "unused"))
+    per_rank = p.plan.bytes_per_rank
+    total = sum(int(np.asarray(v).nbytes) for v in expected().values())
+    assert sum(per_rank) == total, (per_rank, total)
+    assert min(per_rank) >= 0.3 * total, per_rank
+
+    xckpt.save(tree, os.path.join(workdir, "sync"))
+    handle = xckpt.save_async(tree, os.path.join(workdir, "async"))
+    manifest = handle.wait()
+    assert manifest.by_key()[("params", "w")].shape == (16, 8)
+    for name in ("sync", "async"):
+        assert os.path.exists(os.path.join(workdir, name, "xckpt.json"))
+    assert not [n for n in os.listdir(workdir) if n.startswith(".")], os.listdir(workdir)
+
+
+def phase_load(rank: int, workdir: str) -> None:
+    from xckpt_jax import sharded_target
+
+    exp = expected()
+    devices = np.array(jax.devices()[::-1])  # process 1's devices now come first
+    mesh24 = Mesh(devices.reshape(2, 4), ("x", "y"))
+    mesh8 = Mesh(devices, ("d",))
+    shardings = {"w": NamedSharding(mesh24, P("y", "x")), "e": NamedSharding(mesh8, P(None, "d")),
+                 "i": NamedSharding(mesh24, P(("x", "y"))), "r": NamedSharding(mesh8, P()),
+                 "f8": NamedSharding(mesh24, P(None, "y"))}
+    # this process reads only what its 4 devices hold: half of an array split 8 ways
+    regions = sharded_target((16, 8), np.float32, NamedSharding(mesh8, P("d"))).regions
+    assert len(regions) == 4 and sum(r.numel for r in regions) == 64
+    assert len(sharded_target((5, 3), np.float32, shardings["r"]).regions) == 1
+
+    for name in ("sync", "async"):
+        like = {"params": {k: jax.ShapeDtypeStruct(exp[k].shape, exp[k].dtype, sharding=shardings[k])
+                           for k in ("w", "e", "i")},
+                "opt": {k: jax.ShapeDtypeStruct(exp[k].shape, exp[k].dtype, sharding=shardings[k])
+                        for k in ("r", "f8")},
+                "n": np.zeros(10, np.int64), "step": 0, "name": ""}
+        out = xckpt.load(os.path.join(workdir, name), like=like)
+        for k in ("w", "e", "i"):
+            check_local(out["params"][k], exp[k], shardings[k])
+        for k in ("r", "f8"):
+            check_local(out["opt"][k], exp[k], shardings[k])
+        np.testing.assert_array_equal(out["n"], exp["n"])
+        assert out["step"] == 1000 and out["name"] == "run-1"
+
+
+def main() -> None:
+    phase, rank, nprocs, port, workdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=nprocs, process_id=rank)
+    assert jax.process_count() == nprocs and jax.device_count() == 4 * nprocs
+    {"save": phase_save, "load": phase_load}[phase](rank, workdir)
+    print(f"OK {phase} {rank}", flush=True)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

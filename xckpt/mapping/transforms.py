@@ -1,0 +1,216 @@
+"""Per-leaf layout transforms, applied lazily as TensorStore views.
+
+Each transform knows what it does to a shape and dtype (checked before any data
+is read), to the chunk grid and sharding notes of a manifest entry, and how to
+express itself as a TensorStore view: an index transform (transpose, slice, unit
+dimensions) or a cast. Reading a region of the view reads only the stored
+chunks that region needs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import tensorstore as ts
+
+from .. import dtypes
+
+
+class TransformError(ValueError):
+    """A transform does not fit the shape or dtype it is applied to (reported as a MappingError)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Shape, dtype, chunking and sharding notes of an array, before or after a transform."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    chunk_shape: tuple[int, ...]
+    inner_chunk_shape: tuple[int, ...]
+    sharding: dict[str, Any] | None = None
+
+
+class Transform:
+    """Base class: a lazy, shape-checked change of an array's layout."""
+
+    def apply(self, layout: Layout) -> Layout:
+        """The layout after this transform; raises :class:`TransformError` when it does not fit."""
+        raise NotImplementedError
+
+    def view(self, store: ts.TensorStore) -> ts.TensorStore:
+        """The TensorStore view of ``store`` after this transform (origin stays at zero)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Transpose(Transform):
+    """Permute axes: output axis ``i`` is input axis ``perm[i]`` (as ``numpy.transpose``)."""
+
+    perm: tuple[int, ...]
+
+    def apply(self, layout: Layout) -> Layout:
+        """Permuted shape, chunks and per-dimension sharding notes."""
+        if sorted(self.perm) != list(range(len(layout.shape))):
+            raise TransformError(f"transpose{self.perm} does not fit an array of rank {len(layout.shape)} "
+                                 f"(shape {list(layout.shape)})")
+        sharding = layout.sharding
+        if sharding and isinstance(sharding.get("dim_axes"), list) and len(sharding["dim_axes"]) == len(self.perm):
+            sharding = dict(sharding, dim_axes=[sharding["dim_axes"][p] for p in self.perm])
+        else:
+            sharding = None
+        return Layout(_perm(layout.shape, self.perm), layout.dtype, _perm(layout.chunk_shape, self.perm),
+                      _perm(layout.inner_chunk_shape, self.perm), sharding)
+
+    def view(self, store: ts.TensorStore) -> ts.TensorStore:
+        """``store`` with its dimensions reordered."""
+        if not self.perm:
+            return store
+        return store[ts.d[tuple(self.perm)].transpose[:]]
+
+    def __str__(self) -> str:
+        return f"transpose{self.perm}"
+
+
+@dataclass(frozen=True)
+class Slice(Transform):
+    """Keep ``[start, stop)`` of ``axis`` (how a fused tensor is split into its parts)."""
+
+    axis: int
+    start: int
+    stop: int
+
+    def apply(self, layout: Layout) -> Layout:
+        """Shape with ``axis`` cut to the slice."""
+        rank = len(layout.shape)
+        if not -rank <= self.axis < rank:
+            raise TransformError(f"{self} does not fit an array of rank {rank}")
+        axis = self.axis % rank
+        n = layout.shape[axis]
+        if not 0 <= self.start <= self.stop <= n:
+            raise TransformError(f"{self} does not fit axis {axis} of size {n} (shape {list(layout.shape)})")
+        size = self.stop - self.start
+        chunk = list(layout.chunk_shape)
+        inner = list(layout.inner_chunk_shape)
+        chunk[axis] = max(1, min(chunk[axis], size))
+        inner[axis] = max(1, math.gcd(inner[axis], chunk[axis]))
+        shape = list(layout.shape)
+        shape[axis] = size
+        return Layout(tuple(shape), layout.dtype, tuple(chunk), tuple(inner), None)
+
+    def view(self, store: ts.TensorStore) -> ts.TensorStore:
+        """The slice, translated back to origin zero."""
+        axis = self.axis % store.rank
+        return store[ts.d[axis][self.start:self.stop].translate_to[0]]
+
+    def __str__(self) -> str:
+        return f"slice(axis={self.axis}, {self.start}:{self.stop})"
+
+
+@dataclass(frozen=True)
+class Cast(Transform):
+    """Convert the elements to another logical dtype (done by TensorStore while reading)."""
+
+    dtype: str
+
+    def apply(self, layout: Layout) -> Layout:
+        """Same shape, new dtype."""
+        dtypes.numpy_dtype(self.dtype)
+        if dtypes.is_raw(layout.dtype) and layout.dtype != self.dtype:
+            raise TransformError(f"cannot cast from {layout.dtype} (stored as raw bytes) in a mapping; "
+                                 f"load it with the target dtype instead")
+        return Layout(layout.shape, self.dtype, layout.chunk_shape, layout.inner_chunk_shape, layout.sharding)
+
+    def view(self, store: ts.TensorStore) -> ts.TensorStore:
+        """A casting view."""
+        if store.dtype == ts.dtype(self.dtype):
+            return store
+        return ts.cast(store, ts.dtype(self.dtype))
+
+    def __str__(self) -> str:
+        return f"cast({self.dtype})"
+
+
+@dataclass(frozen=True)
+class Reshape(Transform):
+    """Change the shape by inserting or removing dimensions of size 1.
+
+    This is the reshape an index transform can express, so region reads stay
+    exact; merging or splitting dimensions of other sizes is refused.
+    """
+
+    shape: tuple[int, ...]
+
+    def apply(self, layout: Layout) -> Layout:
+        """The new shape; chunks follow the dimensions that are kept."""
+        src = [d for d in layout.shape if d != 1]
+        dst = [d for d in self.shape if d != 1]
+        if src != dst:
+            raise TransformError(f"reshape {list(layout.shape)} -> {list(self.shape)} is not an insertion or "
+                                 f"removal of size-1 dimensions (other reshapes cannot be read region by region)")
+        kept = [i for i, d in enumerate(layout.shape) if d != 1]
+        chunk, inner, k = [], [], 0
+        for d in self.shape:
+            if d == 1:
+                chunk.append(1)
+                inner.append(1)
+            else:
+                chunk.append(layout.chunk_shape[kept[k]])
+                inner.append(layout.inner_chunk_shape[kept[k]])
+                k += 1
+        return Layout(tuple(self.shape), layout.dtype, tuple(chunk), tuple(inner), None)
+
+    def view(self, store: ts.TensorStore) -> ts.TensorStore:
+        """Drop the input's unit dimensions, then add the output's."""
+        shape = tuple(store.shape)
+        if any(d == 1 for d in shape):
+            store = store[tuple(0 if d == 1 else slice(None) for d in shape)]
+        if any(d == 1 for d in self.shape):
+            store = store[tuple(ts.newaxis if d == 1 else slice(None) for d in self.shape)]
+        return store[ts.d[:].translate_to[0]] if store.rank else store
+
+    def __str__(self) -> str:
+        return f"reshape{tuple(self.shape)}"
+
+
+def _perm(values: Sequence[int], perm: Sequence[int]) -> tuple[int, ...]:
+    return tuple(values[p] for p in perm)
+
+
+def transpose(*perm: int) -> Transpose:
+    """Permute axes like ``numpy.transpose(x, perm)``; ``transpose()`` reverses them (``.T``)."""
+    if len(perm) == 1 and isinstance(perm[0], (tuple, list)):
+        perm = tuple(perm[0])
+    return Transpose(tuple(int(p) for p in perm)) if perm else _Reverse()
+
+
+class _Reverse(Transpose):
+    """Reverse all axes, whatever the rank (``numpy``'s ``.T``)."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "perm", ())
+
+    def apply(self, layout: Layout) -> Layout:
+        """Like transpose with the reversed axis order."""
+        return Transpose(tuple(reversed(range(len(layout.shape))))).apply(layout)
+
+    def view(self, store: ts.TensorStore) -> ts.TensorStore:
+        """Reversed dimensions."""
+        return Transpose(tuple(reversed(range(store.rank)))).view(store)
+
+    def __str__(self) -> str:
+        return "transpose()"
+
+
+def cast(dtype: Any) -> Cast:
+    """Convert to ``dtype`` (a logical dtype name or anything numpy accepts)."""
+    return Cast(dtype if isinstance(dtype, str) else dtypes.logical_name(dtype))
+
+
+def reshape(*shape: int) -> Reshape:
+    """Insert or remove size-1 dimensions (see :class:`Reshape`)."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    return Reshape(tuple(int(s) for s in shape))
