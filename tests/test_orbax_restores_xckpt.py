@@ -51,3 +51,18 @@ def test_pytree_checkpointer_restores_without_target(tmp_path):
         assert np.asarray(out["params"][name]).dtype == tree["params"][name].dtype
     assert out["step"] == 42 and out["name"] == "run-7" and out["done"] is False
     np.testing.assert_array_equal(out["layers"][0], tree["layers"][0])
+
+
+def test_checkpoint_manager_step_directory(tmp_path):
+    tree = _tree()
+    xckpt.save(tree, tmp_path / "run" / "7" / "default")
+    mesh = Mesh(np.array(jax.devices()).reshape(8), ("d",))
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P()))
+                          if isinstance(a, np.ndarray) else a, tree)
+    with ocp.CheckpointManager(tmp_path / "run") as mngr:
+        assert mngr.all_steps() == [7]
+        out = mngr.restore(7, args=ocp.args.StandardRestore(target))
+    np.testing.assert_array_equal(np.asarray(out["params"]["w"]), tree["params"]["w"])
+    assert out["step"] == 42
+    again = xckpt.load(tmp_path / "run" / "7")  # the step directory opens through its 'default' item
+    np.testing.assert_array_equal(again["params"]["ids"], tree["params"]["ids"])

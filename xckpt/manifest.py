@@ -170,7 +170,7 @@ def _check_schema(obj: dict[str, Any], file: str) -> None:
     validator = jsonschema.Draft202012Validator(schema())
     errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path))
     if errors:
-        err = _explain(jsonschema.exceptions.best_match(errors))
+        err = _explain(max(errors, key=jsonschema.exceptions.relevance))
         where = "/".join(str(p) for p in err.absolute_path) or "<root>"
         leaf = None
         path = list(err.absolute_path)

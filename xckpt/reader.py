@@ -89,22 +89,42 @@ def read_values(loc: Location, m: Manifest) -> dict[int, Any]:
     return out
 
 
+def _has(loc: Location, name: str) -> bool:
+    return storage.read_bytes(loc, name, slice(0, 0)) is not None
+
+
 def open_checkpoint(path: Any) -> Checkpoint:
-    """Open the checkpoint at ``path``: xckpt, or one written by Orbax."""
+    """Open the checkpoint at ``path``: xckpt, or one written by Orbax.
+
+    An Orbax ``CheckpointManager`` step directory (``<root>/<step>/default/``) is
+    opened through its single ``default`` item.
+    """
     loc = Location.of(path)
-    if storage.read_bytes(loc, naming.MANIFEST, slice(0, 0)) is None and \
-            storage.read_bytes(loc, naming.ORBAX_METADATA, slice(0, 0)) is not None:
+    if not _has(loc, naming.MANIFEST) and not _has(loc, naming.ORBAX_METADATA):
+        item = loc.child("default")
+        if _has(item, naming.MANIFEST) or _has(item, naming.ORBAX_METADATA):
+            loc = item
+    if not _has(loc, naming.MANIFEST) and _has(loc, naming.ORBAX_METADATA):
         from . import orbax_read
         return orbax_read.open_orbax(loc)
     return Checkpoint(loc, read_manifest(loc))
 
 
 def translate(exc: BaseException, entry: ArrayEntry, file: str) -> XckptError:
-    """Turn a TensorStore error about an array into a specific xckpt error."""
+    """Turn a TensorStore error about an array into a specific xckpt error (the validator's codes)."""
     if isinstance(exc, XckptError):
         return exc
     text = str(exc)
     leaf = key_str(entry.key)
+    if "Error opening" in text:  # the array's metadata (zarr.json), before any chunk is read
+        if "does not exist" in text or "NOT_FOUND" in text:
+            return DataError(f"array metadata is missing: {text[:400]}", code="array.metadata_missing",
+                             file=file, leaf=leaf)
+        if "Invalid JSON" in text or "JSON" in text and "DATA_LOSS" in text:
+            return DataError(f"array metadata is not valid JSON: {text[:400]}", code="array.metadata_json",
+                             file=file, leaf=leaf)
+        return DataError(f"array metadata does not match the manifest: {text[:400]}",
+                         code="array.metadata_mismatch", file=file, leaf=leaf)
     if "Digest mismatch" in text or "checksum" in text.lower():
         return IntegrityError(f"crc32c mismatch: {text[:400]}", code="chunk.crc32c", file=file, leaf=leaf)
     if "is missing" in text or "NOT_FOUND" in text:
@@ -112,7 +132,7 @@ def translate(exc: BaseException, entry: ArrayEntry, file: str) -> XckptError:
     if "size of" in text or "DATA_LOSS" in text or "OUT_OF_RANGE" in text:
         return DataError(f"array data is truncated or corrupt: {text[:400]}", code="chunk.truncated",
                          file=file, leaf=leaf)
-    if "FAILED_PRECONDITION" in text or "does not match" in text or "Error opening" in text:
-        return DataError(f"zarr.json does not match the manifest: {text[:400]}", code="array.metadata",
-                         file=file, leaf=leaf)
+    if "FAILED_PRECONDITION" in text or "does not match" in text:
+        return DataError(f"array metadata does not match the manifest: {text[:400]}",
+                         code="array.metadata_mismatch", file=file, leaf=leaf)
     return DataError(f"cannot read array: {text[:400]}", code="array.read", file=file, leaf=leaf)

@@ -1,0 +1,77 @@
+"""Two real jax.distributed processes on CPU (4 host devices each) save; 1 and 2 processes restore on other meshes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import xckpt
+
+jax = pytest.importorskip("jax")
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import jax_workers  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_group(phase: str, workdir: str, nprocs: int = 2, timeout: float = 180) -> None:
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "jax_workers.py"), phase, str(r), str(nprocs),
+                               str(port), workdir], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(nprocs)]
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outputs.append(out.decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and f"OK {phase} {r}" in out, f"rank {r} of {phase} failed:\n{out[-6000:]}"
+
+
+def test_save_from_two_processes_and_restore_on_other_meshes(tmp_path):
+    workdir = str(tmp_path)
+    _run_group("save", workdir)
+    _run_group("load", workdir)
+
+    # one process with 8 devices restores what two processes wrote, on a (2, 4) mesh and a (8,) mesh
+    exp = jax_workers.expected()
+    mesh24 = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    mesh8 = Mesh(np.array(jax.devices()), ("d",))
+    shardings = {"w": NamedSharding(mesh24, P("y", "x")), "e": NamedSharding(mesh8, P("d")),
+                 "i": NamedSharding(mesh24, P("x")), "r": NamedSharding(mesh24, P()),
+                 "f8": NamedSharding(mesh8, P(None, "d"))}
+    for name in ("sync", "async"):
+        path = os.path.join(workdir, name)
+        report = xckpt.validate(path, deep=True)
+        assert report.ok, [str(f) for f in report.findings]
+        like = {"params": {k: jax.ShapeDtypeStruct(exp[k].shape, exp[k].dtype, sharding=shardings[k])
+                           for k in ("w", "e", "i")},
+                "opt": {k: jax.ShapeDtypeStruct(exp[k].shape, exp[k].dtype, sharding=shardings[k])
+                        for k in ("r", "f8")},
+                "n": None, "step": 0, "name": ""}
+        out = xckpt.load(path, like=like)
+        for group, keys in (("params", ("w", "e", "i")), ("opt", ("r", "f8"))):
+            for k in keys:
+                jax_workers.check_local(out[group][k], exp[k], shardings[k])
+        assert out["n"] is None and out["step"] == 1000 and out["name"] == "run-1"
+        manifest = xckpt.inspect(path)
+        w = next(leaf for leaf in manifest["leaves"] if leaf["key"] == "params/w")
+        assert w["sharding"]["mesh_shape"] == [4, 2] and w["sharding"]["dim_axes"] == [["x"], ["y"]]

@@ -1,0 +1,365 @@
+"""Applying a mapping to an opened checkpoint: a virtual checkpoint with the target's keys.
+
+:meth:`Mapping.apply` resolves every rule against the stored manifest (no array
+data is read), checks shapes, conflicts and unmatched rules, and returns a
+:class:`MappedCheckpoint`: the same interface as :class:`xckpt.reader.Checkpoint`
+(``loc``, ``format``, ``manifest``, ``values()``, ``open_array(entry)``), whose
+manifest lists the target keys with their shapes and dtypes after the transforms
+and whose arrays are lazy TensorStore views of the stored ones.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence, Union
+
+import tensorstore as ts
+
+from .. import dtypes
+from ..manifest import ArrayEntry, Entry, Manifest, ValueEntry
+from ..tree import Key, Node, key_str
+from .patterns import render
+from .rules import MappingError, Rule
+from .transforms import Layout, Transform, TransformError
+
+
+class RuleSource:
+    """Something that yields rules for a given stored manifest (a preset, a :class:`Mapping`)."""
+
+    def rules_for(self, manifest: Manifest) -> list[Rule]:
+        """The rules to apply to ``manifest``, in order of precedence."""
+        raise NotImplementedError
+
+
+@dataclass
+class Planned:
+    """How one target leaf is made: its source leaves, the rule, the transforms."""
+
+    index: int
+    entry: Entry
+    sources: tuple[int, ...]
+    rule: Rule
+    transforms: tuple[Transform, ...]
+    concat_axis: int | None
+
+    def origin(self, leaves: Sequence[Entry]) -> str:
+        """``from model/x.weight by rule '...' (transpose(1, 0))``."""
+        src = " + ".join(key_str(leaves[i].key) for i in self.sources)
+        steps = ", ".join(str(t) for t in self.transforms)
+        return f"from {src} by rule {self.rule.label!r}" + (f" ({steps})" if steps else "")
+
+
+class MappedCheckpoint:
+    """A checkpoint seen through a mapping: target keys, transformed lazy arrays."""
+
+    def __init__(self, base: Any, manifest: Manifest, plans: list[Planned], unused: list[int],
+                 related: dict[Any, set[Any]]) -> None:
+        self.base = base
+        self.loc = base.loc
+        self.format = base.format
+        self.manifest = manifest
+        self._plans = {p.entry.key: p for p in plans}
+        self._unused = unused
+        self._related = related
+
+    def values(self) -> dict[int, Any]:
+        """Value leaves by (target) leaf index."""
+        base_values = self.base.values()
+        return {p.index: base_values[p.sources[0]] for p in self._plans.values()
+                if isinstance(p.entry, ValueEntry)}
+
+    def open_array(self, entry: ArrayEntry) -> "ts.Future[ts.TensorStore]":
+        """Start opening the transformed view of a target array leaf."""
+        plan = self._plans[entry.key]
+        base_leaves = self.base.manifest.leaves
+        futures = [self.base.open_array(base_leaves[i]) for i in plan.sources]
+
+        def build(stores: list[ts.TensorStore]) -> ts.TensorStore:
+            store = stores[0]
+            if plan.concat_axis is not None:
+                store = ts.concat(stores, axis=plan.concat_axis)
+                store = store[ts.d[:].translate_to[0]]
+            for t in plan.transforms:
+                store = t.view(store)
+            return store
+
+        return _when_all(futures, build)
+
+    def origin(self, key: Key) -> str:
+        """Where a target leaf comes from (for messages); empty for an unknown key."""
+        plan = self._plans.get(tuple(key))
+        return plan.origin(self.base.manifest.leaves) if plan else ""
+
+    def unused_sources(self, selected: Iterable[Any] | None = None) -> list[str]:
+        """Stored leaves that no rule used, in the subtrees the rules map from.
+
+        With ``selected`` (the target's top-level keys), only those in source subtrees that
+        feed one of them are listed.
+        """
+        base_leaves = self.base.manifest.leaves
+        if selected is None:
+            return [key_str(base_leaves[i].key) for i in self._unused]
+        tops = set()
+        for t in selected:
+            tops |= self._related.get(t, set())
+        return [key_str(base_leaves[i].key) for i in self._unused if base_leaves[i].key[:1] and
+                base_leaves[i].key[0] in tops]
+
+    def describe(self) -> str:
+        """One line per target leaf: where it comes from; then the unused stored leaves."""
+        lines = [f"{key_str(p.entry.key)} <- {p.origin(self.base.manifest.leaves)}" for p in self._plans.values()]
+        lines += [f"unused: {k}" for k in self.unused_sources()]
+        return "\n".join(lines)
+
+
+def _when_all(futures: list[Any], fn: Callable[[list[Any]], Any]) -> "ts.Future[Any]":
+    """A future of ``fn(results)`` once every future is done (errors passed on)."""
+    promise, future = ts.Promise.new()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_: Any) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        try:
+            promise.set_result(fn([f.result() for f in futures]))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting reader
+            promise.set_exception(exc)
+
+    for f in futures:
+        f.add_done_callback(done)
+    return future
+
+
+Part = Union[Rule, RuleSource]
+
+
+class Mapping(RuleSource):
+    """An ordered set of rules and presets, applied to a checkpoint at load time.
+
+    ``xckpt.load(path, like, mapping=m)``. Rules earlier in the list take precedence:
+    a stored leaf is used by the first rule that matches it, so put your own rules
+    before a preset to override it. Stored leaves in top-level subtrees that no rule
+    touches pass through under their own keys when ``passthrough`` is true (e.g. a
+    ``step`` counter); leaves in touched subtrees that no rule uses are reported.
+    """
+
+    def __init__(self, *parts: Part | Sequence[Part], passthrough: bool = True) -> None:
+        flat: list[Part] = []
+        for p in parts:
+            if isinstance(p, (list, tuple)):
+                flat.extend(p)
+            else:
+                flat.append(p)
+        for p in flat:
+            if not isinstance(p, (Rule, RuleSource)):
+                raise MappingError(f"{p!r} is not a mapping rule or preset", code="mapping.rule")
+        self.parts = flat
+        self.passthrough = passthrough
+
+    def __add__(self, other: "Mapping | Part") -> "Mapping":
+        """A mapping with this one's rules first, then ``other``'s."""
+        return Mapping(self, other, passthrough=self.passthrough)
+
+    def rules_for(self, manifest: Manifest) -> list[Rule]:
+        """Every rule, presets expanded for ``manifest``."""
+        out: list[Rule] = []
+        for p in self.parts:
+            out.extend([p] if isinstance(p, Rule) else p.rules_for(manifest))
+        return out
+
+    def apply(self, ckpt: Any) -> MappedCheckpoint:
+        """The checkpoint seen through this mapping; raises :class:`MappingError` before any data is read."""
+        return resolve(ckpt, self.rules_for(ckpt.manifest), passthrough=self.passthrough)
+
+    def plan(self, path: Any) -> MappedCheckpoint:
+        """Open the checkpoint at ``path`` and apply the mapping (to inspect it: ``.describe()``)."""
+        from ..reader import open_checkpoint
+        return self.apply(open_checkpoint(path))
+
+
+def resolve(ckpt: Any, rules: Sequence[Rule], *, passthrough: bool = True) -> MappedCheckpoint:
+    """Match ``rules`` against the stored manifest and build the virtual checkpoint."""
+    m: Manifest = ckpt.manifest
+    leaves = m.leaves
+    file = str(ckpt.loc)
+    by_text: dict[str, list[int]] = {}
+    for i, e in enumerate(leaves):
+        by_text.setdefault(render(e.key), []).append(i)
+    used: dict[int, Rule] = {}
+    made: list[tuple[Key, tuple[int, ...], Rule, Layout | None, tuple[Transform, ...]]] = []
+    for rule in rules:
+        first = rule.sources[0]
+        if first.is_literal:
+            candidates = [i for i in by_text.get(first.text, []) if first.match(leaves[i].key) is not None]
+        else:
+            candidates = range(len(leaves))
+        matched = False
+        for i in candidates:
+            if i in used:
+                continue
+            caps = first.match(leaves[i].key)
+            if caps is None:
+                continue
+            srcs = [i]
+            for p in rule.sources[1:]:
+                want = p.format(caps)
+                j = next((j for j in by_text.get(render(want), []) if p.match(leaves[j].key) is not None), None)
+                if j is None:
+                    raise MappingError(f"rule {rule.label!r} matched {key_str(leaves[i].key)} but its source "
+                                       f"{key_str(want)} is not in the checkpoint", code="mapping.no_match",
+                                       file=file, leaf=key_str(leaves[i].key))
+                if j in used or j in srcs:
+                    raise MappingError(f"rule {rule.label!r} needs {key_str(want)}, already used by rule "
+                                       f"{used[j].label if j in used else rule.label!r}",
+                                       code="mapping.conflict", file=file, leaf=key_str(want))
+                srcs.append(j)
+            matched = True
+            for j in srcs:
+                used[j] = rule
+            base = _source_layout(rule, [leaves[j] for j in srcs], file)
+            _check_split_total(rule, leaves[i], base, file)
+            for out in rule.outputs:
+                tkey = out.target.format(caps)
+                layout = base
+                if base is None and out.transforms:
+                    raise MappingError(f"rule {rule.label!r} transforms {key_str(leaves[i].key)}, which is a "
+                                       f"value, not an array", code="mapping.shape", file=file,
+                                       leaf=key_str(leaves[i].key))
+                for t in out.transforms:
+                    try:
+                        layout = t.apply(layout)  # type: ignore[arg-type]
+                    except TransformError as exc:
+                        raise MappingError(f"rule {rule.label!r}: {exc} (source {key_str(leaves[i].key)}, "
+                                           f"target {key_str(tkey)})", code="mapping.shape", file=file,
+                                           leaf=key_str(leaves[i].key)) from None
+                made.append((tkey, tuple(srcs), rule, layout, out.transforms))
+        if not matched and rule.required:
+            raise MappingError(f"rule {rule.label!r} matches no leaf of the checkpoint "
+                               f"(or only leaves an earlier rule used)", code="mapping.no_match", file=file)
+    ruled_tops = {leaves[i].key[0] for i in used if leaves[i].key}
+    plans_spec = list(made)
+    unused: list[int] = []
+    for i, e in enumerate(leaves):
+        if i in used:
+            continue
+        if e.key and e.key[0] in ruled_tops or not passthrough:
+            unused.append(i)
+        else:
+            plans_spec.append((e.key, (i,), _PASS, None, ()))
+    return _build(ckpt, plans_spec, unused, file)
+
+
+_PASS = Rule((), (), None, False, "passthrough")
+
+
+def _source_layout(rule: Rule, srcs: list[Entry], file: str) -> Layout | None:
+    first = srcs[0]
+    if isinstance(first, ValueEntry):
+        if len(srcs) > 1:
+            raise MappingError(f"rule {rule.label!r} concatenates {key_str(first.key)}, which is a value, "
+                               f"not an array", code="mapping.shape", file=file, leaf=key_str(first.key))
+        return None
+    layout = Layout(first.shape, first.dtype, first.chunk_shape, first.inner_chunk_shape, first.sharding)
+    if rule.concat_axis is None:
+        return layout
+    axis = rule.concat_axis
+    rank = len(first.shape)
+    if not -rank <= axis < rank:
+        raise MappingError(f"rule {rule.label!r}: concat axis {axis} does not fit rank {rank}",
+                           code="mapping.shape", file=file, leaf=key_str(first.key))
+    axis %= rank
+    total = 0
+    for e in srcs:
+        if not isinstance(e, ArrayEntry) or e.dtype != first.dtype or len(e.shape) != rank or \
+                any(a != b for d, (a, b) in enumerate(zip(e.shape, first.shape)) if d != axis):
+            what = f"{list(e.shape)} {e.dtype}" if isinstance(e, ArrayEntry) else "a value"
+            raise MappingError(f"rule {rule.label!r} cannot concatenate {key_str(e.key)} ({what}) with "
+                               f"{key_str(first.key)} ({list(first.shape)} {first.dtype}) along axis {axis}",
+                               code="mapping.shape", file=file, leaf=key_str(e.key))
+        total += e.shape[axis]
+    shape = list(first.shape)
+    shape[axis] = total
+    chunk = list(first.chunk_shape)
+    inner = list(first.inner_chunk_shape)
+    chunk[axis] = min(chunk[axis], total) or 1
+    inner[axis] = max(1, math.gcd(inner[axis], chunk[axis]))
+    return Layout(tuple(shape), first.dtype, tuple(chunk), tuple(inner), None)
+
+
+def _check_split_total(rule: Rule, src: Entry, layout: Layout | None, file: str) -> None:
+    total = rule.extra.get("split_total")
+    if total is None or layout is None:
+        return
+    axis = rule.extra["split_axis"] % max(1, len(layout.shape))
+    if layout.shape[axis] != total:
+        raise MappingError(f"rule {rule.label!r} splits axis {axis} into parts of {total} elements in all, "
+                           f"but {key_str(src.key)} has {layout.shape[axis]} there (shape {list(layout.shape)})",
+                           code="mapping.shape", file=file, leaf=key_str(src.key))
+
+
+def _build(ckpt: Any, specs: list[tuple[Key, tuple[int, ...], Rule, Layout | None, tuple[Transform, ...]]],
+           unused: list[int], file: str) -> MappedCheckpoint:
+    base_leaves = ckpt.manifest.leaves
+    specs.sort(key=lambda s: s[1][0])
+    seen: dict[Key, Rule] = {}
+    plans: list[Planned] = []
+    related: dict[Any, set[Any]] = {}
+    for tkey, srcs, rule, layout, transforms in specs:
+        if tkey in seen:
+            raise MappingError(f"two rules make target {key_str(tkey)}: {seen[tkey].label!r} and {rule.label!r}",
+                               code="mapping.conflict", file=file, leaf=key_str(tkey))
+        seen[tkey] = rule
+        src = base_leaves[srcs[0]]
+        if layout is None:
+            entry: Entry = ValueEntry(tkey, src.type, None)  # type: ignore[union-attr]
+        else:
+            entry = ArrayEntry(tkey, src.path, layout.shape, layout.dtype,  # type: ignore[union-attr]
+                               dtypes.storage_name(layout.dtype), layout.chunk_shape, layout.inner_chunk_shape,
+                               src.compression, layout.sharding)  # type: ignore[union-attr]
+        plans.append(Planned(len(plans), entry, srcs, rule,
+                             transforms, rule.concat_axis))
+        if tkey and src.key:
+            related.setdefault(tkey[0], set()).add(src.key[0])
+    tree = _tree([p.entry.key for p in plans], file)
+    m = ckpt.manifest
+    manifest = Manifest(tree=tree, leaves=[p.entry for p in plans], producer=m.producer, values=m.values,
+                        metadata=m.metadata, version=m.version)
+    return MappedCheckpoint(ckpt, manifest, plans, unused, related)
+
+
+def _tree(keys: list[Key], file: str) -> Node:
+    """The tree structure of the target keys: dicts, and lists where keys are 0..n-1."""
+    root: dict[Any, Any] = {}
+    for idx, key in enumerate(keys):
+        if not key:
+            if len(keys) > 1:
+                raise MappingError("a target key is the root, but there are other targets",
+                                   code="mapping.conflict", file=file)
+            return {"kind": "leaf", "index": 0}
+        node = root
+        for depth, k in enumerate(key[:-1]):
+            nxt = node.setdefault(k, {})
+            if not isinstance(nxt, dict):
+                raise MappingError(f"target {key_str(key)} lies below target {key_str(key[:depth + 1])}, "
+                                   f"which is a leaf", code="mapping.conflict", file=file, leaf=key_str(key))
+            node = nxt
+        if key[-1] in node:
+            raise MappingError(f"target {key_str(key)} is both a leaf and a subtree", code="mapping.conflict",
+                               file=file, leaf=key_str(key))
+        node[key[-1]] = idx
+    return _node(root)
+
+
+def _node(obj: Any) -> Node:
+    if isinstance(obj, int):
+        return {"kind": "leaf", "index": obj}
+    keys = list(obj)
+    if keys and all(isinstance(k, int) and not isinstance(k, bool) for k in keys) and \
+            sorted(keys) == list(range(len(keys))):
+        return {"kind": "list", "items": [_node(obj[i]) for i in range(len(keys))]}
+    return {"kind": "dict", "items": [[k, _node(v)] for k, v in obj.items()]}
