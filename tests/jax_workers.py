@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import xckpt  # noqa: E402
+import xckpt.registry  # noqa: E402
 
 
 def expected() -> dict:
@@ -59,7 +60,8 @@ def phase_save(rank: int, workdir: str) -> None:
     from xckpt.save import prepare
     from xckpt_jax import JaxCoordinator, array_source
 
-    coord = JaxCoordinator()
+    coord = xckpt.registry.default_coordinator()
+    assert isinstance(coord, JaxCoordinator), coord
     assert (coord.rank, coord.world_size) == (rank, 2)
     assert coord.all_gather_bytes(f"r{rank}".encode()) == [b"r0", b"r1"]
     assert coord.broadcast_bytes(b"root" if rank == 1 else None, root=1) == b"root"
@@ -86,6 +88,15 @@ def phase_save(rank: int, workdir: str) -> None:
     for name in ("sync", "async"):
         assert os.path.exists(os.path.join(workdir, name, "xckpt.json"))
     assert not [n for n in os.listdir(workdir) if n.startswith(".")], os.listdir(workdir)
+    # a failure in the background (here: the target's parent is a file) surfaces from wait() on every process
+    handle = xckpt.save_async(tree, os.path.join(workdir, "blocker", "ckpt"))
+    try:
+        handle.wait()
+    except xckpt.XckptError as exc:
+        assert "nothing was committed" in str(exc), exc
+    else:
+        raise AssertionError("a save under a regular file reported success")
+    xckpt.save({"after": tree["params"]["w"]}, os.path.join(workdir, "after"))  # the next save goes ahead
 
 
 def phase_load(rank: int, workdir: str) -> None:

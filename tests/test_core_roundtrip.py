@@ -187,3 +187,14 @@ def test_manifest_is_json_with_keys_as_lists(tmp_path):
     (leaf,) = manifest["leaves"]
     assert leaf["key"] == ["model", "layers.0.weight"] and leaf["path"] == "model.layers.0.weight"
     assert leaf["shape"] == [2, 2] and leaf["dtype"] == "float64"
+
+
+def test_stored_none_matches_an_empty_container_in_the_target(tmp_path):
+    Empty = collections.namedtuple("Empty", [])
+    xckpt.save({"opt": [np.ones(2), None], "x": None}, tmp_path / "c")
+    out = xckpt.load(tmp_path / "c", like={"opt": [np.zeros(2), Empty()], "x": {}})
+    assert out["opt"][1] == Empty() and out["x"] == {}
+    np.testing.assert_array_equal(out["opt"][0], np.ones(2))
+    with pytest.raises(KeyMismatchError) as info:  # an empty target does not hide real stored data
+        xckpt.load(tmp_path / "c", like={"opt": Empty(), "x": None})
+    assert info.value.unexpected == ["opt/0", "opt/1"]

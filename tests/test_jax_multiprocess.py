@@ -15,6 +15,17 @@ import xckpt
 jax = pytest.importorskip("jax")
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+@pytest.fixture(autouse=True)
+def _every_checkpoint_validates(tmp_path):
+    """After each test: ``xckpt validate --deep`` passes on every xckpt checkpoint it wrote."""
+    yield
+    found = [p.parent for p in tmp_path.rglob("xckpt.json")]
+    assert len(found) >= 3, found
+    for path in found:
+        report = xckpt.validate(path, deep=True)
+        assert report.ok, (str(path), [str(f) for f in report.findings])
+
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import jax_workers  # noqa: E402
@@ -48,6 +59,7 @@ def _run_group(phase: str, workdir: str, nprocs: int = 2, timeout: float = 180) 
 
 def test_save_from_two_processes_and_restore_on_other_meshes(tmp_path):
     workdir = str(tmp_path)
+    (tmp_path / "blocker").write_bytes(b"a file where a directory would have to be")
     _run_group("save", workdir)
     _run_group("load", workdir)
 

@@ -21,6 +21,7 @@ from .save import save  # noqa: E402
 from .save_async import SaveHandle, save_async  # noqa: E402
 from .tree import Value  # noqa: E402
 from .inspect import inspect  # noqa: E402
+from . import mapping  # noqa: E402,F401 - xckpt.mapping: rename keys and transform layouts at load time
 from .validate import validate  # noqa: E402
 
 __all__ = ["save", "save_async", "SaveHandle", "load", "inspect", "validate", "Value", "ReadSpec", "Region", "Manifest",

@@ -32,6 +32,11 @@ class _Request:
     like: Any
 
 
+#: Marks an empty container in a target: a stored None at its key counts as matched
+#: (Orbax records optax's ``EmptyState()`` and other empty nodes as None leaves).
+_EMPTY = object()
+
+
 def _plan_like(like: Any, key: Key, requests: list[_Request]) -> Callable[[dict[Key, Any]], Any]:
     """Collect the leaves of a target tree; return a function that rebuilds it from results."""
     if like is None:
@@ -43,6 +48,8 @@ def _plan_like(like: Any, key: Key, requests: list[_Request]) -> Callable[[dict[
             plain, rebuild = view
             inner = _plan_like(plain, key, requests)
             return lambda res: rebuild(inner(res))
+    if isinstance(like, (dict, list, tuple)) and not like:
+        requests.append(_Request(key, _EMPTY))
     if isinstance(like, dict):
         parts = {k: _plan_like(v, key + (k,), requests) for k, v in like.items()}
         return lambda res: _rebuild_dict(like, parts, res)
@@ -94,7 +101,7 @@ def load(path: Any, like: Any = None, *, strict: bool = True, max_bytes: int | N
     missing, mismatched, jobs = [], [], []
     value_reqs: list[tuple[Key, int, Any]] = []
     for req in requests:
-        if req.like is None:
+        if req.like is None or req.like is _EMPTY:
             continue
         entry = by_key.get(req.key)
         if entry is None:
@@ -113,12 +120,16 @@ def load(path: Any, like: Any = None, *, strict: bool = True, max_bytes: int | N
                 continue
             target = make(req.like, entry)
             if tuple(target.shape) != tuple(entry.shape):
-                mismatched.append(f"{key_str(req.key)}: stored {list(entry.shape)}, target {list(target.shape)}")
+                mismatched.append(f"{key_str(req.key)}: stored {list(entry.shape)}{_origin(ckpt, req.key)}, "
+                                  f"target {list(target.shape)}")
                 continue
             jobs.append((i, target))
         else:
             value_reqs.append((req.key, i, make(req.like, _value_entry_as_array(entry)) if make else None))
     unexpected = _unexpected(like, requests, m.leaves)
+    unused_of = getattr(ckpt, "unused_sources", None)  # set by a mapping: stored leaves no rule uses
+    unused = unused_of(set(like) if isinstance(like, dict) else None) if unused_of is not None else []
+    unexpected += [f"{k} (stored; no mapping rule uses it)" for k in unused]
     if missing or unexpected or mismatched:
         message = (f"checkpoint {ckpt.loc} and the load target differ: "
                    f"missing {missing[:20]}, unexpected {unexpected[:20]}, mismatched {mismatched[:20]}")
@@ -136,18 +147,27 @@ def load(path: Any, like: Any = None, *, strict: bool = True, max_bytes: int | N
     return build(results)
 
 
+def _origin(ckpt: Any, key: Key) -> str:
+    """Where a mapped leaf comes from, for messages (empty without a mapping)."""
+    origin = getattr(ckpt, "origin", None)
+    text = origin(key) if origin is not None else ""
+    return f" ({text})" if text else ""
+
+
 def _value_entry_as_array(e: ValueEntry) -> ArrayEntry:
     return ArrayEntry(e.key, "", (), "float64", "float64", (), (), "none", None)
 
 
 def _unexpected(like: Any, requests: list[_Request], leaves: list[Entry]) -> list[str]:
-    asked = [r.key for r in requests]
-    asked_set = set(asked)
+    asked_set = {r.key for r in requests if r.like is not _EMPTY}
+    empty = {r.key for r in requests if r.like is _EMPTY}
     skipped = [r.key for r in requests if r.like is None]
     tops = set(like) if isinstance(like, dict) else None
     out = []
     for e in leaves:
         if e.key in asked_set or any(e.key[:len(s)] == s for s in skipped):
+            continue
+        if e.key in empty and isinstance(e, ValueEntry) and e.type == "none":
             continue
         if tops is not None and (not e.key or e.key[0] not in tops):
             continue

@@ -74,8 +74,11 @@ class SaveHandle:
         self._thread.join()
         self._waited = True
         if not self._shared:
+            try:
+                outcome = coordmod.broadcast(self._p.coord, self._outcome if self._p.coord.rank == 0 else None)
+            except XckptError as exc:
+                outcome = {"error": f"the processes could not share the outcome of the commit: {exc}"}
             self._shared = True
-            outcome = coordmod.broadcast(self._p.coord, self._outcome if self._p.coord.rank == 0 else None)
             if outcome["error"] and self._error is None:
                 self._error = SaveError(f"save to {self.path} failed; nothing was committed: {outcome['error']}",
                                         file=self.path)
@@ -95,16 +98,17 @@ class SaveHandle:
         if p.coord.world_size == 1:
             self._commit_single(local)
             return
+        reported = True
         try:
             storage.write_bytes(self._status, f"rank-{p.coord.rank}.json", json.dumps(
                 {"error": None if local is None else f"{type(local).__name__}: {local}",
                  "bytes": p.bytes_written}).encode())
         except BaseException as exc:  # noqa: BLE001
-            local = local or exc
+            local, reported = local or exc, False
         if local is not None:
             self._error = _failed(self.path, local)
         if p.coord.rank == 0:
-            self._commit_coordinating()
+            self._commit_coordinating(reported)
 
     def _commit_single(self, local: BaseException | None) -> None:
         p = self._p
@@ -117,9 +121,13 @@ class SaveHandle:
             _discard(p)
             self._error = _failed(self.path, exc)
 
-    def _commit_coordinating(self) -> None:
+    def _commit_coordinating(self, reported: bool) -> None:
+        """Wait for every status file, then commit; where this process could not even write its own
+        status file (the location is not writable), the others cannot either: give up at once."""
         p = self._p
         try:
+            if not reported:
+                raise SaveError(f"cannot write to {self._status}: {self._error}")
             statuses = self._collect_statuses()
             failed = [(r, s["error"]) for r, s in enumerate(statuses) if s["error"]]
             p.stats["bytes_per_rank"] = [s["bytes"] for s in statuses]  # type: ignore[assignment]

@@ -78,11 +78,9 @@ def local_pieces(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequenc
     if coord is None:
         return []
     per_dim: list[list[tuple[int, int, int]]] = []
-    empty_dims = []
     for d, ind in enumerate(local_indices(shape, mesh_shape, coord, placements)):
         runs = [(0, 0, shape[d])] if ind is None else _runs(ind)
         if not runs or runs == [(0, 0, 0)]:
-            empty_dims.append(d)
             runs = [(0, 0, 0)]
         per_dim.append(runs)
     pieces = []

@@ -71,7 +71,9 @@ def to_host(t: torch.Tensor) -> np.ndarray:
 
 def from_numpy(arr: np.ndarray, name: str | None = None) -> torch.Tensor:
     """A CPU tensor sharing memory with ``arr`` (of logical dtype ``name``, default: arr's)."""
-    arr = np.ascontiguousarray(arr)
+    arr = np.asarray(arr)
+    if not arr.flags.c_contiguous:
+        arr = arr.copy(order="C")
     name = name or xdtypes.logical_name(arr.dtype)
     if not arr.flags.writeable:
         arr = arr.copy()

@@ -12,8 +12,9 @@ Every vector is a directory holding ``expected.json`` and ``checkpoint/``:
 * ``invalid/<name>/``: ``checkpoint/`` is a valid checkpoint with one targeted defect
   (a byte-level corruption, a file removed, a manifest field changed); ``expected.json``
   holds ``{"code", "deep", "load", "description"}``: the finding code a validator must
-  report, whether only a deep validation (every crc32c recomputed) finds it, and
-  whether loading the whole checkpoint must fail with that same code.
+  report, whether only a deep validation (every crc32c recomputed) finds it, and the
+  code xckpt's loader fails with when loading the whole checkpoint (null: the defect
+  does not stop a load, e.g. it concerns only the Orbax files).
 
 Determinism: the producer recorded in the manifest is fixed, and the Orbax timestamps in
 ``_CHECKPOINT_METADATA`` (the only time-dependent bytes xckpt writes) are set to a fixed
@@ -437,12 +438,18 @@ def _index_overlap(pairs: list[list[int]]) -> None:
     pairs[1] = list(pairs[0])
 
 
-def _index_size(pairs: list[list[int]]) -> None:
+def _index_short(pairs: list[list[int]]) -> None:
     pairs[0][1] -= 4
 
 
-# name -> (code, deep, load, description, corruption applied to a copy of the base checkpoint)
-Invalid = tuple[str, bool, bool, str, Callable[[str], None]]
+def _index_long(pairs: list[list[int]]) -> None:
+    pairs[0][1] += 4
+
+
+# name -> (code, deep, load, description, corruption applied to a copy of the base checkpoint);
+# load: True when loading the whole checkpoint fails with the same code, a code when it fails with
+# another one, False when the defect does not stop a load (it concerns Orbax, or bytes no read touches).
+Invalid = tuple[str, bool, "bool | str", str, Callable[[str], None]]
 INVALID: dict[str, Invalid] = {
     "missing_manifest": ("manifest.missing", False, True,
                          "arrays and values written, but no xckpt.json (a save interrupted before its commit)",
@@ -535,9 +542,13 @@ INVALID: dict[str, Invalid] = {
                             lambda p: edit_index(p, "w/c/0/0", 2, _index_past_end)),
     "index_overlap": ("chunk.overlap", False, False, "two entries of a shard index point at the same bytes",
                       lambda p: edit_index(p, "w/c/0/0", 2, _index_overlap)),
-    "inner_chunk_size": ("chunk.size", False, True,
-                         "an uncompressed inner chunk whose size is not its element count times itemsize + 4",
-                         lambda p: edit_index(p, "w/c/0/0", 2, _index_size)),
+    "inner_chunk_short": ("chunk.truncated", False, True,
+                          "an uncompressed inner chunk 4 bytes shorter than its element count times itemsize + 4",
+                          lambda p: edit_index(p, "w/c/0/0", 2, _index_short)),
+    "inner_chunk_long": ("chunk.size", False, False,
+                         "an uncompressed inner chunk 4 bytes longer than its element count times itemsize + 4 "
+                         "(TensorStore decodes its first bytes and ignores the rest)",
+                         lambda p: edit_index(p, "w/c/1/0", 2, _index_long)),
     "data_crc32c": ("chunk.crc32c", True, True, "one data byte of an inner chunk changed (found only by deep "
                     "validation, which recomputes every inner chunk's crc32c)",
                     lambda p: flip(p, "w/c/0/0", _data_offset(p) + 1)),
@@ -609,7 +620,8 @@ def generate(out: str) -> None:
             shutil.copytree(pristine, ckpt, symlinks=True)
             corrupt(ckpt)
             _write_json(os.path.join(d, "expected.json"),
-                        {"code": code, "deep": deep, "load": load, "description": description})
+                        {"code": code, "deep": deep, "load": code if load is True else (load or None),
+                         "description": description})
 
 
 def _same(a: str, b: str) -> list[str]:

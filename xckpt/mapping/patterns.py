@@ -12,7 +12,7 @@ is an exact key (no captures, no conversion).
 from __future__ import annotations
 
 import re
-from typing import Any, Union
+from typing import Union
 
 from ..errors import TreeError
 from ..tree import Key

@@ -3,7 +3,7 @@
 Each transform knows what it does to a shape and dtype (checked before any data
 is read), to the chunk grid and sharding notes of a manifest entry, and how to
 express itself as a TensorStore view: an index transform (transpose, slice, unit
-dimensions) or a cast. Reading a region of the view reads only the stored
+dimensions) or a cast; reshapes live in :mod:`.reshape`. Reading a region of the view reads only the stored
 chunks that region needs.
 """
 
@@ -133,48 +133,6 @@ class Cast(Transform):
         return f"cast({self.dtype})"
 
 
-@dataclass(frozen=True)
-class Reshape(Transform):
-    """Change the shape by inserting or removing dimensions of size 1.
-
-    This is the reshape an index transform can express, so region reads stay
-    exact; merging or splitting dimensions of other sizes is refused.
-    """
-
-    shape: tuple[int, ...]
-
-    def apply(self, layout: Layout) -> Layout:
-        """The new shape; chunks follow the dimensions that are kept."""
-        src = [d for d in layout.shape if d != 1]
-        dst = [d for d in self.shape if d != 1]
-        if src != dst:
-            raise TransformError(f"reshape {list(layout.shape)} -> {list(self.shape)} is not an insertion or "
-                                 f"removal of size-1 dimensions (other reshapes cannot be read region by region)")
-        kept = [i for i, d in enumerate(layout.shape) if d != 1]
-        chunk, inner, k = [], [], 0
-        for d in self.shape:
-            if d == 1:
-                chunk.append(1)
-                inner.append(1)
-            else:
-                chunk.append(layout.chunk_shape[kept[k]])
-                inner.append(layout.inner_chunk_shape[kept[k]])
-                k += 1
-        return Layout(tuple(self.shape), layout.dtype, tuple(chunk), tuple(inner), None)
-
-    def view(self, store: ts.TensorStore) -> ts.TensorStore:
-        """Drop the input's unit dimensions, then add the output's."""
-        shape = tuple(store.shape)
-        if any(d == 1 for d in shape):
-            store = store[tuple(0 if d == 1 else slice(None) for d in shape)]
-        if any(d == 1 for d in self.shape):
-            store = store[tuple(ts.newaxis if d == 1 else slice(None) for d in self.shape)]
-        return store[ts.d[:].translate_to[0]] if store.rank else store
-
-    def __str__(self) -> str:
-        return f"reshape{tuple(self.shape)}"
-
-
 def _perm(values: Sequence[int], perm: Sequence[int]) -> tuple[int, ...]:
     return tuple(values[p] for p in perm)
 
@@ -209,8 +167,3 @@ def cast(dtype: Any) -> Cast:
     return Cast(dtype if isinstance(dtype, str) else dtypes.logical_name(dtype))
 
 
-def reshape(*shape: int) -> Reshape:
-    """Insert or remove size-1 dimensions (see :class:`Reshape`)."""
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
-        shape = tuple(shape[0])
-    return Reshape(tuple(int(s) for s in shape))

@@ -182,27 +182,28 @@ class Mapping(RuleSource):
         return self.apply(open_checkpoint(path))
 
 
-def resolve(ckpt: Any, rules: Sequence[Rule], *, passthrough: bool = True) -> MappedCheckpoint:
-    """Match ``rules`` against the stored manifest and build the virtual checkpoint."""
-    m: Manifest = ckpt.manifest
-    leaves = m.leaves
-    file = str(ckpt.loc)
+@dataclass
+class Match:
+    """One firing of a rule: the captures and the source leaf indices (first, then concat partners)."""
+
+    rule: Rule
+    captures: dict[str, str]
+    sources: tuple[int, ...]
+
+
+def match_rules(leaves: Sequence[Entry], rules: Sequence[Rule], file: str = "") -> tuple[list[Match], dict[int, Rule]]:
+    """Match rules in order; a leaf is used by the first rule that matches it. Checks matches only."""
     by_text: dict[str, list[int]] = {}
     for i, e in enumerate(leaves):
         by_text.setdefault(render(e.key), []).append(i)
     used: dict[int, Rule] = {}
-    made: list[tuple[Key, tuple[int, ...], Rule, Layout | None, tuple[Transform, ...]]] = []
+    matches: list[Match] = []
     for rule in rules:
         first = rule.sources[0]
-        if first.is_literal:
-            candidates = [i for i in by_text.get(first.text, []) if first.match(leaves[i].key) is not None]
-        else:
-            candidates = range(len(leaves))
+        candidates: Iterable[int] = by_text.get(first.text, []) if first.is_literal else range(len(leaves))
         matched = False
         for i in candidates:
-            if i in used:
-                continue
-            caps = first.match(leaves[i].key)
+            caps = None if i in used else first.match(leaves[i].key)
             if caps is None:
                 continue
             srcs = [i]
@@ -221,28 +222,38 @@ def resolve(ckpt: Any, rules: Sequence[Rule], *, passthrough: bool = True) -> Ma
             matched = True
             for j in srcs:
                 used[j] = rule
-            base = _source_layout(rule, [leaves[j] for j in srcs], file)
-            _check_split_total(rule, leaves[i], base, file)
-            for out in rule.outputs:
-                tkey = out.target.format(caps)
-                layout = base
-                if base is None and out.transforms:
-                    raise MappingError(f"rule {rule.label!r} transforms {key_str(leaves[i].key)}, which is a "
-                                       f"value, not an array", code="mapping.shape", file=file,
-                                       leaf=key_str(leaves[i].key))
-                for t in out.transforms:
-                    try:
-                        layout = t.apply(layout)  # type: ignore[arg-type]
-                    except TransformError as exc:
-                        raise MappingError(f"rule {rule.label!r}: {exc} (source {key_str(leaves[i].key)}, "
-                                           f"target {key_str(tkey)})", code="mapping.shape", file=file,
-                                           leaf=key_str(leaves[i].key)) from None
-                made.append((tkey, tuple(srcs), rule, layout, out.transforms))
+            matches.append(Match(rule, caps, tuple(srcs)))
         if not matched and rule.required:
             raise MappingError(f"rule {rule.label!r} matches no leaf of the checkpoint "
                                f"(or only leaves an earlier rule used)", code="mapping.no_match", file=file)
+    return matches, used
+
+
+def resolve(ckpt: Any, rules: Sequence[Rule], *, passthrough: bool = True) -> MappedCheckpoint:
+    """Match ``rules`` against the stored manifest and build the virtual checkpoint."""
+    leaves = ckpt.manifest.leaves
+    file = str(ckpt.loc)
+    matches, used = match_rules(leaves, rules, file)
+    made: list[tuple[Key, tuple[int, ...], Rule, Layout | None, tuple[Transform, ...]]] = []
+    for mt in matches:
+        rule, srcs, src = mt.rule, mt.sources, leaves[mt.sources[0]]
+        base = _source_layout(rule, [leaves[j] for j in srcs], file)
+        _check_split_total(rule, src, base, file)
+        for out in rule.outputs:
+            tkey = out.target.format(mt.captures)
+            layout = base
+            if base is None and out.transforms:
+                raise MappingError(f"rule {rule.label!r} transforms {key_str(src.key)}, which is a value, not an "
+                                   f"array", code="mapping.shape", file=file, leaf=key_str(src.key))
+            for t in out.transforms:
+                try:
+                    layout = t.apply(layout)  # type: ignore[arg-type]
+                except TransformError as exc:
+                    raise MappingError(f"rule {rule.label!r}: {exc} (source {key_str(src.key)}, target "
+                                       f"{key_str(tkey)})", code="mapping.shape", file=file,
+                                       leaf=key_str(src.key)) from None
+            made.append((tkey, srcs, rule, layout, out.transforms))
     ruled_tops = {leaves[i].key[0] for i in used if leaves[i].key}
-    plans_spec = list(made)
     unused: list[int] = []
     for i, e in enumerate(leaves):
         if i in used:
@@ -250,8 +261,10 @@ def resolve(ckpt: Any, rules: Sequence[Rule], *, passthrough: bool = True) -> Ma
         if e.key and e.key[0] in ruled_tops or not passthrough:
             unused.append(i)
         else:
-            plans_spec.append((e.key, (i,), _PASS, None, ()))
-    return _build(ckpt, plans_spec, unused, file)
+            layout = Layout(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape, e.sharding) \
+                if isinstance(e, ArrayEntry) else None
+            made.append((e.key, (i,), _PASS, layout, ()))
+    return _build(ckpt, made, unused, file)
 
 
 _PASS = Rule((), (), None, False, "passthrough")

@@ -1,0 +1,133 @@
+"""Modules, optimizers and other stateful objects as plain xckpt containers.
+
+* ``nn.Module``: its state dict from ``torch.distributed.checkpoint.state_dict``
+  (``get_model_state_dict``: FSDP2 and tensor-parallel parameters stay DTensors);
+  loading copies into that state dict in place, then ``set_model_state_dict``.
+* ``torch.optim.Optimizer``: ``get_optimizer_state_dict(model, optimizer)``, whose
+  state is keyed by parameter name, not by id, so it loads into a job with another
+  world size or sharding. The optimizer's model is the one bound with :func:`bind`,
+  else a module met in the same tree, else the live module owning its parameters.
+* Anything else with ``state_dict()`` and ``load_state_dict()`` (LR schedulers,
+  data-loader state): its state dict, restored with ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from xckpt.errors import TreeError, XckptError
+
+_bound: "weakref.WeakKeyDictionary[torch.optim.Optimizer, nn.Module]" = weakref.WeakKeyDictionary()
+_seen: list["weakref.ref[nn.Module]"] = []
+
+
+def bind(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Say which model an optimizer's parameters belong to (names its state by parameter FQN)."""
+    _bound[optimizer] = model
+
+
+def _remember(model: nn.Module) -> None:
+    alive = [r for r in _seen if r() is not None and r() is not model]
+    alive.append(weakref.ref(model))
+    _seen[:] = alive[-32:]
+
+
+def _owns(model: nn.Module, params: set[int]) -> bool:
+    return params <= {id(p) for p in model.parameters()}
+
+
+def model_of(optimizer: torch.optim.Optimizer) -> nn.Module:
+    """The model whose parameters ``optimizer`` updates."""
+    if optimizer in _bound:
+        return _bound[optimizer]
+    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for ref in reversed(_seen):
+        m = ref()
+        if m is not None and _owns(m, params):
+            return m
+    owners = [o for o in gc.get_objects() if isinstance(o, nn.Module) and _owns(o, params)]
+    if owners:
+        return max(owners, key=lambda m: (sum(1 for _ in m.parameters()), sum(1 for _ in m.modules())))
+    raise TreeError("cannot find the model of this optimizer: no live nn.Module holds all its parameters; "
+                    "call xckpt.torch.bind(optimizer, model)", code="torch.optimizer_model")
+
+
+def _guard(what: str, fn: Callable[[], Any]) -> Any:
+    """Run ``fn``; turn a torch error into an XckptError so a save fails on every rank alike."""
+    try:
+        return fn()
+    except XckptError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised as a specific xckpt error
+        raise TreeError(f"cannot get the state of {what}: {type(exc).__name__}: {exc}",
+                        code="torch.state_dict") from exc
+
+
+def module_save_view(model: nn.Module) -> dict[str, Any]:
+    """A module's (possibly sharded) state dict, keyed by parameter FQN."""
+    _remember(model)
+    return _guard(type(model).__name__, lambda: get_model_state_dict(model))
+
+
+def module_load_view(model: nn.Module) -> tuple[dict[str, Any], Callable[[Any], nn.Module]]:
+    """Load in place into the module's state dict, then hand it to ``set_model_state_dict``."""
+    _remember(model)
+    like = _guard(type(model).__name__, lambda: get_model_state_dict(model))
+
+    def rebuild(loaded: dict[str, Any]) -> nn.Module:
+        set_model_state_dict(model, loaded)
+        return model
+
+    return like, rebuild
+
+
+def optimizer_save_view(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer's state dict keyed by parameter FQN (``get_optimizer_state_dict``)."""
+    model = model_of(optimizer)
+    return _guard(type(optimizer).__name__, lambda: get_optimizer_state_dict(model, optimizer))
+
+
+def optimizer_load_view(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], Callable[[Any], Any]]:
+    """Load into the optimizer's (initialised) state, then ``set_optimizer_state_dict``."""
+    model = model_of(optimizer)
+    like = _guard(type(optimizer).__name__, lambda: get_optimizer_state_dict(model, optimizer))
+
+    def rebuild(loaded: dict[str, Any]) -> torch.optim.Optimizer:
+        set_optimizer_state_dict(model, optimizer, loaded)
+        return optimizer
+
+    return like, rebuild
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` has ``state_dict()`` and ``load_state_dict()`` (and is no tensor or class)."""
+    if isinstance(obj, (type, torch.Tensor, nn.Module, torch.optim.Optimizer)):
+        return False
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def stateful_save_view(obj: Any) -> Any:
+    """The object's ``state_dict()``."""
+    return _guard(type(obj).__name__, obj.state_dict)
+
+
+def stateful_load_view(obj: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """Its ``state_dict()`` as the target; the loaded one goes to ``load_state_dict``."""
+    like = _guard(type(obj).__name__, obj.state_dict)
+
+    def rebuild(loaded: Any) -> Any:
+        obj.load_state_dict(loaded)
+        return obj
+
+    return like, rebuild

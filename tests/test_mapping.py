@@ -1,0 +1,309 @@
+"""The mapping layer (xckpt.mapping): renames, lazy layout transforms, region reads, errors.
+
+Framework-neutral: numpy checkpoints on real TensorStore files; values compared exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+import xckpt
+from xckpt import mapping as M
+from xckpt.convert import lazy_array
+from xckpt.errors import DataError, KeyMismatchError, XckptError
+from xckpt.regions import Region
+
+
+def _arr(*shape: int, dtype: str = "float32", seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _chunked(a: np.ndarray, rows: int) -> object:
+    """An array saved as several chunks along dim 0 (as several writers would save it)."""
+    return lazy_array(a.shape, str(a.dtype), lambda r: a[r.slices()], piece_bytes=rows * a[0].nbytes)
+
+
+def _drop_array_data(path: str) -> None:
+    """Remove every array's chunk data, keeping manifests: any data read would now fail."""
+    m = xckpt.reader.open_checkpoint(path).manifest
+    for e in m.arrays():
+        shutil.rmtree(os.path.join(path, e.path, "c"), ignore_errors=True)
+
+
+@pytest.fixture()
+def torchlike(tmp_path):
+    """A torch-style checkpoint: flat dotted names under 'model', optimizer state, a step counter."""
+    rng = np.random.default_rng(1)
+    tree = {
+        "model": {
+            "layers.0.fc.weight": rng.standard_normal((6, 4)).astype(np.float32),
+            "layers.0.fc.bias": rng.standard_normal(6).astype(np.float32),
+            "layers.1.fc.weight": rng.standard_normal((5, 6)).astype(np.float32),
+            "layers.1.fc.bias": rng.standard_normal(5).astype(np.float32),
+            "attn.qkv.weight": rng.standard_normal((12, 4)).astype(np.float32),
+        },
+        "optim": {"state": {"layers.0.fc.weight": {"step": np.array(3.0, np.float32)}}},
+        "step": 7,
+        "name": "run-1",
+    }
+    path = str(tmp_path / "ck")
+    xckpt.save(tree, path)
+    return path, tree
+
+
+def test_rename_with_captures_and_transpose(torchlike):
+    path, tree = torchlike
+    m = M.Mapping(
+        M.rename("model/layers.{i}.fc.weight", "params/layers_{i}/fc/kernel", M.transpose(1, 0)),
+        M.rename("model/layers.{i}.fc.bias", "params/layers_{i}/fc/bias"),
+        M.split("model/attn.qkv.weight", ["params/attn/q/kernel", "params/attn/k/kernel", "params/attn/v/kernel"],
+                axis=0, then=[M.transpose()]),
+        M.rename("optim/state/{p}/step", "opt/{p}/count", M.cast("int32")),
+    )
+    out = xckpt.load(path, mapping=m)
+    model = tree["model"]
+    for i in (0, 1):
+        np.testing.assert_array_equal(out["params"][f"layers_{i}"]["fc"]["kernel"], model[f"layers.{i}.fc.weight"].T)
+        np.testing.assert_array_equal(out["params"][f"layers_{i}"]["fc"]["bias"], model[f"layers.{i}.fc.bias"])
+    qkv = model["attn.qkv.weight"]
+    for n, part in enumerate("qkv"):
+        np.testing.assert_array_equal(out["params"]["attn"][part]["kernel"], qkv[4 * n:4 * (n + 1)].T)
+    count = out["opt"]["layers.0.fc.weight"]["count"]
+    assert count.dtype == np.int32 and count.shape == ()
+    np.testing.assert_array_equal(count, np.int32(3))
+    # top-level subtrees no rule touches pass through unchanged, values included
+    assert out["step"] == 7 and out["name"] == "run-1"
+    # the virtual manifest reports target shapes and dtypes after the transforms
+    mc = m.plan(path)
+    entry = mc.manifest.by_key()[("params", "attn", "k", "kernel")]
+    assert entry.shape == (4, 4) and entry.dtype == "float32"
+    assert "transpose" in mc.origin(("params", "layers_0", "fc", "kernel"))
+    assert mc.manifest.by_key()[("opt", "layers.0.fc.weight", "count")].dtype == "int32"
+
+
+def test_load_into_target_tree_and_digit_components(tmp_path):
+    a = _arr(3, 5)
+    path = str(tmp_path / "ck")
+    xckpt.save({"enc": {"w": a, "w2": a + 1}}, path)
+    # digit-only target components become ints: the target is a list
+    m = M.Mapping(M.rename("enc/w", "layers/0/kernel", M.transpose(1, 0)),
+                  M.rename("enc/w2", "layers/1/kernel"))
+    like = {"layers": [{"kernel": np.zeros((5, 3), np.float32)}, {"kernel": np.zeros((3, 5), np.float32)}]}
+    out = xckpt.load(path, like, mapping=m)
+    assert isinstance(out["layers"], list)
+    np.testing.assert_array_equal(out["layers"][0]["kernel"], a.T)
+    np.testing.assert_array_equal(out["layers"][1]["kernel"], a + 1)
+    whole = xckpt.load(path, mapping=m)
+    assert isinstance(whole["layers"], list)
+    np.testing.assert_array_equal(whole["layers"][0]["kernel"], a.T)
+
+
+def test_split_sizes_concat_reshape_cast_values(tmp_path):
+    q, k, v = _arr(4, 6, seed=1), _arr(2, 6, seed=2), _arr(2, 6, seed=3)
+    conv = _arr(8, 3, 2, 2, seed=4)
+    col = _arr(5, 1, seed=5)
+    path = str(tmp_path / "ck")
+    xckpt.save({"q": q, "k": k, "v": v, "qkv": np.concatenate([q, k, v]), "conv": conv, "col": col}, path)
+    m = M.Mapping(
+        M.concat(["q", "k", "v"], "fused", axis=0, then=[M.transpose(1, 0)]),
+        M.split("qkv", {"parts/q": 4, "parts/k": 2, "parts/v": 2}, axis=0),
+        M.rename("conv", "hwio", M.transpose(2, 3, 1, 0)),
+        M.rename("col", "row", M.reshape(1, 5), M.cast("bfloat16")),
+    )
+    out = xckpt.load(path, mapping=m)
+    np.testing.assert_array_equal(out["fused"], np.concatenate([q, k, v]).T)
+    np.testing.assert_array_equal(out["parts"]["q"], q)
+    np.testing.assert_array_equal(out["parts"]["k"], k)
+    np.testing.assert_array_equal(out["parts"]["v"], v)
+    np.testing.assert_array_equal(out["hwio"], conv.transpose(2, 3, 1, 0))
+    assert out["row"].dtype == np.dtype("bfloat16") and out["row"].shape == (1, 5)
+    np.testing.assert_array_equal(out["row"], col.reshape(1, 5).astype("bfloat16"))
+    # a region of a concatenated, transposed view
+    part = xckpt.load(path, {"fused": xckpt.ReadSpec(region=(slice(1, 5), slice(3, 7)))}, mapping=m)
+    np.testing.assert_array_equal(part["fused"], np.concatenate([q, k, v]).T[1:5, 3:7])
+
+
+def test_reshape_merges_and_splits_dims_region_by_region(tmp_path):
+    """torch attention weight (heads * dim, features) <-> flax DenseGeneral kernel (features, heads, dim)."""
+    heads, dim, feats = 4, 8, 64
+    w = _arr(heads * dim, feats, seed=9)
+    path = str(tmp_path / "ck")
+    xckpt.save({"w": _chunked(w, 8), "k": w.T.reshape(feats, heads, dim).copy()}, path, inner_chunk_bytes=8 * 8 * 4)
+    m = M.Mapping(M.rename("w", "kernel", M.transpose(1, 0), M.reshape(feats, heads, dim)),
+                  M.rename("k", "weight", M.reshape(feats, heads * dim), M.transpose(1, 0)))
+    out = xckpt.load(path, mapping=m)
+    np.testing.assert_array_equal(out["kernel"], w.T.reshape(feats, heads, dim))
+    np.testing.assert_array_equal(out["weight"], w)
+    # one head of the split view: only that head's stored rows are read
+    before = _bytes_read()
+    got = xckpt.load(path, {"kernel": xckpt.ReadSpec(region=(slice(0, feats), slice(2, 3), slice(0, dim)))},
+                     mapping=m)["kernel"]
+    read = _bytes_read() - before
+    np.testing.assert_array_equal(got, w.T.reshape(feats, heads, dim)[:, 2:3])
+    assert dim * feats * 4 <= read < 2 * dim * feats * 4 + 4096, read
+    # the manifest of the view has the reshaped shape before anything is read
+    assert m.plan(path).manifest.by_key()[("kernel",)].shape == (feats, heads, dim)
+
+
+def test_value_leaves_rename_and_drop(torchlike):
+    path, _ = torchlike
+    m = M.Mapping(M.rename("step", "meta/step"), M.drop("name"), M.drop("model/{p*}"), M.drop("optim/{p*}"))
+    out = xckpt.load(path, mapping=m)
+    assert out == {"meta": {"step": 7}}
+
+
+def _bytes_read() -> int:
+    for metric in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
+        return int(metric["values"][0]["value"])
+    return 0
+
+
+def test_region_read_through_transpose_reads_only_its_share(tmp_path):
+    """Four readers each load a quarter of a transposed array; each reads about a quarter of the bytes."""
+    a = _arr(256, 256, seed=7)
+    path = str(tmp_path / "ck")
+    man = xckpt.save({"w": _chunked(a, 64)}, path, inner_chunk_bytes=16 * 16 * 4)
+    entry = man.arrays()[0]
+    assert entry.chunk_shape == (64, 256) and entry.inner_chunk_shape == (16, 16)
+    index = xckpt.arrays.index_nbytes(entry.chunk_shape, entry.inner_chunk_shape)  # one shard's index
+    # every load also reads the manifest and the array's zarr.json
+    meta = os.path.getsize(os.path.join(path, "xckpt.json")) + os.path.getsize(os.path.join(path, entry.path,
+                                                                                            "zarr.json"))
+    m = M.Mapping(M.rename("w", "wt", M.transpose(1, 0)))
+    total = a.nbytes
+    parts = []
+    for p in range(4):
+        # target (256, 256): reader p takes columns [64p, 64p+64): the source rows of one stored chunk
+        region = Region((0, 64 * p), (256, 64))
+        before = _bytes_read()
+        got = xckpt.load(path, {"wt": xckpt.ReadSpec(region=region)}, mapping=m)["wt"]
+        read = _bytes_read() - before
+        np.testing.assert_array_equal(got, a.T[:, 64 * p:64 * p + 64])
+        share = region.numel * 4
+        crcs = 4 * region.numel // (16 * 16)  # a crc32c per inner chunk read
+        assert share <= read <= share + crcs + index + meta, (read, share)
+        parts.append(got)
+    np.testing.assert_array_equal(np.concatenate(parts, axis=1), a.T)
+    # a small corner: only the inner chunks under it
+    before = _bytes_read()
+    got = xckpt.load(path, {"wt": xckpt.ReadSpec(region=(slice(16, 48), slice(80, 96)))}, mapping=m)["wt"]
+    read = _bytes_read() - before
+    np.testing.assert_array_equal(got, a.T[16:48, 80:96])
+    assert 2 * 16 * 16 * 4 <= read <= 2 * (16 * 16 * 4 + 4) + index + meta and read < total // 50, read
+
+
+def test_split_part_reads_only_its_rows(tmp_path):
+    fused = _arr(96, 64, seed=8)
+    path = str(tmp_path / "ck")
+    man = xckpt.save({"qkv": _chunked(fused, 32)}, path, inner_chunk_bytes=16 * 64 * 4)
+    e = man.arrays()[0]
+    meta = os.path.getsize(os.path.join(path, "xckpt.json")) + os.path.getsize(os.path.join(path, e.path,
+                                                                                            "zarr.json"))
+    m = M.Mapping(M.split("qkv", ["q", "k", "v"], axis=0, then=[M.transpose(1, 0)]))
+    before = _bytes_read()
+    got = xckpt.load(path, {"k": np.zeros((64, 32), np.float32)}, mapping=m)
+    read = _bytes_read() - before
+    np.testing.assert_array_equal(got["k"], fused[32:64].T)
+    assert e.chunk_shape == (32, 64)  # k is exactly the second stored chunk
+    n_inner = (32 // e.inner_chunk_shape[0]) * (64 // e.inner_chunk_shape[1])
+    overhead = meta + 4 * n_inner + xckpt.arrays.index_nbytes(e.chunk_shape, e.inner_chunk_shape)
+    assert 32 * 64 * 4 <= read <= 32 * 64 * 4 + overhead, read
+
+
+# ---- errors: clear, specific, before any data is read --------------------------------------
+
+def test_rule_matching_nothing(torchlike):
+    path, _ = torchlike
+    _drop_array_data(path)
+    m = M.Mapping(M.rename("model/{p}.kernel", "params/{p}/kernel", name="kernels"))
+    with pytest.raises(M.MappingError) as info:
+        xckpt.load(path, mapping=m)
+    assert info.value.code == "mapping.no_match" and "'kernels'" in str(info.value)
+    assert isinstance(info.value, XckptError)
+
+
+def test_two_rules_for_one_target(torchlike):
+    path, _ = torchlike
+    _drop_array_data(path)
+    m = M.Mapping(M.rename("model/layers.0.fc.bias", "params/bias"), M.rename("model/layers.1.fc.bias", "params/bias"))
+    with pytest.raises(M.MappingError) as info:
+        xckpt.load(path, {"params": {"bias": np.zeros(6, np.float32)}}, mapping=m)
+    assert info.value.code == "mapping.conflict" and info.value.leaf == "params/bias"
+    assert "model/layers.0.fc.bias -> params/bias" in str(info.value)
+    # a passthrough leaf colliding with a rule's target is the same error
+    m = M.Mapping(M.rename("model/layers.0.fc.bias", "step"))
+    with pytest.raises(M.MappingError, match="two rules make target step"):
+        m.plan(path)
+
+
+@pytest.mark.parametrize("rule, words", [
+    (M.rename("model/{m}.weight", "p/{m}", M.transpose(2, 0, 1)), "transpose(2, 0, 1) does not fit"),
+    (M.split("model/attn.qkv.weight", {"a": 4, "b": 4}, axis=0), "splits axis 0 into parts of 8"),
+    (M.split("model/attn.qkv.weight", ["a", "b", "c", "d", "e"], axis=0), "does not split into 5 equal parts"),
+    (M.concat(["model/layers.0.fc.weight", "model/layers.1.fc.weight"], "c", axis=0), "cannot concatenate"),
+    (M.rename("model/layers.0.fc.bias", "b", M.reshape(2, 4)), "changes the number of elements"),
+])
+def test_shape_that_does_not_fit_the_source(torchlike, rule, words):
+    path, _ = torchlike
+    _drop_array_data(path)
+    with pytest.raises(M.MappingError, match=re.escape(words)) as info:
+        xckpt.load(path, mapping=M.Mapping(rule, M.drop("{rest*}")))
+    assert info.value.code == "mapping.shape" and info.value.leaf.startswith("model/")
+
+
+def test_shape_that_does_not_fit_the_target_names_the_rule(torchlike):
+    path, _ = torchlike
+    _drop_array_data(path)
+    m = M.Mapping(M.rename("model/layers.0.fc.weight", "k", name="fc0 kernel"), M.drop("model/{p}"))
+    with pytest.raises(KeyMismatchError) as info:
+        xckpt.load(path, {"k": np.zeros((4, 6), np.float32)}, mapping=m)
+    assert info.value.mismatched and "fc0 kernel" in info.value.mismatched[0]
+    assert "from model/layers.0.fc.weight" in info.value.mismatched[0]
+    # the same load without the data removed succeeds once the layout is right: the error came first
+    with pytest.raises(DataError):
+        xckpt.load(path, {"k": np.zeros((6, 4), np.float32)}, mapping=m)
+
+
+def test_unfilled_targets_and_unused_sources_are_reported(torchlike):
+    path, tree = torchlike
+    m = M.Mapping(M.rename("model/layers.{i}.fc.weight", "params/l{i}/kernel", M.transpose(1, 0)))
+    like = {"params": {"l0": {"kernel": np.zeros((4, 6), np.float32), "bias": np.full(6, 9, np.float32)},
+                       "l1": {"kernel": np.zeros((6, 5), np.float32)}}}
+    with pytest.raises(KeyMismatchError) as info:
+        xckpt.load(path, like, mapping=m)
+    err = info.value
+    assert err.missing == ["params/l0/bias"]
+    unused = [u for u in err.unexpected if "no mapping rule uses it" in u]
+    assert sorted(u.split(" ")[0] for u in unused) == ["model/attn.qkv.weight", "model/layers.0.fc.bias",
+                                                         "model/layers.1.fc.bias"]
+    # non-strict: warned, the target keeps its own leaf, the rest is loaded
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = xckpt.load(path, like, mapping=m, strict=False)
+    assert any("no mapping rule uses it" in str(w.message) for w in caught)
+    np.testing.assert_array_equal(out["params"]["l0"]["bias"], np.full(6, 9, np.float32))
+    np.testing.assert_array_equal(out["params"]["l1"]["kernel"], tree["model"]["layers.1.fc.weight"].T)
+    # loading only a subtree that the unused leaves do not feed reports nothing
+    out = xckpt.load(path, {"step": 0}, mapping=m)
+    assert out == {"step": 7}
+
+
+def test_user_rules_take_precedence_over_a_preset(torchlike):
+    path, tree = torchlike
+    preset = M.torch_to_flax()
+    custom = M.Mapping(M.rename("model/layers.1.fc.weight", "params/head/kernel", M.transpose()), preset)
+    mc = custom.plan(path)
+    keys = set(mc.manifest.by_key())
+    assert ("params", "head", "kernel") in keys and ("params", "layers_1", "fc", "kernel") not in keys
+    assert ("params", "layers_1", "fc", "bias") in keys
+    with pytest.warns(xckpt.XckptWarning, match="params/layers_0/fc/kernel"):
+        out = xckpt.load(path, {"params": {"head": {"kernel": np.zeros((6, 5), np.float32)}}}, mapping=custom,
+                         strict=False)
+    np.testing.assert_array_equal(out["params"]["head"]["kernel"], tree["model"]["layers.1.fc.weight"].T)

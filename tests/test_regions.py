@@ -1,0 +1,215 @@
+"""Region maths (xckpt/regions.py), checked against brute-force oracles on random inputs."""
+
+from __future__ import annotations
+
+import math
+from itertools import product
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from xckpt.errors import ShapeError
+from xckpt.regions import (Region, check_tiling, chunk_indices, chunk_shape_for, chunks_of, grid_shape,
+                           inner_chunk_shape_for, intersect)
+
+SETTINGS = settings(max_examples=150, deadline=None)
+
+
+@st.composite
+def shapes(draw: st.DrawFn, min_rank: int = 0, max_rank: int = 3, min_dim: int = 1, max_dim: int = 10) -> tuple:
+    rank = draw(st.integers(min_rank, max_rank))
+    return tuple(draw(st.lists(st.integers(min_dim, max_dim), min_size=rank, max_size=rank)))
+
+
+@st.composite
+def tilings(draw: st.DrawFn, max_regions: int = 12) -> tuple[tuple[int, ...], list[Region]]:
+    """A shape and a random guillotine tiling of it (boxes split recursively; not a regular grid)."""
+    shape = draw(shapes())
+    boxes = [Region.full(shape)]
+    for _ in range(draw(st.integers(0, max_regions - 1))):
+        i = draw(st.integers(0, len(boxes) - 1))
+        b = boxes[i]
+        dims = [d for d in range(len(shape)) if b.sizes[d] > 1]
+        if not dims:
+            continue
+        d = draw(st.sampled_from(dims))
+        cut = draw(st.integers(1, b.sizes[d] - 1))
+        first = Region(b.offsets, b.sizes[:d] + (cut,) + b.sizes[d + 1:])
+        second = Region(b.offsets[:d] + (b.offsets[d] + cut,) + b.offsets[d + 1:],
+                        b.sizes[:d] + (b.sizes[d] - cut,) + b.sizes[d + 1:])
+        boxes[i:i + 1] = [first, second]
+    return shape, boxes
+
+
+@st.composite
+def boxes_in(draw: st.DrawFn, shape: tuple[int, ...], slack: int = 2) -> Region:
+    """A random box near ``shape`` (it may stick out of it, or be empty)."""
+    offs, sizes = [], []
+    for n in shape:
+        o = draw(st.integers(0, n + slack - 1))
+        offs.append(o)
+        sizes.append(draw(st.integers(0, n + slack - o)))
+    return Region(tuple(offs), tuple(sizes))
+
+
+def coverage(shape: tuple[int, ...], regions: list[Region]) -> np.ndarray:
+    """How many regions cover each element (the brute-force oracle)."""
+    count = np.zeros(shape, dtype=np.int64)
+    for r in regions:
+        count[r.slices()] += 1
+    return count
+
+
+def chunk_box(idx: tuple[int, ...], chunk: tuple[int, ...], shape: tuple[int, ...]) -> Region:
+    offs = tuple(i * c for i, c in zip(idx, chunk))
+    return Region(offs, tuple(min(c, n - o) for o, c, n in zip(offs, chunk, shape)))
+
+
+@SETTINGS
+@given(tilings(), st.data())
+def test_every_chunk_lies_in_exactly_one_region(tiling: tuple, data: st.DataObject) -> None:
+    shape, regions = tiling
+    # replicas and empty regions (a device holding nothing) must not change anything
+    extra = data.draw(st.lists(st.sampled_from(regions), max_size=3))
+    empty = [Region(tuple(0 for _ in shape), tuple(0 for _ in shape))] if shape else []
+    chunk = chunk_shape_for(shape, regions + extra + empty)
+    assert chunk == chunk_shape_for(shape, regions)
+    assert len(chunk) == len(shape) and all(1 <= c for c in chunk)
+    for idx in chunk_indices(shape, chunk):
+        box = chunk_box(idx, chunk, shape)
+        holders = [r for r in regions if intersect(box, r) is not None]
+        assert len(holders) == 1, (idx, box, holders)
+        assert intersect(box, holders[0]) == box
+
+
+@SETTINGS
+@given(tilings())
+def test_chunk_shape_is_the_largest_valid_one(tiling: tuple) -> None:
+    """Per dimension, the largest size of which every interior region boundary is a multiple."""
+    shape, regions = tiling
+    chunk = chunk_shape_for(shape, regions)
+    for d, n in enumerate(shape):
+        interior = {b for r in regions for b in (r.offsets[d], r.ends[d]) if 0 < b < n}
+        best = max(s for s in range(1, n + 1) if all(b % s == 0 for b in interior))
+        assert chunk[d] == best, (d, interior)
+
+
+@SETTINGS
+@given(shapes(min_rank=1), st.data())
+def test_regular_shard_grid_gets_chunks_equal_to_its_shards(shape: tuple, data: st.DataObject) -> None:
+    """An even or torch.chunk-style uneven split (last shard short, possibly some empty)."""
+    parts = [data.draw(st.integers(1, n)) for n in shape]
+    sizes = [math.ceil(n / k) for n, k in zip(shape, parts)]
+    per_dim = [[(o, min(s, n - o)) for o in range(0, n, s)] for n, s in zip(shape, sizes)]
+    regions = [Region(tuple(o for o, _ in combo), tuple(z for _, z in combo)) for combo in product(*per_dim)]
+    assert check_tiling(shape, regions) is None
+    assert chunk_shape_for(shape, regions) == tuple(sizes)
+
+
+def test_chunk_shape_examples() -> None:
+    assert chunk_shape_for((10,), [Region((0,), (4,)), Region((4,), (4,)), Region((8,), (2,))]) == (4,)
+    assert chunk_shape_for((8, 6), [Region((0, 0), (8, 6))]) == (8, 6)
+    assert chunk_shape_for((6,), [Region((0,), (4,)), Region((4,), (2,))]) == (4,)  # last chunk partial
+    assert chunk_shape_for((6,), [Region((0,), (2,)), Region((2,), (4,))]) == (2,)  # 2nd region: 2 chunks
+    assert chunk_shape_for((), [Region((), ())]) == ()
+    assert chunk_shape_for((0, 3), [Region((0, 0), (0, 3))]) == (1, 3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shapes(max_rank=2, max_dim=6), st.data())
+def test_check_tiling_agrees_with_counting(shape: tuple, data: st.DataObject) -> None:
+    slack = data.draw(st.integers(0, 1))
+    regions = data.draw(st.lists(boxes_in(shape, slack=slack), max_size=6))
+    inside = all(r.is_empty() or r.within(shape) for r in regions)
+    exact = inside and bool(np.all(coverage(shape, [r for r in regions if r.within(shape)]) == 1))
+    why = check_tiling(shape, regions)
+    assert (why is None) == exact, (regions, why)
+
+
+def test_check_tiling_examples() -> None:
+    assert check_tiling((4,), [Region((0,), (2,)), Region((2,), (2,))]) is None
+    assert "overlap" in check_tiling((2,), [Region((0,), (1,)), Region((0,), (1,))])  # counts alone agree
+    assert "exceeds" in check_tiling((2,), [Region((0,), (3,))])
+    assert check_tiling((0, 3), [Region((0, 0), (0, 3))]) is None and check_tiling((0,), []) is None
+    assert check_tiling((), [Region((), ())]) is None and check_tiling((), []) is not None
+
+
+@SETTINGS
+@given(tilings(), st.data())
+def test_check_tiling_detects_each_kind_of_defect(tiling: tuple, data: st.DataObject) -> None:
+    shape, regions = tiling
+    assert check_tiling(shape, regions) is None
+    assert check_tiling(shape, list(reversed(regions))) is None  # order does not matter
+    if math.prod(shape) == 0 or not shape:
+        return
+    i = data.draw(st.integers(0, len(regions) - 1))
+    assert "cover" in check_tiling(shape, regions[:i] + regions[i + 1:])  # a gap
+    assert "overlap" in check_tiling(shape, regions + [regions[i]])  # a duplicate (replicas are deduplicated first)
+    r = regions[i]
+    d = data.draw(st.integers(0, len(shape) - 1))
+    grown = Region(r.offsets, r.sizes[:d] + (r.sizes[d] + 1,) + r.sizes[d + 1:])
+    why = check_tiling(shape, regions[:i] + [grown] + regions[i + 1:])
+    assert why is not None and ("overlap" in why or "exceeds" in why)
+
+
+@SETTINGS
+@given(shapes(min_rank=1), st.integers(1, 8), st.integers(1, 4096))
+def test_inner_chunks_divide_chunks_and_respect_the_byte_target(chunk: tuple, itemsize: int, target: int) -> None:
+    inner = inner_chunk_shape_for(chunk, itemsize, target)
+    assert len(inner) == len(chunk)
+    assert all(i >= 1 and c % i == 0 for c, i in zip(chunk, inner))
+    if math.prod(chunk) * itemsize <= target:
+        assert inner == tuple(chunk)  # nothing split without need
+    elif itemsize <= target:
+        assert math.prod(inner) * itemsize <= target
+    else:
+        assert inner == tuple(1 for _ in chunk)  # one element per inner chunk is the best possible
+    assert inner_chunk_shape_for(chunk, itemsize, target) == inner
+
+
+def test_inner_chunk_examples() -> None:
+    assert inner_chunk_shape_for((2, 4), 4, 16) == (2, 2)  # the largest dimension is halved first
+    assert inner_chunk_shape_for((1024, 1024), 4, 4 << 20) == (1024, 1024)
+    assert inner_chunk_shape_for((7,), 8, 8) == (1,)
+    assert inner_chunk_shape_for((), 4, 1) == ()
+
+
+@SETTINGS
+@given(shapes(max_rank=3, max_dim=8), st.data())
+def test_intersect_agrees_with_masks(shape: tuple, data: st.DataObject) -> None:
+    a, b = data.draw(boxes_in(shape, slack=0)), data.draw(boxes_in(shape, slack=0))
+    both = (coverage(shape, [a]) + coverage(shape, [b])) == 2
+    got = intersect(a, b)
+    assert got == intersect(b, a)
+    if not both.any():
+        assert got is None
+    else:
+        assert got is not None and np.array_equal(coverage(shape, [got]) == 1, both)
+
+
+@SETTINGS
+@given(shapes(min_rank=1, max_dim=9), st.data())
+def test_chunks_of_is_exactly_the_chunks_a_region_touches(shape: tuple, data: st.DataObject) -> None:
+    chunk = tuple(data.draw(st.integers(1, n)) for n in shape)
+    region = data.draw(boxes_in(shape, slack=0))
+    want = {idx for idx in chunk_indices(shape, chunk)
+            if intersect(chunk_box(idx, chunk, shape), region) is not None}
+    got = list(chunks_of(region, chunk))
+    assert len(got) == len(set(got)) and set(got) == want
+    assert len(list(chunk_indices(shape, chunk))) == math.prod(grid_shape(shape, chunk))
+
+
+def test_region_basics() -> None:
+    r = Region((1, 2), (3, 4))
+    assert r.ends == (4, 6) and r.numel == 12 and not r.is_empty()
+    assert r.slices() == (slice(1, 4), slice(2, 6))
+    assert r.relative_to(Region((1, 0), (5, 9))) == Region((0, 2), (3, 4))
+    assert r.within((4, 6)) and not r.within((4, 5)) and not r.within((4, 6, 1))
+    assert Region.from_json(r.to_json()) == r
+    assert Region.full((2, 3)) == Region((0, 0), (2, 3))
+    assert Region((0,), (0,)).is_empty() and Region((), ()).numel == 1
+    assert grid_shape((10, 3), (4, 3)) == (3, 1)
+    for bad in (((0,), (1, 1)), ((-1,), (1,)), ((0,), (-2,))):
+        with pytest.raises(ShapeError):
+            Region(*bad)

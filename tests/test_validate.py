@@ -1,0 +1,268 @@
+"""The validator beyond the conformance vectors: warnings, Orbax name rules, zarr.json strictness,
+deep manifests, and random corruption (never a crash; deep validation catches every flipped byte)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import google_crc32c
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import xckpt
+from xckpt import naming, orbax_files, values as xvalues
+from xckpt.errors import XckptError
+from xckpt.manifest import parse
+from xckpt.validate import Finding, Report
+
+CONF = Path(__file__).resolve().parents[1] / "spec" / "conformance"
+SHARDED = CONF / "valid" / "sharded" / "checkpoint"
+ZSTD = CONF / "valid" / "zstd" / "checkpoint"
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def _edit_json(path: Path, fn: Callable[[Any], Any]) -> None:
+    """Change a JSON file in place; ``fn`` returning a list replaces the whole document with it."""
+    obj = json.loads(path.read_text())
+    out = fn(obj)
+    path.write_text(json.dumps(out if isinstance(out, list) else obj, indent=1))
+
+
+def _rewrite_orbax(ckpt: Path) -> None:
+    """Recompute _METADATA from the (edited) manifest, so that only the defect under test remains."""
+    m = parse((ckpt / naming.MANIFEST).read_bytes())
+    strings = {e.key: "" for e in m.leaves if getattr(e, "type", None) == "str"}  # only the records matter here
+    (ckpt / naming.ORBAX_METADATA).write_bytes(orbax_files.files(m, strings)[naming.ORBAX_METADATA])
+
+
+def _errors(report: Report) -> list[str]:
+    return [f.code for f in report.findings if f.severity == "error"]
+
+
+def test_warnings_do_not_make_a_checkpoint_invalid(tmp_path: Path) -> None:
+    ckpt = _copy(SHARDED, tmp_path / "c")
+    (ckpt / naming.COMMIT).unlink()
+    (ckpt / "notes.txt").write_text("left here by hand")
+    report = xckpt.validate(ckpt)
+    assert report.ok and _errors(report) == []
+    assert sorted(report.codes()) == ["commit.missing", "path.unexpected"]
+    unexpected = next(f for f in report.findings if f.code == "path.unexpected")
+    assert unexpected.file == str(ckpt / "notes.txt") and unexpected.severity == "warning"
+    assert "WARNING path.unexpected" in str(unexpected)
+
+
+def test_special_files_are_reported(tmp_path: Path) -> None:
+    ckpt = _copy(SHARDED, tmp_path / "c")
+    os.mkfifo(ckpt / "w" / "c" / "pipe")  # never opened: reading a FIFO would block
+    report = xckpt.validate(ckpt)
+    assert "path.special" in report.codes() and not report.ok
+
+
+def test_report_json_and_counts() -> None:
+    shallow = xckpt.validate(SHARDED)
+    deep = xckpt.validate(SHARDED, deep=True)
+    assert shallow.bytes_checked == 0 and deep.bytes_checked > 0
+    # 4 + 3 + 1 shard objects of the arrays, plus the 0-d mirror of the value 'step'
+    assert shallow.arrays == 3 and shallow.chunks == deep.chunks == 9
+    out = deep.to_json()
+    assert out == json.loads(json.dumps(out))
+    assert out["ok"] is True and out["deep"] is True and out["findings"] == []
+    f = Finding("chunk.missing", "gone", "/x/w/c/0", "w")
+    assert str(f) == "ERROR chunk.missing: gone [leaf w, /x/w/c/0]"
+
+
+def test_string_value_sharing_an_orbax_name_with_an_array(tmp_path: Path) -> None:
+    """'a.b' as a string leaf and ['a', 'b'] as an array: both would be 'a.b' for Orbax."""
+    ckpt = tmp_path / "c"
+    xckpt.save({"a": {"b": np.arange(3)}, "s": "text"}, ckpt)
+
+    def rename(m: dict[str, Any]) -> None:
+        m["tree"]["items"][1][0] = "a.b"
+        m["leaves"][1]["key"] = ["a.b"]
+    _edit_json(ckpt / naming.MANIFEST, rename)
+    _rewrite_orbax(ckpt)
+    (ckpt / "_strings.json").write_text(json.dumps({"a.b": "text"}))
+    report = xckpt.validate(ckpt)
+    assert report.codes() == ["manifest.path_collision"], [str(f) for f in report.findings]
+    assert report.findings[0].leaf == "a.b"
+
+
+def test_array_path_that_is_not_the_joined_key(tmp_path: Path) -> None:
+    ckpt = _copy(SHARDED, tmp_path / "c")
+    os.rename(ckpt / "v", ckpt / "vv")
+    _edit_json(ckpt / naming.MANIFEST, lambda m: m["leaves"][1].update(path="vv"))
+    report = xckpt.validate(ckpt)
+    assert report.codes() == ["manifest.path_name"] and report.findings[0].leaf == "v"
+    np.testing.assert_array_equal(xckpt.load(ckpt)["v"], np.arange(10) * 3 - 7)  # readers follow 'path'
+
+
+@pytest.mark.parametrize("edit, code", [
+    (lambda m: m["leaves"][3].pop("orbax_path"), "orbax.mismatch"),  # an int that Orbax must see
+    (lambda m: m["leaves"][3].update(orbax_path="step"), None),  # control: unchanged
+])
+def test_scalar_mirror_required_exactly_for_mirrorable_values(tmp_path: Path, edit: Callable, code: str | None
+                                                               ) -> None:
+    ckpt = _copy(SHARDED, tmp_path / "c")
+    _edit_json(ckpt / naming.MANIFEST, edit)
+    _rewrite_orbax(ckpt)
+    if code is None:
+        assert xckpt.validate(ckpt).findings == []
+        return
+    shutil.rmtree(ckpt / "step")
+    report = xckpt.validate(ckpt)
+    assert report.codes() == [code] and "mirror" in report.findings[0].message
+    assert report.findings[0].leaf == "step"
+
+
+def test_mirror_on_a_value_orbax_cannot_hold(tmp_path: Path) -> None:
+    ckpt = tmp_path / "c"
+    xckpt.save({"big": 2**70, "w": np.ones(2)}, ckpt)
+    _edit_json(ckpt / naming.MANIFEST, lambda m: m["leaves"][0].update(orbax_path="big"))
+    _rewrite_orbax(ckpt)
+    report = xckpt.validate(ckpt)
+    assert "orbax.mismatch" in report.codes() and report.findings[0].leaf == "big"
+
+
+@pytest.mark.parametrize("edit, code", [
+    (lambda z: z.update(storage_transformers=[{"name": "x"}]), "array.metadata_mismatch"),
+    (lambda z: z.update(must_understand_this={"must_understand": True}), "array.metadata_mismatch"),
+    (lambda z: z.update(chunk_key_encoding={"name": "v2", "configuration": {"separator": "."}}),
+     "array.metadata_mismatch"),
+    (lambda z: z.update(chunk_key_encoding={"name": "default", "configuration": {"separator": "."}}),
+     "array.metadata_mismatch"),
+    (lambda z: z.update(fill_value=1.0), "array.metadata_mismatch"),
+    (lambda z: z["codecs"][0]["configuration"].update(index_location="start"), "array.metadata_mismatch"),
+    (lambda z: [z], "array.metadata_json"),
+    (lambda z: z.update(attributes={"note": "free"}, dimension_names=["rows", "cols"]), None),
+    (lambda z: z["codecs"][0]["configuration"].update(index_location="end"), None),
+    (lambda z: z.update(chunk_key_encoding={"name": "default", "configuration": {"separator": "/"}}), None),
+])
+def test_zarr_json_is_checked_strictly(tmp_path: Path, edit: Callable, code: str | None) -> None:
+    ckpt = _copy(SHARDED, tmp_path / "c")
+    _edit_json(ckpt / "w" / "zarr.json", edit)
+    report = xckpt.validate(ckpt)
+    assert report.codes() == ([] if code is None else [code]), [str(f) for f in report.findings]
+
+
+def test_bool_fill_value_must_be_false_not_zero(tmp_path: Path) -> None:
+    ckpt = tmp_path / "c"
+    xckpt.save({"mask": np.array([True, False])}, ckpt)
+    assert xckpt.validate(ckpt).ok
+    _edit_json(ckpt / "mask" / "zarr.json", lambda z: z.update(fill_value=0))
+    assert xckpt.validate(ckpt).codes() == ["array.metadata_mismatch"]
+
+
+def _write_nested(ckpt: Path, depth: int) -> None:
+    """A manifest whose tree nests ``depth`` lists around one None value."""
+    blob = xvalues.encode({0: None})
+    (ckpt / naming.VALUES).write_bytes(blob)
+    tree = '{"kind": "leaf", "index": 0}'
+    for _ in range(depth):
+        tree = '{"kind": "list", "items": [' + tree + "]}"
+    leaf = json.dumps({"key": [0] * depth, "kind": "value", "type": "none"})
+    values = json.dumps({"path": naming.VALUES, "size": len(blob), "crc32c": google_crc32c.value(blob)})
+    (ckpt / naming.MANIFEST).write_text(
+        '{"format": "xckpt", "version": "1.0", "producer": {"library": "x", "library_version": "0"}, '
+        f'"tree": {tree}, "leaves": [{leaf}], "values": {values}}}')
+
+
+@pytest.mark.parametrize("depth, code", [(64, None), (65, "manifest.tree"), (5000, "manifest.json")])
+def test_deeply_nested_manifests_are_refused_not_crashed_on(tmp_path: Path, depth: int, code: str | None) -> None:
+    ckpt = tmp_path / "c"
+    ckpt.mkdir()
+    _write_nested(ckpt, depth)
+    report = xckpt.validate(ckpt)
+    if code is None:  # readable; only the Orbax files and the commit marker are missing
+        assert report.codes() == ["commit.missing", "orbax.missing"], report.codes()
+        loaded = xckpt.load(ckpt)
+        for _ in range(depth):
+            assert type(loaded) is list and len(loaded) == 1
+            loaded = loaded[0]
+        assert loaded is None
+        return
+    assert report.codes() == [code]
+    with pytest.raises(XckptError) as info:
+        xckpt.load(ckpt)
+    assert info.value.code == code
+
+
+def test_save_refuses_trees_deeper_than_the_format_allows(tmp_path: Path) -> None:
+    tree: Any = np.zeros(1)
+    for _ in range(65):
+        tree = [tree]
+    with pytest.raises(XckptError) as info:
+        xckpt.save(tree, tmp_path / "c")
+    assert info.value.code == "tree.too_deep" and not (tmp_path / "c").exists()
+    xckpt.save(tree[0], tmp_path / "ok")  # 64 levels: saved, and readable
+    assert xckpt.validate(tmp_path / "ok").ok
+    loaded = xckpt.load(tmp_path / "ok")
+    for _ in range(64):
+        loaded = loaded[0]
+    np.testing.assert_array_equal(loaded, np.zeros(1))
+
+
+def _data_files(root: Path) -> list[str]:
+    """Files every byte of which a crc32c covers: shard objects and values.msgpack."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                  if p.is_file() and (p.name == naming.VALUES or p.parent.name == "c" or p.parent.parent.name == "c"
+                                      or p.name == "c"))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from([SHARDED, ZSTD]), st.data())
+def test_deep_validation_and_load_catch_any_corrupted_byte(tmp_path: Path, base: Path, data: st.DataObject) -> None:
+    ckpt = tmp_path / "fuzz"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    _copy(base, ckpt)
+    name = data.draw(st.sampled_from(_data_files(ckpt)))
+    blob = bytearray((ckpt / name).read_bytes())
+    at = data.draw(st.integers(0, len(blob) - 1))
+    blob[at] ^= data.draw(st.integers(1, 255))
+    (ckpt / name).write_bytes(bytes(blob))
+    report = xckpt.validate(ckpt, deep=True)
+    assert not report.ok, (name, at)
+    assert any(f.file and f.file.endswith(name) for f in report.findings), [str(f) for f in report.findings]
+    if name.split("/")[0] == "step":
+        return  # the 0-d mirror of a value exists for Orbax only: xckpt's loader never reads it
+    with pytest.raises(XckptError):
+        xckpt.load(ckpt)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_any_corruption_of_any_file_gives_findings_never_a_crash(tmp_path: Path, data: st.DataObject) -> None:
+    """Whatever byte of whatever file changes (or however a file is cut), the validator reports findings
+    and never raises; when it finds nothing wrong, the load gives exactly the original data."""
+    ckpt = tmp_path / "fuzz"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    _copy(SHARDED, ckpt)
+    original = xckpt.load(ckpt)
+    files = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
+    name = data.draw(st.sampled_from(files))
+    blob = bytearray((ckpt / name).read_bytes())
+    if data.draw(st.booleans()):
+        at = data.draw(st.integers(0, len(blob) - 1))
+        blob[at] ^= data.draw(st.integers(1, 255))
+    else:
+        blob = blob[:data.draw(st.integers(0, len(blob) - 1))]
+    (ckpt / name).write_bytes(bytes(blob))
+    report = xckpt.validate(ckpt, deep=True)
+    try:
+        loaded = xckpt.load(ckpt)
+    except XckptError:
+        assert not report.ok or name in (naming.ORBAX_CHECKPOINT_METADATA,), (name, report.codes())
+        return
+    if report.ok:
+        for key in ("w", "v", "bias"):
+            np.testing.assert_array_equal(loaded[key], original[key])
+            assert loaded[key].dtype == original[key].dtype
+        assert loaded["step"] == original["step"]

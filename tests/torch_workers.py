@@ -1,0 +1,475 @@
+"""Bodies of the multi-process PyTorch tests: real torch.distributed (gloo), spawned processes.
+
+:func:`run_group` spawns ``world`` processes on a free port; each initialises a gloo
+process group and runs one body function of this module. Every check is made
+inside the workers (values compared element by element); a body returns a small
+JSON-able result for the test to look at. A failing rank's traceback fails the
+test; a group that runs past its timeout is killed (gloo collectives time out
+too), so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import math
+import multiprocessing as mp
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------
+# harness
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_group(world: int, body: str, workdir: Path, *, timeout: float = 240, **kwargs: Any) -> list[Any]:
+    """Run ``body(rank, world, workdir, **kwargs)`` on ``world`` spawned ranks; return their results."""
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(r, world, port, body, str(workdir), json.dumps(kwargs)), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    first_failure = None
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
+            first_failure = time.monotonic()
+        if first_failure is not None and time.monotonic() - first_failure > 15:
+            break  # the others had time to report; they are stuck in a collective
+        time.sleep(0.05)
+    stuck = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+    results, errors = [], []
+    for r in range(world):
+        f = Path(workdir) / f"{body}.rank{r}.json"
+        rep = json.loads(f.read_text()) if f.exists() else {
+            "error": f"no report (exit code {procs[r].exitcode}{', killed' if r in stuck else ''})"}
+        if rep.get("error"):
+            errors.append(f"----- rank {r} -----\n{rep['error']}")
+        results.append(rep.get("result"))
+    if errors or stuck:
+        why = f" (ranks {stuck} still running after {timeout:.0f}s or a peer's failure)" if stuck else ""
+        raise AssertionError(f"{body} on {world} ranks failed{why}:\n" + "\n".join(errors))
+    return results
+
+
+def _entry(rank: int, world: int, port: int, body: str, workdir: str, kwargs: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    warnings.filterwarnings("ignore")
+    report: dict[str, Any]
+    try:
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        report = {"result": globals()[body](rank, world, Path(workdir), **json.loads(kwargs))}
+    except BaseException:  # noqa: BLE001 - reported to the test
+        report = {"error": traceback.format_exc()}
+    (Path(workdir) / f"{body}.rank{rank}.json").write_text(json.dumps(report))
+    if "error" in report:
+        sys.stdout.flush()
+        os._exit(1)
+    try:
+        import torch.distributed as dist
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# the data every group agrees on
+
+#: name -> (global shape, dtype, placements on the (2, 2) ("dp", "tp") mesh of the saving job)
+ARRAYS: dict[str, tuple[tuple[int, ...], str, str]] = {
+    "w": ((8, 12), "float32", "S0 S1"),
+    "rep": ((6, 5), "float64", "R R"),
+    "half": ((10, 4), "float32", "S0 R"),
+    "uneven": ((7, 5), "float32", "S0 S0"),
+    "empty": ((3, 2), "int32", "S0 S0"),
+    "strided": ((8, 4), "float32", "SS0/2 S0"),
+    "strided_cols": ((3, 12), "float64", "SS1/2 S1"),
+    "strided_last": ((8, 3), "float32", "S0 SS0/2"),
+    "bf": ((8, 6), "bfloat16", "S1 S0"),
+    "scalar": ((), "float32", "R R"),
+}
+
+
+def full(name: str) -> np.ndarray:
+    """The global value of array ``name`` (exactly representable in its dtype)."""
+    shape, dtype, _ = ARRAYS[name]
+    salt = sorted(ARRAYS).index(name)
+    a = (np.arange(math.prod(shape), dtype=np.float64).reshape(shape) * 0.5 - 3 + salt)
+    return a.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+
+
+def placements(text: str) -> list[Any]:
+    """``"S0 SS1/3 R"`` -> [Shard(0), _StridedShard(1, split_factor=3), Replicate()]."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    out: list[Any] = []
+    for p in text.split():
+        if p == "R":
+            out.append(Replicate())
+        elif p.startswith("SS"):
+            d, sf = p[2:].split("/")
+            out.append(_StridedShard(int(d), split_factor=int(sf)))
+        else:
+            out.append(Shard(int(p[1:])))
+    return out
+
+
+def torch_full(name: str, dtype: Any = None) -> Any:
+    """``full(name)`` as a CPU tensor (bfloat16 through its bits)."""
+    import torch
+    from xckpt_torch import from_numpy
+    t = from_numpy(full(name)).clone()
+    return t if dtype is None else t.to(dtype)
+
+
+def check_dtensor(d: Any, want: np.ndarray) -> None:
+    """Every box this rank holds of ``d`` equals ``want``'s box, element by element."""
+    from xckpt_torch.dtensor import dtensor_pieces
+    from xckpt_torch import to_host
+    pieces, local = dtensor_pieces(d)
+    assert pieces or local.numel() == 0
+    for p in pieces:
+        np.testing.assert_array_equal(to_host(local[p.local]), want[p.region.slices()],
+                                      err_msg=f"{p.region} of a DTensor {d.placements}")
+
+
+def make_mlp(seed: int) -> Any:
+    """The small float64 model of the training tests."""
+    import torch
+    from torch import nn
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8)).double()
+
+
+def fsdp(model: Any, mesh: Any) -> Any:
+    """FSDP2 (``fully_shard``) every Linear, then the root."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def optim_for(model: Any) -> tuple[Any, Any]:
+    """AdamW and a StepLR schedule."""
+    import torch
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def train_step(model: Any, opt: Any, sched: Any, step: int, rank: int, world: int) -> float:
+    """One step on this rank's slice of global batch ``step`` (12 rows); returns the global loss."""
+    import torch
+    import torch.distributed as dist
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(12, 16, generator=g, dtype=torch.float64)
+    y = torch.randn(12, 8, generator=g, dtype=torch.float64)
+    n = 12 // world
+    loss = ((model(x[rank * n:(rank + 1) * n]) - y[rank * n:(rank + 1) * n]) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / world
+
+
+def full_state(model: Any, opt: Any) -> dict[str, np.ndarray]:
+    """Every parameter and optimizer tensor gathered whole (test verification only; collective)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import DTensor
+    msd, osd = get_state_dict(model, opt)
+    out = {}
+    for k, v in msd.items():
+        out[f"model.{k}"] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().numpy().copy()
+    for fqn, st in osd["state"].items():
+        for k, v in st.items():
+            out[f"optim.{fqn}.{k}"] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().numpy().copy()
+    return out
+
+
+def compare_state(model: Any, opt: Any, want: dict[str, np.ndarray]) -> int:
+    """Check ``model``/``opt`` against ``full_state`` output; returns the number of tensors compared."""
+    got = full_state(model, opt)
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    return len(want)
+
+
+def rss() -> int:
+    """Resident set size of this process, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Samples this process's RSS every half millisecond while active."""
+
+    def __enter__(self) -> "PeakRSS":
+        self.peak = rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss())
+            time.sleep(0.0005)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+
+
+# ---------------------------------------------------------------------------------------------
+# bodies
+
+
+def memory_save(rank: int, world: int, wd: Path, *, tensors: int = 12, rows: int = 1024, cols: int = 1024,
+                inflight: int = 8 << 20) -> dict[str, int]:
+    """Save a model ``world`` times larger than this rank's shard; report peak RSS growth during the save."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    import xckpt
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(rank)
+    model = {f"t{i}": DTensor.from_local(torch.randn(rows, cols, generator=g), mesh, [Shard(0)], run_check=False)
+             for i in range(tensors)}
+    xckpt.save({"warm": DTensor.from_local(torch.ones(4, 4), mesh, [Shard(0)], run_check=False)}, wd / "mem_warm")
+    gc.collect()
+    before = rss()
+    with PeakRSS() as peak:
+        xckpt.save({"model": model}, wd / "mem", max_inflight_bytes=inflight)
+    shard = tensors * rows * cols * 4
+    return {"shard_bytes": shard, "model_bytes": shard * world, "rss_before": before,
+            "peak_growth": peak.peak - before, "inflight": inflight}
+
+
+def save4(rank: int, world: int, wd: Path) -> dict[str, Any]:
+    """4 ranks, (2, 2) mesh: the main checkpoint, error cases, FSDP2 training, TP + FSDP2, DCP writes."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    import xckpt
+    import xckpt.registry
+    from xckpt.errors import CoordinationError
+    from xckpt.save import commit, prepare, write_local
+    from xckpt_torch import TorchCoordinator, XckptStorageWriter
+    assert world == 4
+    res: dict[str, Any] = {"memory": memory_save(rank, world, wd)}
+
+    coord = xckpt.registry.default_coordinator()
+    assert isinstance(coord, TorchCoordinator) and (coord.rank, coord.world_size) == (rank, 4)
+    assert coord.all_gather_bytes(b"x" * rank) == [b"", b"x", b"xx", b"xxx"]
+    assert coord.broadcast_bytes(b"\x00from2" if rank == 2 else None, root=2) == b"\x00from2"
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    arrays = {n: distribute_tensor(torch_full(n), mesh, placements(p)) for n, (_, _, p) in ARRAYS.items()}
+    for n, d in arrays.items():  # the index maths agrees with how torch itself distributed them
+        check_dtensor(d, full(n))
+    torch.manual_seed(100 + rank)
+    state = {"arrays": arrays, "plain": torch.arange(15, dtype=torch.int64).reshape(5, 3), "step": 1000,
+             "name": "run-a", "rng": xckpt.torch.rng_state()}
+    p = prepare(state, wd / "main")
+    write_local(p)
+    commit(p)
+    res["rand_after_save"] = torch.rand(4).tolist()
+    res["bytes_per_rank"] = p.stats["bytes_per_rank"]
+    res["writers"] = {"/".join(map(str, lp.key)): sorted(set(lp.writers.values()))
+                      for lp in p.plan.leaves if lp is not None}
+    res["regions"] = {"/".join(map(str, lp.key)): len(lp.writers) for lp in p.plan.leaves if lp is not None}
+
+    # disagreement about a plain tensor fails on every rank, and nothing is left behind or hangs
+    res["disagree"] = []
+    for bad in ({"x": torch.zeros(3 if rank == 1 else 4)},
+                {"x": torch.zeros(4, dtype=torch.float32 if rank == 2 else torch.float64)},
+                {"x": torch.zeros(4), **({"extra": torch.zeros(1)} if rank == 3 else {})}):
+        try:
+            xckpt.save(bad, wd / "bad")
+            res["disagree"].append(None)
+        except CoordinationError as exc:
+            res["disagree"].append(str(exc))
+        assert not (wd / "bad").exists()
+
+    # FSDP2 + AdamW + StepLR: 3 steps, save, 3 more steps (the uninterrupted reference)
+    m = fsdp(make_mlp(0), init_device_mesh("cpu", (4,)))
+    opt, sched = optim_for(m)
+    losses = [train_step(m, opt, sched, s, rank, world) for s in range(3)]
+    xckpt.save({"model": m, "optim": opt, "sched": sched, "step": 3, "rng": xckpt.torch.rng_state()}, wd / "fsdp")
+    want = full_state(m, opt)
+    if rank == 0:
+        np.savez(wd / "fsdp_expected.npz", **want)
+    res["losses_before"] = losses
+    res["ref_losses"] = [train_step(m, opt, sched, s, rank, world) for s in range(3, 6)]
+
+    # the same model state through torch DCP: our StorageWriter, and stock DCP for `convert --from dcp`
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(m, opt)
+    dstate = {"model": msd, "optim": osd, "arrays": {k: arrays[k] for k in ("w", "uneven", "strided", "bf")},
+              "plain": torch.arange(6.0), "step": 6, "name": "dcp-run", "betas": (0.5, 0.25)}
+    dcp.save(dstate, storage_writer=XckptStorageWriter(wd / "dcp_x"))
+    dcp.save(dstate, storage_writer=dcp.FileSystemWriter(wd / "dcp_stock"))
+    want6 = full_state(m, opt)
+    if rank == 0:
+        np.savez(wd / "fsdp6_expected.npz", **want6)
+
+    # tensor parallel + FSDP2 on the (2, 2) mesh: _StridedShard parameters
+    torch.manual_seed(1)
+    tp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    parallelize_module(tp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(tp, mesh=mesh["dp"])
+    tp_opt = torch.optim.AdamW(tp.parameters(), lr=0.1)
+    tp(torch.randn(3, 4, generator=torch.Generator().manual_seed(5))).pow(2).sum().backward()
+    tp_opt.step()
+    res["tp_placements"] = {n: str(q.placements) for n, q in tp.named_parameters()}
+    xckpt.save({"model": tp, "optim": tp_opt}, wd / "tp")
+    tp_want = full_state(tp, tp_opt)
+    if rank == 0:
+        np.savez(wd / "tp_expected.npz", **tp_want)
+
+    # for Orbax: a DTensor, plain tensors (one bf16), a step
+    emb = torch.arange(24, dtype=torch.float32).reshape(4, 6).to(torch.bfloat16)
+    xckpt.save({"params": {"w": arrays["w"], "b": torch.arange(12, dtype=torch.float32) / 4 - 1, "emb": emb}, "step": 5},
+               wd / "orbax_src")
+    dist.barrier()
+    return res
+
+
+def load2(rank: int, world: int, wd: Path, rand_after_save: list[list[float]]) -> dict[str, Any]:
+    """2 ranks: the 4-rank checkpoints into [Shard(1)] DTensors, a plain FSDP2 model, and through DCP."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    import xckpt
+    from xckpt_torch import XckptStorageReader
+    assert world == 2
+    mesh = init_device_mesh("cpu", (2,))
+
+    def fresh(n: str, place: list[Any], dtype: Any = None) -> Any:
+        shape, dt, _ = ARRAYS[n]
+        tdt = dtype or xckpt.torch.torch_dtype(dt)
+        return distribute_tensor(torch.full(shape, -7, dtype=tdt), mesh, place)
+
+    like = {n: fresh(n, [Shard(1)] if len(ARRAYS[n][0]) == 2 else [Replicate()], torch.float32 if n == "bf" else None)
+            for n in ARRAYS}
+    state = {"arrays": like, "plain": torch.zeros(5, 3, dtype=torch.int64), "step": 0, "name": "",
+             "rng": xckpt.torch.rng_state()}
+    out = xckpt.load(wd / "main", like=state)
+    for n, d in like.items():
+        assert out["arrays"][n] is d  # loaded in place
+        check_dtensor(d, full(n).astype(np.float32) if n == "bf" else full(n))
+    np.testing.assert_array_equal(state["plain"].numpy(), np.arange(15).reshape(5, 3))
+    assert (out["step"], out["name"]) == (1000, "run-a")
+    assert torch.rand(4).tolist() == rand_after_save[rank], "rank's RNG stream not restored"
+
+    # TP + FSDP2 checkpoint (4 ranks, _StridedShard) into a plain FSDP2 model on 2 ranks
+    torch.manual_seed(77)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(m, mesh=mesh)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.5)
+    xckpt.load(wd / "tp", like={"model": m, "optim": opt})
+    n_tp = compare_state(m, opt, dict(np.load(wd / "tp_expected.npz")))
+    assert opt.param_groups[0]["lr"] == 0.1
+
+    # torch DCP load through XckptStorageReader, into other placements
+    sd = {"arrays": {n: fresh(n, [Shard(0)], torch.float32 if n == "bf" else None)
+                     for n in ("w", "uneven", "strided", "bf")},
+          "plain": torch.zeros(6), "step": 0, "name": "", "betas": (0.0, 0.0)}
+    dcp.load(sd, storage_reader=XckptStorageReader(wd / "dcp_x"))
+    for n, d in sd["arrays"].items():
+        check_dtensor(d, full(n).astype(np.float32) if n == "bf" else full(n))
+    np.testing.assert_array_equal(sd["plain"].numpy(), np.arange(6.0))
+    assert (sd["step"], sd["name"], sd["betas"]) == (6, "dcp-run", (0.5, 0.25)), (sd["step"], sd["name"], sd["betas"])
+    return {"tp_tensors": n_tp}
+
+
+def load3(rank: int, world: int, wd: Path, ref_losses: list[float]) -> dict[str, Any]:
+    """3 ranks: uneven and empty shards, FSDP2 resume on another world size, DCP into FSDP2, a 3-rank save."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    import xckpt
+    from xckpt_torch import XckptStorageReader
+    assert world == 3
+    mesh = init_device_mesh("cpu", (3,))
+
+    # uneven torch.chunk splits, and an empty local shard ("empty" has 2 columns over 3 ranks)
+    place = {"w": [Shard(0)], "rep": [Shard(1)], "half": [Shard(0)], "uneven": [Shard(1)], "empty": [Shard(1)],
+             "strided": [Shard(0)], "strided_cols": [Shard(1)], "strided_last": [Shard(0)], "bf": [Shard(0)],
+             "scalar": [Replicate()]}
+    like = {n: distribute_tensor(torch.zeros(ARRAYS[n][0], dtype=xckpt.torch.torch_dtype(ARRAYS[n][1])), mesh, p)
+            for n, p in place.items()}
+    xckpt.load(wd / "main", like={"arrays": like})
+    for n, d in like.items():
+        check_dtensor(d, full(n))
+    empty_here = like["empty"].to_local().numel() == 0
+
+    # FSDP2 resume on 3 ranks (uneven parameter shards) from the 4-rank checkpoint
+    m = fsdp(make_mlp(99), mesh)
+    opt, sched = optim_for(m)
+    state = {"model": m, "optim": opt, "sched": sched, "step": 0, "rng": xckpt.torch.rng_state()}
+    out = xckpt.load(wd / "fsdp", like=state)
+    start = out["step"]
+    assert start == 3 and sched.last_epoch == 3 and out["model"] is m
+    n_fsdp = compare_state(m, opt, dict(np.load(wd / "fsdp_expected.npz")))
+    losses = [train_step(m, opt, sched, s, rank, world) for s in range(start, start + 3)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-12, atol=0)
+    control = fsdp(make_mlp(99), mesh)
+    c_opt, c_sched = optim_for(control)
+    c_losses = [train_step(control, c_opt, c_sched, s, rank, world) for s in range(3, 6)]
+    assert not np.allclose(c_losses, ref_losses, rtol=1e-3), "the control run should differ"
+
+    # torch DCP: the 6-step state, written by XckptStorageWriter on 4 ranks, into FSDP2 on 3 ranks
+    m6 = fsdp(make_mlp(5), mesh)
+    opt6, _ = optim_for(m6)
+    msd, osd = get_state_dict(m6, opt6)
+    dcp.load({"model": msd, "optim": osd}, storage_reader=XckptStorageReader(wd / "dcp_x"))
+    set_state_dict(m6, opt6, model_state_dict=msd, optim_state_dict=osd)
+    n_dcp = compare_state(m6, opt6, dict(np.load(wd / "fsdp6_expected.npz")))
+
+    # a 3-rank save with an empty shard on rank 2 (2 rows over 3 ranks)
+    u = distribute_tensor(torch.arange(10, dtype=torch.float32).reshape(2, 5), mesh, [Shard(0)])
+    xckpt.save({"u": u, "v": like["uneven"]}, wd / "from3")
+    return {"losses": losses, "control": c_losses, "empty_here": empty_here, "fsdp_tensors": n_fsdp,
+            "dcp_tensors": n_dcp, "u_local": list(u.to_local().shape)}

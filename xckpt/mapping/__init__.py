@@ -1,0 +1,26 @@
+"""Mapping layer: load a checkpoint into a target whose names and layouts differ.
+
+``xckpt.load(path, like, mapping=m)`` applies ``m`` to the stored manifest before
+anything is read. A mapping is an ordered list of rules (and presets producing
+rules): rename keys with patterns that capture parts
+(``"model/layers.{i}.weight"`` -> ``"params/layers_{i}/kernel"``), transform layouts
+lazily (transpose, split of fused tensors, concatenation, reshape, casts)
+as TensorStore views, so each process still reads only its own region's bytes.
+Wrong mappings raise :class:`MappingError` before any data is read; target leaves
+left unfilled and stored leaves left unused are reported by the load.
+
+Ready-made: :func:`torch_to_flax` and :func:`flax_to_torch` (Linear, Embedding,
+LayerNorm, Conv1d/2d; Adam/AdamW and SGD-momentum optimizer state).
+"""
+
+from .patterns import Pattern
+from .presets import KINDS, OPTIMIZERS, flax_to_torch, torch_to_flax
+from .rules import MappingError, Output, Rule, concat, drop, rename, split
+from .reshape import Reshape, reshape
+from .transforms import Cast, Slice, Transform, Transpose, cast, transpose
+from .view import MappedCheckpoint, Mapping, RuleSource
+
+__all__ = ["Mapping", "MappedCheckpoint", "MappingError", "Rule", "Output", "RuleSource", "Pattern",
+           "rename", "split", "concat", "drop", "transpose", "cast", "reshape",
+           "Transform", "Transpose", "Slice", "Cast", "Reshape",
+           "torch_to_flax", "flax_to_torch", "KINDS", "OPTIMIZERS"]
