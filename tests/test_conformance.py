@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +179,18 @@ def test_cli_validate_exit_codes_and_json(tmp_path: Path) -> None:
     assert rc == 1 and [f["code"] for f in json.loads(out)["findings"]] == ["chunk.crc32c"]
     rc, out = _cli("validate", str(tmp_path / "nothing-here"))
     assert rc == 1 and "manifest.missing" in out and "INVALID" in out
+
+
+def test_every_error_code_is_in_the_spec() -> None:
+    """Each code xckpt or an adapter can raise or report is listed in spec/xckpt-1.0.md section 9."""
+    root = SPEC.parent
+    pattern = re.compile(r'(?:code=|code = |code: str = |Finding\()"([a-z0-9_]+(?:\.[a-z0-9_]+)*)"')
+    codes: dict[str, str] = {}
+    for path in sorted((root / "xckpt").rglob("*.py")) + sorted((root / "adapters").rglob("*.py")):
+        for code in pattern.findall(path.read_text()):
+            codes.setdefault(code, str(path.relative_to(root)))
+    assert {"manifest.missing", "chunk.crc32c", "path.link", "chunk.size", "error"} <= set(codes)
+    text = (SPEC / "xckpt-1.0.md").read_text()
+    table = text[text.index("## 9. Error"):text.index("## 10.")]
+    missing = {c: where for c, where in codes.items() if f"`{c}`" not in table}
+    assert not missing, f"codes not documented in spec/xckpt-1.0.md section 9: {missing}"

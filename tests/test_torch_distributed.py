@@ -8,7 +8,6 @@ any process group, converted, validated, and restored by real Orbax.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import ml_dtypes

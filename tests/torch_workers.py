@@ -270,6 +270,10 @@ def memory_save(rank: int, world: int, wd: Path, *, tensors: int = 12, rows: int
              for i in range(tensors)}
     xckpt.save({"warm": DTensor.from_local(torch.ones(4, 4), mesh, [Shard(0)], run_check=False)}, wd / "mem_warm")
     gc.collect()
+    with PeakRSS() as probe:  # the sampler does see a transient 32 MiB allocation
+        np.ones(32 << 20, dtype=np.uint8).sum()
+    assert probe.peak - rss() > 24 << 20, "RSS sampling missed a 32 MiB allocation"
+    gc.collect()
     before = rss()
     with PeakRSS() as peak:
         xckpt.save({"model": model}, wd / "mem", max_inflight_bytes=inflight)

@@ -188,7 +188,7 @@ def _explain(err: jsonschema.ValidationError) -> jsonschema.ValidationError:
     while err.context:
         branches: dict[Any, list[jsonschema.ValidationError]] = {}
         for e in err.context:
-            branches.setdefault(e.relative_schema_path[0], []).append(e)
+            branches.setdefault(e.relative_schema_path[0] if e.relative_schema_path else None, []).append(e)
         matching = [b for b in branches.values() if not any(list(e.relative_path) == ["kind"] for e in b)]
         pool = matching[0] if len(matching) == 1 else list(err.context)
         err = max(pool, key=jsonschema.exceptions.relevance)

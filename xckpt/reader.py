@@ -6,13 +6,14 @@ Orbax (zarr v2, zarr v3, OCDBT; see :mod:`xckpt.orbax_read`).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import google_crc32c
 import tensorstore as ts
 
 from . import arrays, manifest as manifest_mod, naming, storage, values as values_mod
-from .errors import DataError, IntegrityError, ManifestError, NotACheckpointError, XckptError
+from .errors import DataError, IntegrityError, ManifestError, NotACheckpointError, UnsafePathError, XckptError
 from .manifest import ArrayEntry, Manifest, ValueEntry
 from .storage import Location
 from .tree import key_str
@@ -43,8 +44,24 @@ class Checkpoint:
         return spec
 
     def open_array(self, entry: ArrayEntry) -> "ts.Future[ts.TensorStore]":
-        """Start opening an array leaf."""
+        """Start opening an array leaf (refusing links on local file systems)."""
+        if self.loc.is_local:
+            _refuse_links(self.loc, entry)
         return ts.open(self.array_spec(entry), open=True, read=True, context=arrays.context())
+
+
+def _refuse_links(loc: Location, entry: ArrayEntry) -> None:
+    """A reader does not follow links: the array directory and everything in it must be plain."""
+    base = os.path.join(loc.local_path, entry.path)
+    bad = base if os.path.islink(base) else None
+    for dirpath, dirnames, filenames in os.walk(base) if bad is None else ():
+        bad = next((os.path.join(dirpath, n) for n in dirnames + filenames
+                    if os.path.islink(os.path.join(dirpath, n))), None)
+        if bad:
+            break
+    if bad:
+        raise UnsafePathError(f"{bad} is a symbolic link; a checkpoint holds plain files only",
+                              code="path.link", file=bad, leaf=key_str(entry.key))
 
 
 def read_manifest(loc: Location) -> Manifest:

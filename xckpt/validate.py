@@ -266,9 +266,9 @@ def _check_shard(loc: Location, name: str, e: ArrayEntry, idx: tuple[int, ...], 
                         f"outside the {data_end} data bytes", file, leaf))
             return
         if e.compression == "none" and nbytes != raw_len:
-            code = "chunk.truncated" if nbytes < raw_len else "chunk.size"
-            add(Finding(code, f"inner chunk {list(inner)} has {nbytes} bytes, an uncompressed one has {raw_len}",
-                        file, leaf))
+            why = f"inner chunk {list(inner)} has {nbytes} bytes, an uncompressed one has {raw_len}"
+            add(Finding("chunk.truncated", why, file, leaf) if nbytes < raw_len else
+                Finding("chunk.size", why, file, leaf))
             return
         spans.append((off, nbytes, inner))
     spans.sort()
@@ -312,9 +312,9 @@ def _check_orbax(loc: Location, m: Manifest, vals: dict[int, Any] | None, report
             return
     if vals is None:
         return  # values unreadable (already reported): nothing to compare the strings and mirrors with
-    index = {id(e): i for i, e in enumerate(m.leaves)}
     if strings:
-        _check_strings(loc, {".".join(str(p) for p in e.key): vals[index[id(e)]] for e in strings}, report)
+        _check_strings(loc, {".".join(str(p) for p in e.key): vals[i] for i, e in enumerate(m.leaves)
+                             if isinstance(e, ValueEntry) and e.type == "str"}, report)
     for i, e in enumerate(m.leaves):
         if isinstance(e, ValueEntry):
             _check_mirror(loc, e, vals[i], deep, report)
@@ -324,13 +324,13 @@ def _check_strings(loc: Location, expected: dict[str, str], report: Report) -> N
     file = str(loc.child("_strings.json"))
     raw = storage.read_bytes(loc, "_strings.json")
     if raw is None:
-        report.findings.append(Finding("orbax.missing", "_strings.json is missing; Orbax cannot restore the "
-                                       "string values", file))
+        report.findings.append(Finding("orbax.strings_missing", "_strings.json is missing; Orbax cannot restore "
+                                       "the string values", file))
         return
     try:
         got = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        report.findings.append(Finding("orbax.invalid", f"_strings.json is not valid JSON: {exc}", file))
+        report.findings.append(Finding("orbax.strings_invalid", f"_strings.json is not valid JSON: {exc}", file))
         return
     if got != expected:
         report.findings.append(Finding("orbax.mismatch", "_strings.json does not hold the string values", file))

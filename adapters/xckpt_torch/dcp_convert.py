@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, WriteItem
 
-from xckpt import storage
+from xckpt import dtypes as xdtypes, storage
 from xckpt.convert import LazySource, register_converter
 from xckpt.coord import LocalCoordinator
 from xckpt.errors import SaveError, UnsupportedError, XckptError
@@ -40,7 +40,7 @@ from xckpt.save import save
 from xckpt.storage import Location
 from xckpt.tree import unflatten
 
-from .dcp import _as_leaf, _insert, _key_of, _listify
+from .dcp_tree import as_leaf, insert, key_of, listify
 from .tensors import from_numpy, logical_dtype, to_host, torch_dtype
 
 
@@ -52,13 +52,15 @@ class _Sink:
         self.value: Any = None
 
     def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
+        """The tensor to read into."""
         assert self.target is not None
         return self.target
 
     def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
+        """Nothing to do: the data is already in place."""
 
     def load_bytes(self, item: ReadItem, stream: io.BytesIO) -> None:
+        """A DCP value: ``torch.load`` restricted to plain data (``weights_only=True``)."""
         try:
             self.value = torch.load(stream, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - reported as an xckpt error
@@ -103,11 +105,11 @@ def dcp_to_xckpt(src: str, dst: str, *, overwrite: bool = False) -> None:
                 shards.append(Shard(region, lambda f=fqn, r=region, d=dt: _read_chunk(reader, f, r, d)))
             leaf: Any = LazySource(shape, logical_dtype(dt), shards, {"framework": "torch", "via": "dcp"})
         elif isinstance(smd, BytesStorageMetadata):
-            leaf = _as_leaf(_read_value(reader, fqn))
+            leaf = as_leaf(_read_value(reader, fqn))
         else:
             raise UnsupportedError(f"unknown DCP storage metadata {type(smd).__name__}", leaf=fqn)
-        _insert(tree, _key_of(fqn, mappings), leaf)
-    save(_listify(tree), dst, coordinator=LocalCoordinator(), overwrite=overwrite,
+        insert(tree, key_of(fqn, mappings), leaf)
+    save(listify(tree), dst, coordinator=LocalCoordinator(), overwrite=overwrite,
          metadata={"converted_from": "torch.distributed.checkpoint"})
 
 
@@ -153,7 +155,6 @@ def xckpt_to_dcp(src: str, dst: str, *, overwrite: bool = False) -> None:
 
     def read(e: ArrayEntry) -> torch.Tensor:
         arr = ckpt.open_array(e).result().read().result()
-        from xckpt import dtypes as xdtypes
         arr = arr.view(xdtypes.numpy_dtype(e.dtype)) if xdtypes.is_raw(e.dtype) else arr
         return from_numpy(arr, e.dtype)
 

@@ -11,6 +11,7 @@ them; the core planner keeps one writer per distinct box. Nothing is gathered.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -20,7 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard as TShard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from xckpt.errors import UnsupportedError
+from xckpt.errors import UnsupportedError, XckptError
 from xckpt.regions import Region
 from xckpt.registry import ArraySource, ArrayTarget, Shard
 
@@ -98,7 +99,7 @@ def _mesh_info(d: DTensor) -> dict[str, Any]:
         if isinstance(p, (TShard, _StridedShard)):
             dim_axes[p.dim].append(names[mesh_dim])
     return {"framework": "torch", "mesh_shape": list(mesh.shape), "axis_names": names,
-            "dim_axes": dim_axes, "placements": [str(p) for p in d.placements],
+            "dim_axes": dim_axes, "placements": [repr(p) for p in d.placements],
             "device_type": mesh.device_type}
 
 
@@ -116,15 +117,38 @@ def dtensor_pieces(d: DTensor) -> tuple[list[Piece], torch.Tensor]:
     return pieces, local
 
 
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type == "meta":
+        raise UnsupportedError("a tensor on the meta device has no data to save", code="tensor.meta")
+
+
+def _xckpt_errors(fn: Any) -> Any:
+    """Turn torch errors into XckptErrors, which the core reports on every rank (no rank is left waiting)."""
+    @functools.wraps(fn)
+    def wrapped(obj: Any) -> Any:
+        try:
+            return fn(obj)
+        except XckptError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised as a specific xckpt error
+            raise UnsupportedError(f"cannot describe this {type(obj).__name__}: {type(exc).__name__}: {exc}",
+                                   code="torch.tensor") from exc
+    return wrapped
+
+
+@_xckpt_errors
 def dtensor_source(d: DTensor) -> ArraySource:
     """Save a DTensor: this rank's boxes of it, replicas included (the planner picks one writer)."""
+    _check_device(d)
     pieces, local = dtensor_pieces(d)
     shards = [Shard(p.region, lambda sl=p.local: to_host(local[sl])) for p in pieces]
     return ArraySource(tuple(int(s) for s in d.shape), logical_dtype(d.dtype), shards, _mesh_info(d))
 
 
+@_xckpt_errors
 def tensor_source(t: torch.Tensor) -> ArraySource:
     """Save a plain tensor: held whole by every rank; one rank writes it."""
+    _check_device(t)
     t = t.detach()
     shape = tuple(int(s) for s in t.shape)
     return ArraySource(shape, logical_dtype(t.dtype), [Shard(Region.full(shape), lambda: to_host(t))],

@@ -56,7 +56,7 @@ def model_of(optimizer: torch.optim.Optimizer) -> nn.Module:
         m = ref()
         if m is not None and _owns(m, params):
             return m
-    owners = [o for o in gc.get_objects() if isinstance(o, nn.Module) and _owns(o, params)]
+    owners = [o for o in gc.get_objects() if issubclass(type(o), nn.Module) and _owns(o, params)]
     if owners:
         return max(owners, key=lambda m: (sum(1 for _ in m.parameters()), sum(1 for _ in m.modules())))
     raise TreeError("cannot find the model of this optimizer: no live nn.Module holds all its parameters; "

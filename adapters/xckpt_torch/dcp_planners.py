@@ -1,0 +1,69 @@
+"""DCP planners that keep non-tensor values neutral: msgpack, never ``torch.save``/``torch.load``.
+
+Stock DCP turns each non-tensor value into ``torch.save`` bytes on save and runs
+``torch.load(weights_only=False)`` on load. The xckpt storage layer takes the
+object itself from the save planner and hands the decoded value straight to the
+load planner, so no pickle is produced or read.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem, SavePlanner, WriteItem, WriteItemType
+
+from xckpt import values
+from xckpt.errors import UnsupportedError
+
+
+class XckptSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` whose non-tensor items resolve to msgpack bytes, not ``torch.save``."""
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - DCP's name
+        """Tensors unchanged; values msgpack-encoded."""
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(values.encode(object))
+        return object
+
+
+class XckptLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that takes decoded values (and msgpack bytes), never ``torch.load``."""
+
+    def load_value(self, read_item: ReadItem, value: Any) -> None:
+        """Put an already decoded value into the state dict being loaded."""
+        set_value(self, read_item, value)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Decode msgpack bytes (the only encoding xckpt uses) and store the value."""
+        set_value(self, read_item, values.decode(value.read()))
+
+
+def set_value(planner: DefaultLoadPlanner, item: ReadItem, value: Any) -> None:
+    """Put a decoded value where ``DefaultLoadPlanner.load_bytes`` would have put an unpickled one."""
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[item.dest_index.fqn], value)
+    else:
+        planner.state_dict[item.dest_index.fqn] = value
+
+
+def deliver_value(planner: LoadPlanner, item: ReadItem, value: Any) -> None:
+    """Hand a decoded value to a load planner without any bytes to unpickle."""
+    if hasattr(planner, "load_value"):
+        planner.load_value(item, value)
+    elif isinstance(planner, DefaultLoadPlanner):
+        set_value(planner, item, value)
+    else:
+        raise UnsupportedError(f"cannot hand the value {item.dest_index.fqn!r} to a {type(planner).__name__}: "
+                               "xckpt never unpickles, so use DefaultLoadPlanner or XckptLoadPlanner",
+                               code="dcp.planner")
+
+
+def raw_object(planner: SavePlanner, item: WriteItem) -> Any:
+    """The object behind a BYTE_IO item, before the planner would ``torch.save`` it."""
+    if hasattr(planner, "lookup_object"):
+        return planner.lookup_object(item.index)
+    raise UnsupportedError(f"cannot get the value {item.index.fqn!r} from a {type(planner).__name__} without "
+                           "torch.save; use DefaultSavePlanner or XckptSavePlanner", code="dcp.planner")

@@ -1,0 +1,238 @@
+"""PyTorch adapter in one process: placement maths, dtypes, modules, optimizers, RNG, DCP layer."""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import math
+import os
+import random
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard  # noqa: E402
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset  # noqa: E402
+from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
+
+import xckpt  # noqa: E402
+from xckpt.errors import UnsupportedError  # noqa: E402
+from xckpt.regions import check_tiling  # noqa: E402
+from xckpt_torch import XckptLoadPlanner, XckptStorageReader, XckptStorageWriter, bind  # noqa: E402
+from xckpt_torch.dtensor import local_pieces  # noqa: E402
+from xckpt_torch.tensors import _BY_NAME  # noqa: E402
+
+import torch_workers as tw  # noqa: E402
+
+
+def _layouts():
+    """(mesh shape, placements) pairs: Shard on any dim, Replicate, several mesh dims on one dim, strided."""
+    singles = [Replicate(), Shard(0), Shard(1)]
+    for mesh in [(4,), (3,), (2, 2), (2, 3), (2, 2, 2)]:
+        for combo in itertools.product(singles, repeat=len(mesh)):
+            yield mesh, list(combo)
+    yield (2, 2), [_StridedShard(0, split_factor=2), Shard(0)]
+    yield (2, 3), [_StridedShard(1, split_factor=3), Shard(1)]
+    yield (2, 2), [Shard(0), _StridedShard(0, split_factor=2)]
+    yield (2, 2, 2), [_StridedShard(0, split_factor=4), Shard(0), Shard(0)]
+
+
+SHAPES = [(8, 12), (7, 5), (3, 2), (1, 9), (16, 6), (0, 4)]
+
+
+def test_pieces_agree_with_torch_local_shape_and_offset():
+    checked = 0
+    for mesh, places in _layouts():
+        for shape in SHAPES:
+            for coord in itertools.product(*(range(n) for n in mesh)):
+                pieces = local_pieces(shape, mesh, list(coord), places)
+                local, offset = _compute_local_shape_and_global_offset(shape, mesh, list(coord), places)
+                got = tuple(max((p.local[d].stop for p in pieces), default=0) for d in range(len(shape)))
+                assert got == tuple(local), (mesh, places, shape, coord, got, local)
+                nonempty = [p for p in pieces if not p.region.is_empty()]
+                if nonempty:  # torch reports the offset of the first local element
+                    assert nonempty[0].region.offsets == tuple(offset), (mesh, places, shape, coord)
+                checked += 1
+    assert checked > 1000
+
+
+def test_pieces_of_all_ranks_tile_the_array_and_replicas_repeat():
+    for mesh, places in _layouts():
+        replicas = math.prod(n for n, p in zip(mesh, places) if isinstance(p, Replicate))
+        for shape in SHAPES:
+            held: dict = {}
+            for coord in itertools.product(*(range(n) for n in mesh)):
+                for p in local_pieces(shape, mesh, list(coord), places):
+                    if not p.region.is_empty():
+                        held[p.region] = held.get(p.region, 0) + 1
+            assert check_tiling(shape, list(held)) is None, (mesh, places, shape)
+            assert set(held.values()) <= {replicas}, (mesh, places, shape, held)
+
+
+def test_strided_last_placement_gives_several_boxes():
+    pieces = local_pieces((8, 3), (2, 2), [0, 0], [Shard(0), _StridedShard(0, split_factor=2)])
+    assert [(p.region.offsets, p.region.sizes) for p in pieces] == [((0, 0), (1, 3)), ((2, 0), (1, 3))]
+    assert [p.local[0] for p in pieces] == [slice(0, 1), slice(1, 2)]
+
+
+def _sample(name: str) -> torch.Tensor:
+    base = (np.arange(24, dtype=np.float64).reshape(4, 6) - 8) / 4
+    if name == "bool":
+        return torch.from_numpy(base > 0)
+    if name.startswith("uint"):
+        return torch.from_numpy((np.arange(24).reshape(4, 6) * 3 + 2**(np.dtype(name).itemsize * 8 - 3))
+                                .astype(name))
+    if name in ("bfloat16",) or name.startswith("float8"):
+        return torch.from_numpy(np.abs(base).astype(np.float32)).to(_BY_NAME[name])
+    if name.startswith("complex"):
+        return torch.from_numpy((base + 1j * base[::-1]).astype(name))
+    return torch.from_numpy(base.astype(name) if "float" in name else (base * 4).astype(name))
+
+
+@pytest.mark.parametrize("name", sorted(_BY_NAME))
+def test_every_torch_dtype_round_trips(tmp_path, name):
+    t = _sample(name)
+    xckpt.save({"t": t, "s": t[1, 2].clone()}, tmp_path / "c")
+    raw = xckpt.load(tmp_path / "c")["t"]
+    assert raw.dtype == xckpt.dtypes.numpy_dtype(name)
+    want = xckpt.torch.to_host(t)
+    np.testing.assert_array_equal(raw.view(np.uint8), want.view(np.uint8))
+    into = {"t": torch.zeros(4, 6, dtype=t.dtype), "s": torch.zeros((), dtype=t.dtype)}
+    out = xckpt.load(tmp_path / "c", like=into)
+    assert out["t"] is into["t"] and out["t"].dtype == t.dtype
+    bits = lambda x: xckpt.torch.to_host(x).reshape(-1).view(np.uint8)  # noqa: E731 - bitwise, NaN-safe
+    np.testing.assert_array_equal(bits(into["t"]), bits(t))
+    np.testing.assert_array_equal(bits(into["s"]), bits(t[1, 2]))
+    assert xckpt.validate(tmp_path / "c", deep=True).ok
+
+
+def test_module_optimizer_scheduler_and_rng_in_one_process(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
+    for _ in range(3):
+        model(torch.randn(5, 3)).pow(2).sum().backward()
+        opt.step()
+        sched.step()
+    random.seed(3)
+    np.random.seed(4)
+    # the optimizer comes before its model: its parameters are named through the live model
+    xckpt.save({"optim": opt, "model": model, "sched": sched, "step": 3, "rng": xckpt.torch.rng_state()},
+               tmp_path / "c")
+    after = (torch.rand(3), random.random(), np.random.rand())
+    stored = xckpt.load(tmp_path / "c")
+    assert sorted(stored["optim"]["state"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert stored["optim"]["param_groups"][0]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+    torch.manual_seed(1)
+    model2 = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.7)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, 5)
+    bind(opt2, model2)
+    out = xckpt.load(tmp_path / "c", like={"optim": opt2, "model": model2, "sched": sched2, "step": 0,
+                                           "rng": xckpt.torch.rng_state()})
+    assert out["model"] is model2 and out["optim"] is opt2 and out["step"] == 3
+    for (k, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items()):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=k)
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    for i in s1["state"]:
+        for k in s1["state"][i]:
+            np.testing.assert_array_equal(s1["state"][i][k].numpy(), s2["state"][i][k].numpy())
+    assert s2["param_groups"][0]["lr"] == s1["param_groups"][0]["lr"] and sched2.state_dict() == sched.state_dict()
+    again = (torch.rand(3), random.random(), np.random.rand())
+    np.testing.assert_array_equal(after[0].numpy(), again[0].numpy())
+    assert after[1:] == again[1:]
+    assert xckpt.validate(tmp_path / "c", deep=True).ok
+
+
+def test_load_into_meta_tensor_makes_a_new_tensor(tmp_path):
+    xckpt.save({"w": torch.arange(6.0).reshape(2, 3)}, tmp_path / "c")
+    out = xckpt.load(tmp_path / "c", like={"w": torch.empty(2, 3, device="meta")})
+    assert out["w"].device.type == "cpu"
+    np.testing.assert_array_equal(out["w"].numpy(), np.arange(6.0).reshape(2, 3))
+    assert xckpt.validate(tmp_path / "c", deep=True).ok
+    with pytest.raises(UnsupportedError, match="meta"):
+        xckpt.save({"w": torch.empty(2, device="meta")}, tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
+def test_dcp_layer_in_one_process(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, opt)
+    bf = torch.arange(12.0).reshape(6, 2).bfloat16()
+    state = {"model": msd, "optim": osd, "step": 3, "bf": bf, "tag": "x", "pair": (1, "two"),
+             "f8": torch.tensor([0.5, 1.0, -2.0]).to(torch.float8_e4m3fn)}
+    dcp.save(state, storage_writer=XckptStorageWriter(tmp_path / "c"), no_dist=True)
+    files = [f for _, _, fs in os.walk(tmp_path / "c") for f in fs]
+    assert not any(f.endswith(".distcp") or f == ".metadata" for f in files)
+    assert xckpt.validate(tmp_path / "c", deep=True).ok
+    stored = xckpt.load(tmp_path / "c")
+    assert (stored["step"], stored["tag"], stored["pair"]) == (3, "x", (1, "two"))
+    np.testing.assert_array_equal(stored["bf"], np.arange(12.0).reshape(6, 2).astype(ml_dtypes.bfloat16))
+
+    for planner in (None, XckptLoadPlanner()):
+        torch.manual_seed(5)
+        m2 = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        o2 = torch.optim.AdamW(m2.parameters(), lr=0.9)
+        msd2, osd2 = get_state_dict(m2, o2)
+        target = {"model": msd2, "optim": osd2, "step": 0, "bf": torch.zeros(6, 2), "tag": "", "pair": None,
+                  "f8": torch.zeros(3, dtype=torch.float8_e4m3fn)}
+        dcp.load(target, storage_reader=XckptStorageReader(tmp_path / "c"), planner=planner, no_dist=True)
+        for k in msd:
+            np.testing.assert_array_equal(msd[k].numpy(), msd2[k].numpy())
+        for k in osd["state"]:
+            for n in osd["state"][k]:
+                np.testing.assert_array_equal(osd["state"][k][n].numpy(), osd2["state"][k][n].numpy())
+        assert osd2["param_groups"][0]["lr"] == 0.1 and osd2["param_groups"][0]["betas"] == (0.9, 0.999)
+        assert (target["step"], target["tag"], target["pair"]) == (3, "x", (1, "two"))
+        np.testing.assert_array_equal(target["bf"].numpy(), np.arange(12.0).reshape(6, 2))
+        assert torch.equal(target["f8"].view(torch.uint8), state["f8"].view(torch.uint8))
+
+    # a checkpoint written by xckpt.save reads through DCP too (lists of values come back whole)
+    xckpt.save({"model": model, "optim": opt, "n": 4}, tmp_path / "native")
+    torch.manual_seed(6)
+    m3 = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    o3 = torch.optim.AdamW(m3.parameters(), lr=0.3)
+    msd3, osd3 = get_state_dict(m3, o3)
+    t3 = {"model": msd3, "optim": osd3, "n": 0}
+    dcp.load(t3, storage_reader=XckptStorageReader(tmp_path / "native"), no_dist=True)
+    assert t3["n"] == 4 and osd3["param_groups"][0]["params"] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    for k in msd:
+        np.testing.assert_array_equal(msd[k].numpy(), msd3[k].numpy())
+    assert xckpt.validate(tmp_path / "native", deep=True).ok
+
+
+def test_coordinator_and_unsupported_placement_in_a_one_rank_group(tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+    from xckpt_torch import TorchCoordinator
+    store = dist.TCPStore("127.0.0.1", tw.free_port(), 1, True, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        coord = xckpt.registry.default_coordinator()
+        assert isinstance(coord, TorchCoordinator)
+        assert coord.all_gather_bytes(b"") == [b""] and coord.all_gather_bytes(b"\x00a") == [b"\x00a"]
+        assert coord.broadcast_bytes(b"hello") == b"hello"
+        mesh = init_device_mesh("cpu", (1,))
+        partial = DTensor.from_local(torch.ones(2, 2), mesh, [Partial()])
+        with pytest.raises(UnsupportedError, match="Partial"):
+            xckpt.save({"p": partial}, tmp_path / "c")
+        assert not (tmp_path / "c").exists()
+        d = DTensor.from_local(torch.arange(6.0).reshape(2, 3), mesh, [Shard(1)])
+        man = xckpt.save({"d": d}, tmp_path / "ok")
+        assert man.leaves[0].sharding["placements"] == ["Shard(dim=1)"]
+        np.testing.assert_array_equal(xckpt.load(tmp_path / "ok")["d"], np.arange(6.0).reshape(2, 3))
+        assert xckpt.validate(tmp_path / "ok", deep=True).ok
+    finally:
+        dist.destroy_process_group()
