@@ -163,6 +163,21 @@ def test_flax_linen_to_torch_modules(tmp_path):
     _check_outputs(_torch_outputs(net), _linen_outputs(params))
 
 
+def test_orbax_saved_flax_params_to_torch(tmp_path):
+    """The mapping works on checkpoints written by Orbax too (read through xckpt's Orbax reader)."""
+    import orbax.checkpoint as ocp
+    params = _linen_init(7)
+    path = str(tmp_path / "orbax")
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, {"params": jax.tree.map(jnp.asarray, params)})
+    net = TorchNet()
+    out = xckpt.load(path, {"model": _zeros(_np(net.state_dict()))}, mapping=M.flax_to_torch(MODULES))
+    for fqn, (fpath, lay) in LAYOUT.items():
+        np.testing.assert_array_equal(lay(out["model"][fqn]), _get(params, fpath), err_msg=fqn)
+    net.load_state_dict({k: torch.from_numpy(v) for k, v in out["model"].items()})
+    _check_outputs(_torch_outputs(net), _linen_outputs(params))
+
+
 class NnxNet(nnx.Module):
     def __init__(self, rngs: nnx.Rngs) -> None:
         self.embed = nnx.Embed(11, 8, rngs=rngs)

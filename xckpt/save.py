@@ -224,7 +224,7 @@ def commit(p: PreparedSave, local_error: BaseException | None = None) -> Manifes
         try:
             if failed:
                 raise SaveError(f"rank {failed[0][0]} failed while writing: {failed[0][1]}")
-            manifest = _write_metadata(p)
+            manifest = write_metadata(p)
             storage.publish(p.tmp, p.final, overwrite=p.options.overwrite)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
             storage.remove(p.tmp) if p.tmp != p.final else None
@@ -238,7 +238,8 @@ def commit(p: PreparedSave, local_error: BaseException | None = None) -> Manifes
     return manifest if manifest is not None else build_manifest(p, None)
 
 
-def _write_metadata(p: PreparedSave) -> Manifest:
+def write_metadata(p: PreparedSave) -> Manifest:
+    """The coordinating process's commit work: zarr.json files, values, Orbax files, manifest, marker."""
     value_leaves = {i: p.sources[i] for i, d in enumerate(p.descs) if d.kind == "value"}
     for i, lp in enumerate(p.plan.leaves):
         if lp is not None:

@@ -35,8 +35,8 @@ from .errors import CoordinationError, SaveError, XckptError
 from .manifest import Manifest
 from .plan import INNER_CHUNK_BYTES
 from .registry import ArraySource, Shard
-from .save import MAX_INFLIGHT_BYTES, PreparedSave, SaveOptions, build_manifest, prepare, write_local
-from .save import _write_metadata
+from .save import (MAX_INFLIGHT_BYTES, PreparedSave, SaveOptions, build_manifest, prepare, write_local,
+                   write_metadata)
 from .storage import Location
 from .tree import key_str
 
@@ -115,7 +115,7 @@ class SaveHandle:
         try:
             if local is not None:
                 raise local
-            self._manifest = _write_metadata(p)
+            self._manifest = write_metadata(p)
             storage.publish(p.tmp, p.final, overwrite=p.options.overwrite)
         except BaseException as exc:  # noqa: BLE001
             _discard(p)
@@ -133,7 +133,7 @@ class SaveHandle:
             p.stats["bytes_per_rank"] = [s["bytes"] for s in statuses]  # type: ignore[assignment]
             if failed:
                 raise SaveError(f"rank {failed[0][0]} failed while writing: {failed[0][1]}")
-            self._manifest = _write_metadata(p)
+            self._manifest = write_metadata(p)
             storage.publish(p.tmp, p.final, overwrite=p.options.overwrite)
         except BaseException as exc:  # noqa: BLE001
             _discard(p)

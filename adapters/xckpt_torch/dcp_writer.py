@@ -28,7 +28,7 @@ from xckpt.coord import LocalCoordinator
 from xckpt.errors import SaveError, ShapeError, UnsupportedError, XckptError
 from xckpt.plan import INNER_CHUNK_BYTES, LeafDesc, LeafPlan, SavePlan as XSavePlan
 from xckpt.regions import Region, check_tiling, chunk_shape_for, inner_chunk_shape_for
-from xckpt.save import MAX_INFLIGHT_BYTES, PreparedSave, SaveOptions, _write_metadata
+from xckpt.save import MAX_INFLIGHT_BYTES, PreparedSave, SaveOptions, write_metadata
 from xckpt.storage import Location
 from xckpt.tree import Value, flatten
 
@@ -169,7 +169,7 @@ class XckptStorageWriter(StorageWriter):
         final = Location.of(self.path)  # type: ignore[arg-type]
         try:
             p = self._prepared(final, metadata, results)
-            _write_metadata(p)
+            write_metadata(p)
             storage.publish(self._tmp, final, overwrite=self.options.overwrite)
         except BaseException:
             storage.remove(self._tmp)

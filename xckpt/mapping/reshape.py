@@ -2,7 +2,8 @@
 
 Inserting or removing size-1 dimensions is an index transform. Merging or
 splitting other dimensions (``(heads * dim, in)`` <-> ``(heads, dim, in)``) is
-not, so it is a ``virtual_chunked`` view whose chunks are boxes that map to
+not, so it is a ``virtual_chunked`` view (its chunk callbacks await the stored
+reads on an event loop of their own) whose chunks are boxes that map to
 boxes of the stored array: in each group of dimensions that a reshape merges or
 splits, a chunk spans whole trailing dimensions and a slab of the first one, so
 reading a region reads the stored rows under the chunks it touches, not more.
@@ -10,7 +11,9 @@ reading a region reads the stored rows under the chunks it touches, not more.
 
 from __future__ import annotations
 
+import asyncio
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -19,18 +22,19 @@ import tensorstore as ts
 
 from .transforms import Layout, Transform, TransformError
 
-#: Aim for virtual chunks of about this many elements along a merged or split group.
-_GROUP_CHUNK_ELEMENTS = 1 << 16
-
-_context: ts.Context | None = None
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
 
 
-def _virtual_context() -> ts.Context:
-    """A context of its own, so a chunk callback waiting on a stored read never blocks that read."""
-    global _context
-    if _context is None:
-        _context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
-    return _context
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """The event loop (on a daemon thread) that runs chunk callbacks: they await stored reads."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="xckpt-mapping-reshape", daemon=True).start()
+            _loop = loop
+    return _loop
 
 
 Group = tuple[tuple[int, ...], tuple[int, ...]]
@@ -107,19 +111,23 @@ class Reshape(Transform):
 
 
 def _chunks(src: Sequence[int], dst: Sequence[int], src_chunks: Sequence[int]) -> tuple[int, ...]:
-    """Virtual chunk shape: whole trailing dims and an aligned slab of the first, in each merged group."""
+    """Virtual chunk shape: whole trailing dims and a slab of the first, in each merged or split group.
+
+    The slab is whole rows on both sides and, where it can be, the rows of one stored chunk.
+    """
     out = [1] * len(dst)
     for si, dj in groups(src, dst) or []:
-        if not dj:
+        if not si or not dj:  # size-1 dimensions on one side only
             continue
         if len(si) == 1 and len(dj) == 1:
             out[dj[0]] = max(1, min(src_chunks[si[0]], dst[dj[0]]))
             continue
         pt = math.prod(dst[d] for d in dj[1:])
-        ps = math.prod(src[s] for s in si[1:]) if si else 1
-        step = math.lcm(pt, ps) // pt
-        rows = max(1, _GROUP_CHUNK_ELEMENTS // (step * pt))
-        out[dj[0]] = min(dst[dj[0]], step * rows)
+        ps = math.prod(src[s] for s in si[1:])
+        unit = math.lcm(pt, ps)  # the smallest flat run that is whole rows on both sides
+        want = max(1, min(src_chunks[si[0]], src[si[0]])) * ps  # a stored chunk's rows, flat
+        flat = math.lcm(unit, want) if math.lcm(unit, want) <= 4 * max(unit, want) else unit * max(1, want // unit)
+        out[dj[0]] = min(dst[dj[0]], flat // pt)
         for d in dj[1:]:
             out[d] = dst[d]
     return tuple(out)
@@ -134,11 +142,11 @@ def _virtual(store: ts.TensorStore, src: tuple[int, ...], dst: tuple[int, ...]) 
         read_chunks = (1,) * len(src)
     chunk = _chunks(src, dst, [c or 1 for c in read_chunks])
 
-    def read(domain: ts.IndexDomain, array: np.ndarray, params: Any) -> None:
+    async def read(domain: ts.IndexDomain, array: np.ndarray, params: Any) -> None:
         lo, hi = domain.inclusive_min, domain.exclusive_max
         index: list[slice] = [slice(0, 1)] * len(src)
         for si, dj in grouping:
-            if not dj:
+            if not si or not dj:
                 continue
             if len(si) == 1 and len(dj) == 1:
                 index[si[0]] = slice(lo[dj[0]], hi[dj[0]])
@@ -148,10 +156,11 @@ def _virtual(store: ts.TensorStore, src: tuple[int, ...], dst: tuple[int, ...]) 
             index[si[0]] = slice(lo[dj[0]] * pt // ps, hi[dj[0]] * pt // ps)
             for s in si[1:]:
                 index[s] = slice(0, src[s])
-        array[...] = store[tuple(index)].read().result().reshape(array.shape)
+        array[...] = (await store[tuple(index)].read()).reshape(array.shape)
 
-    return ts.virtual_chunked(read, dtype=store.dtype, shape=dst, chunk_layout=ts.ChunkLayout(read_chunk_shape=chunk),
-                              context=_virtual_context())
+    return ts.virtual_chunked(read, loop=_event_loop(), dtype=store.dtype, shape=dst,
+                              chunk_layout=ts.ChunkLayout(read_chunk_shape=chunk),
+                              context=ts.Context({"cache_pool": {"total_bytes_limit": 0}}))
 
 
 def reshape(*shape: int) -> Reshape:
