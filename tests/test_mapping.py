@@ -174,6 +174,22 @@ def test_reshape_regions_match_numpy(tmp_path, src, dst):
         np.testing.assert_array_equal(got, a.reshape(dst)[region])
 
 
+def test_same_sources_must_agree(tmp_path):
+    """torch keeps Adam's step per parameter, optax one count: equal steps become the count, else the load fails."""
+    path = str(tmp_path / "ck")
+    steps = {"a": 3.0, "b": 3.0, "c": 2.0}
+    xckpt.save({"optim": {"state": {k: {"step": np.array(v, np.float32)} for k, v in steps.items()}}}, path)
+    ok = M.Mapping(M.same(["optim/state/a/step", "optim/state/b/step"], "count", M.cast("int32")),
+                   M.drop("optim/state/c/step"))
+    out = xckpt.load(path, {"count": np.zeros((), np.int32)}, mapping=ok)
+    assert out["count"].dtype == np.int32
+    np.testing.assert_array_equal(out["count"], np.int32(3))
+    bad = M.Mapping(M.same([f"optim/state/{k}/step" for k in steps], "count", M.cast("int32")))
+    with pytest.raises(DataError, match="optim/state/a/step holds 3.0, optim/state/c/step holds 2.0") as info:
+        xckpt.load(path, {"count": np.zeros((), np.int32)}, mapping=bad)
+    assert info.value.leaf == "count"
+
+
 def test_value_leaves_rename_and_drop(torchlike):
     path, _ = torchlike
     m = M.Mapping(M.rename("step", "meta/step"), M.drop("name"), M.drop("model/{p*}"), M.drop("optim/{p*}"))
@@ -312,6 +328,10 @@ def test_unfilled_targets_and_unused_sources_are_reported(torchlike):
     assert any("no mapping rule uses it" in str(w.message) for w in caught)
     np.testing.assert_array_equal(out["params"]["l0"]["bias"], np.full(6, 9, np.float32))
     np.testing.assert_array_equal(out["params"]["l1"]["kernel"], tree["model"]["layers.1.fc.weight"].T)
+    # loading everything (no target tree) warns about them
+    with pytest.warns(xckpt.XckptWarning, match="no mapping rule uses .*model/layers.0.fc.bias"):
+        whole = xckpt.load(path, mapping=m)
+    assert sorted(whole["params"]) == ["l0", "l1"]
     # loading only a subtree that the unused leaves do not feed reports nothing
     out = xckpt.load(path, {"step": 0}, mapping=m)
     assert out == {"step": 7}

@@ -90,6 +90,10 @@ def load(path: Any, like: Any = None, *, strict: bool = True, max_bytes: int | N
         ckpt = mapping.apply(ckpt)
     m = ckpt.manifest
     if like is None:
+        unused_all = getattr(ckpt, "unused_sources", lambda tops: [])(None)  # a mapping's unused stored leaves
+        if unused_all:
+            warnings.warn(f"checkpoint {ckpt.loc}: no mapping rule uses {unused_all[:20]}", XckptWarning,
+                          stacklevel=2)
         results = _read(ckpt, [(i, _numpy_target(e)) for i, e in enumerate(m.leaves)
                                 if isinstance(e, ArrayEntry)], max_bytes)
         vals = ckpt.values()

@@ -107,9 +107,7 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
         naming.check_unique([d.key for d, s in zip(descs, sources)
                              if d.kind == "array" or orbax_files.mirrors(s) or isinstance(s, str)])
         if coord.rank == 0:
-            if final.is_local and os.path.lexists(final.local_path) and not opts.overwrite:
-                raise SaveError(f"{final.local_path} already exists; pass overwrite=True to replace it",
-                                code="save.exists", file=final.local_path)
+            _check_target(final, opts)
             tmp_url = storage.temporary_sibling(final).url
     except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
         raised: XckptError | None = exc if isinstance(exc, XckptError) else SaveError(
@@ -129,6 +127,23 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
     names = naming.check_unique(d.key for d in descs if d.kind == "array")
     return PreparedSave(final, Location(gathered[0]["tmp"]), coord, structure, keys, sources, descs, plan,
                         names, opts)
+
+
+def _check_target(final: Location, opts: SaveOptions) -> None:
+    """Refuse to replace a checkpoint unless asked; on object stores, clear an uncommitted prefix.
+
+    Object stores have no atomic rename, so the manifest written last is the commit and
+    an existing committed checkpoint is never overwritten in place.
+    """
+    if final.is_local:
+        if os.path.lexists(final.local_path) and not opts.overwrite:
+            raise SaveError(f"{final.local_path} already exists; pass overwrite=True to replace it",
+                            code="save.exists", file=final.local_path)
+        return
+    if storage.exists(final, naming.MANIFEST):
+        raise SaveError(f"{final} holds a committed checkpoint; object stores cannot replace one atomically, "
+                        "so save to a new prefix", code="save.exists", file=str(final))
+    storage.remove(final)  # leftovers of a save that never committed
 
 
 def write_local(p: PreparedSave) -> int:
@@ -227,7 +242,7 @@ def commit(p: PreparedSave, local_error: BaseException | None = None) -> Manifes
             manifest = write_metadata(p)
             storage.publish(p.tmp, p.final, overwrite=p.options.overwrite)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
-            storage.remove(p.tmp) if p.tmp != p.final else None
+            storage.remove(p.tmp)  # a temp dir, or an object-store prefix holding no committed checkpoint
             outcome = {"error": str(exc)}
             if p.coord.world_size == 1:
                 raise exc if isinstance(exc, XckptError) else SaveError(str(exc)) from exc
@@ -281,6 +296,6 @@ def save(tree: Any, path: Any, *, coordinator: Coordinator | None = None, overwr
     except Exception as exc:  # noqa: BLE001 - every rank must reach the commit collective
         error = exc
     if error is not None and p.coord.world_size == 1:
-        storage.remove(p.tmp) if p.tmp != p.final else None
+        storage.remove(p.tmp)
         raise SaveError(f"save to {p.final} failed; nothing was committed: {error}", file=str(p.final)) from error
     return commit(p, error)

@@ -8,6 +8,7 @@ local file systems only; elsewhere the manifest written last is the commit.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
@@ -47,11 +48,12 @@ class Location:
 
     def kvstore(self, sub: str = "") -> dict[str, Any]:
         """TensorStore kvstore spec of this root, or of ``sub`` under it (a directory)."""
+        tail = sub.rstrip("/") + "/" if sub else ""
         if self.is_local:
-            base = self.local_path.rstrip("/") + "/"
-            return {"driver": "file", "path": base + (sub.rstrip("/") + "/" if sub else "")}
-        spec = ts.KvStore.Spec(self.url + "/" + (sub.rstrip("/") + "/" if sub else "")).to_json()
-        return dict(spec)
+            return {"driver": "file", "path": self.local_path.rstrip("/") + "/" + tail}
+        if self.url.startswith("s3://"):
+            return s3_spec(self.url, tail)
+        return dict(ts.KvStore.Spec(self.url + "/" + tail).to_json())
 
     def child(self, name: str) -> "Location":
         """The location of ``name`` under this one."""
@@ -61,11 +63,30 @@ class Location:
         return self.url
 
 
+def s3_spec(url: str, tail: str = "") -> dict[str, Any]:
+    """The kvstore spec of an ``s3://bucket/prefix`` URL.
+
+    The endpoint and region come from the standard AWS variables (``AWS_ENDPOINT_URL_S3``
+    or ``AWS_ENDPOINT_URL``, ``AWS_REGION`` or ``AWS_DEFAULT_REGION``), so any
+    S3-compatible store works; credentials come from the usual AWS sources.
+    """
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket,
+                            "path": (prefix.strip("/") + "/" if prefix.strip("/") else "") + tail}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        spec["endpoint"] = endpoint
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        spec["aws_region"] = region
+    return spec
+
+
 _open_cache: dict[str, ts.KvStore] = {}
 
 
 def _kv(loc: Location) -> ts.KvStore:
-    key = loc.url
+    key = json.dumps(loc.kvstore(), sort_keys=True)
     kv = _open_cache.get(key)
     if kv is None:
         kv = ts.KvStore.open(loc.kvstore()).result()
@@ -142,7 +163,12 @@ def publish(tmp: Location, final: Location, *, overwrite: bool) -> None:
                              code="save.exists", file=target)
         old = tmp.local_path + ".old"
         os.rename(target, old)
-    os.rename(tmp.local_path, target)
+    try:
+        os.rename(tmp.local_path, target)
+    except OSError:
+        if old is not None:
+            os.rename(old, target)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -151,8 +177,8 @@ def remove(loc: Location) -> None:
     """Delete everything under ``loc`` (best effort; used to clean up a failed save)."""
     if loc.is_local:
         shutil.rmtree(loc.local_path, ignore_errors=True)
-    else:
-        try:
-            _kv(loc).delete_range(ts.KvStore.KeyRange()).result()
-        except Exception:  # noqa: BLE001 - cleanup is best effort
-            pass
+        return
+    try:
+        ts.KvStore.open(loc.kvstore()).result().delete_range(ts.KvStore.KeyRange()).result()
+    except Exception:  # noqa: BLE001 - cleanup is best effort
+        pass

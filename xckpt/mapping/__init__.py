@@ -15,12 +15,12 @@ LayerNorm, Conv1d/2d; Adam/AdamW and SGD-momentum optimizer state).
 
 from .patterns import Pattern
 from .presets import KINDS, OPTIMIZERS, flax_to_torch, torch_to_flax
-from .rules import MappingError, Output, Rule, concat, drop, rename, split
+from .rules import MappingError, Output, Rule, concat, drop, rename, same, split
 from .reshape import Reshape, reshape
 from .transforms import Cast, Slice, Transform, Transpose, cast, transpose
 from .view import MappedCheckpoint, Mapping, RuleSource
 
 __all__ = ["Mapping", "MappedCheckpoint", "MappingError", "Rule", "Output", "RuleSource", "Pattern",
-           "rename", "split", "concat", "drop", "transpose", "cast", "reshape",
+           "rename", "split", "concat", "same", "drop", "transpose", "cast", "reshape",
            "Transform", "Transpose", "Slice", "Cast", "Reshape",
            "torch_to_flax", "flax_to_torch", "KINDS", "OPTIMIZERS"]

@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping as TMapping, Sequence
 from ..manifest import ArrayEntry, Manifest
 from ..tree import Key, key_str
 from .patterns import Pattern, parse_path, render
-from .rules import MappingError, Output, Rule, drop, rename
+from .rules import MappingError, Output, Rule, drop, rename, same
 from .transforms import Transform, Transpose, cast
 from .view import Mapping, RuleSource, match_rules
 
@@ -228,10 +228,8 @@ class TorchFlaxPreset(RuleSource):
                                    f"{key_str(state)!r}", code="mapping.no_match")
             steps = [k for k in keys if len(k) == len(state) + 2 and k[:len(state)] == state and k[-1] == "step"]
             if steps and self.optimizer in ("adam", "adamw"):
-                out.append(rename(steps[0], self.opt_state + ("count",), cast("int32"), required=False,
-                                  name=f"torch step {key_str(steps[0])} -> optax count"))
-                out.extend(drop(k, name="torch step (same for every parameter; one becomes the count)")
-                           for k in steps[1:])
+                out.append(same(steps, self.opt_state + ("count",), cast("int32"), required=False,
+                                name="torch step of every parameter (all equal) -> optax count"))
             groups = self.optim + ("param_groups",)
             out.extend(drop(k, name="torch param_groups (hyperparameters live in the optax transformation)")
                        for k in keys if k[:len(groups)] == groups)

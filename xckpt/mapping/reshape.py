@@ -2,8 +2,7 @@
 
 Inserting or removing size-1 dimensions is an index transform. Merging or
 splitting other dimensions (``(heads * dim, in)`` <-> ``(heads, dim, in)``) is
-not, so it is a ``virtual_chunked`` view (its chunk callbacks await the stored
-reads on an event loop of their own) whose chunks are boxes that map to
+not, so it is a ``virtual_chunked`` view (see :mod:`.virtual`) whose chunks are boxes that map to
 boxes of the stored array: in each group of dimensions that a reshape merges or
 splits, a chunk spans whole trailing dimensions and a slab of the first one, so
 reading a region reads the stored rows under the chunks it touches, not more.
@@ -11,9 +10,7 @@ reading a region reads the stored rows under the chunks it touches, not more.
 
 from __future__ import annotations
 
-import asyncio
 import math
-import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -21,21 +18,7 @@ import numpy as np
 import tensorstore as ts
 
 from .transforms import Layout, Transform, TransformError
-
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_lock = threading.Lock()
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """The event loop (on a daemon thread) that runs chunk callbacks: they await stored reads."""
-    global _loop
-    with _loop_lock:
-        if _loop is None:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="xckpt-mapping-reshape", daemon=True).start()
-            _loop = loop
-    return _loop
-
+from .virtual import context, event_loop
 
 Group = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -158,9 +141,8 @@ def _virtual(store: ts.TensorStore, src: tuple[int, ...], dst: tuple[int, ...]) 
                 index[s] = slice(0, src[s])
         array[...] = (await store[tuple(index)].read()).reshape(array.shape)
 
-    return ts.virtual_chunked(read, loop=_event_loop(), dtype=store.dtype, shape=dst,
-                              chunk_layout=ts.ChunkLayout(read_chunk_shape=chunk),
-                              context=ts.Context({"cache_pool": {"total_bytes_limit": 0}}))
+    return ts.virtual_chunked(read, loop=event_loop(), dtype=store.dtype, shape=dst,
+                              chunk_layout=ts.ChunkLayout(read_chunk_shape=chunk), context=context())
 
 
 def reshape(*shape: int) -> Reshape:

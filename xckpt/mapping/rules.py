@@ -7,6 +7,8 @@ produces one or more outputs, each a target pattern and a list of transforms:
 * :func:`split` — one fused source (QKV), several targets, each a slice of it;
 * :func:`concat` — several sources (matched together through shared captures)
   concatenated into one target;
+* :func:`same` — several sources that must hold the same value, one target
+  (torch's per-parameter Adam ``step`` -> optax's ``count``; checked when read);
 * :func:`drop` — consume sources without producing anything.
 
 Rules are tried in order and a source leaf is used by the first rule that
@@ -51,6 +53,7 @@ class Rule:
     required: bool = True
     name: str = ""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+    same: bool = False  # several sources that must hold the same value (not concatenated)
 
     @property
     def label(self) -> str:
@@ -78,7 +81,7 @@ class Rule:
         if any(s is None for s in sources):
             return None
         return Rule(tuple(sources), tuple(outputs), self.concat_axis, False,  # type: ignore[arg-type]
-                    name or (f"{self.label} (mirrored)"))
+                    name or (f"{self.label} (mirrored)"), self.extra, self.same)
 
 
 def _transforms(transforms: Sequence[Transform]) -> tuple[Transform, ...]:
@@ -146,6 +149,18 @@ def concat(sources: Sequence[PatternLike], target: PatternLike, *, axis: int = 0
         _check_fields(pats[0], [p])
     _check_fields(pats[0], [out])
     return Rule(pats, (Output(out, _transforms(then)),), axis, required, name)
+
+
+def same(sources: Sequence[PatternLike], target: PatternLike, *transforms: Transform, required: bool = True,
+         name: str = "") -> Rule:
+    """One target from several leaves that must be equal (checked when read; a difference fails the load)."""
+    pats = tuple(Pattern(s) for s in sources)
+    if not pats:
+        raise TreeError("same needs at least one source", code="mapping.pattern")
+    out = Pattern(target)
+    for p in pats[1:] + (out,):
+        _check_fields(pats[0], [p])
+    return Rule(pats, (Output(out, _transforms(transforms)),), None, required, name, same=True)
 
 
 def drop(source: PatternLike, *, required: bool = False, name: str = "") -> Rule:

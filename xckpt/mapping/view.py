@@ -23,6 +23,7 @@ from ..tree import Key, Node, key_str
 from .patterns import render
 from .rules import MappingError, Rule
 from .transforms import Layout, Transform, TransformError
+from .virtual import same_view
 
 
 class RuleSource:
@@ -78,7 +79,9 @@ class MappedCheckpoint:
 
         def build(stores: list[ts.TensorStore]) -> ts.TensorStore:
             store = stores[0]
-            if plan.concat_axis is not None:
+            if plan.rule.same and len(stores) > 1:
+                store = same_view(stores, [key_str(base_leaves[i].key) for i in plan.sources])
+            elif plan.concat_axis is not None:
                 store = ts.concat(stores, axis=plan.concat_axis)
                 store = store[ts.d[:].translate_to[0]]
             for t in plan.transforms:
@@ -274,10 +277,19 @@ def _source_layout(rule: Rule, srcs: list[Entry], file: str) -> Layout | None:
     first = srcs[0]
     if isinstance(first, ValueEntry):
         if len(srcs) > 1:
-            raise MappingError(f"rule {rule.label!r} concatenates {key_str(first.key)}, which is a value, "
-                               f"not an array", code="mapping.shape", file=file, leaf=key_str(first.key))
+            raise MappingError(f"rule {rule.label!r} combines {key_str(first.key)}, which is a value, "
+                               f"not an array, with other leaves", code="mapping.shape", file=file,
+                               leaf=key_str(first.key))
         return None
     layout = Layout(first.shape, first.dtype, first.chunk_shape, first.inner_chunk_shape, first.sharding)
+    if rule.same:
+        for e in srcs[1:]:
+            if not isinstance(e, ArrayEntry) or e.shape != first.shape or e.dtype != first.dtype:
+                what = f"{list(e.shape)} {e.dtype}" if isinstance(e, ArrayEntry) else "a value"
+                raise MappingError(f"rule {rule.label!r}: {key_str(e.key)} ({what}) must match {key_str(first.key)} "
+                                   f"({list(first.shape)} {first.dtype})", code="mapping.shape", file=file,
+                                   leaf=key_str(e.key))
+        return layout
     if rule.concat_axis is None:
         return layout
     axis = rule.concat_axis
