@@ -20,6 +20,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import Config
 
+#: Initialisers as in the PyTorch model (only the JAX-first direction uses them).
+_KERNEL = nn.initializers.normal(0.02)
+_EMBED = nn.initializers.normal(0.1)
+
+
+def _dense(features: int, name: str) -> nn.Dense:
+    return nn.Dense(features, kernel_init=_KERNEL, name=name)
+
 
 class Attention(nn.Module):
     """Causal multi-head self-attention with separate q, k, v, o projections."""
@@ -36,14 +44,14 @@ class Attention(nn.Module):
         def heads(y: jax.Array) -> jax.Array:
             return y.reshape(b, t, cfg.n_heads, hd).transpose(0, 2, 1, 3)
 
-        q = heads(nn.Dense(d, name="q")(x))
-        k = heads(nn.Dense(d, name="k")(x))
-        v = heads(nn.Dense(d, name="v")(x))
+        q = heads(_dense(d, "q")(x))
+        k = heads(_dense(d, "k")(x))
+        v = heads(_dense(d, "v")(x))
         att = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hd))
         future = jnp.triu(jnp.ones((t, t), dtype=bool), 1)
         att = jax.nn.softmax(jnp.where(future, -jnp.inf, att), axis=-1)
         y = (att @ v).transpose(0, 2, 1, 3).reshape(b, t, d)
-        return nn.Dense(d, name="o")(y)
+        return _dense(d, "o")(y)
 
 
 class MLP(nn.Module):
@@ -54,8 +62,8 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         """The block's feed-forward part."""
-        h = jax.nn.gelu(nn.Dense(self.cfg.d_mlp, name="fc")(x), approximate=True)
-        return nn.Dense(self.cfg.d_model, name="proj")(h)
+        h = jax.nn.gelu(_dense(self.cfg.d_mlp, "fc")(x), approximate=True)
+        return _dense(self.cfg.d_model, "proj")(h)
 
 
 def _norm(cfg: Config, name: str) -> nn.LayerNorm:
@@ -83,11 +91,11 @@ class GPT(nn.Module):
     def __call__(self, ids: jax.Array) -> jax.Array:
         """Logits of the next token at every position."""
         cfg = self.cfg
-        x = nn.Embed(cfg.vocab, cfg.d_model, name="tok_emb")(ids)
-        x = x + nn.Embed(cfg.seq_len, cfg.d_model, name="pos_emb")(jnp.arange(ids.shape[1]))
+        x = nn.Embed(cfg.vocab, cfg.d_model, embedding_init=_EMBED, name="tok_emb")(ids)
+        x = x + nn.Embed(cfg.seq_len, cfg.d_model, embedding_init=_EMBED, name="pos_emb")(jnp.arange(ids.shape[1]))
         for i in range(cfg.n_layers):
             x = Block(cfg, name=f"blocks_{i}")(x)
-        return nn.Dense(cfg.vocab, name="head")(_norm(cfg, "ln_f")(x))
+        return _dense(cfg.vocab, "head")(_norm(cfg, "ln_f")(x))
 
 
 def loss_fn(params: Any, model: GPT, ids: jax.Array, targets: jax.Array) -> jax.Array:

@@ -15,7 +15,8 @@ LayerNorm, Conv1d/2d; Adam/AdamW and SGD-momentum optimizer state).
 
 from .patterns import Pattern
 from .presets import KINDS, OPTIMIZERS, flax_to_torch, torch_to_flax
-from .rules import MappingError, Output, Rule, concat, drop, rename, same, split
+from .errors import MappingError
+from .rules import Output, Rule, concat, drop, rename, same, split
 from .reshape import Reshape, reshape
 from .transforms import Cast, Slice, Transform, Transpose, cast, transpose
 from .view import MappedCheckpoint, Mapping, RuleSource

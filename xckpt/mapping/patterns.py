@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from typing import Union
 
-from ..errors import TreeError
 from ..tree import Key
+from .errors import MappingError
 
 _FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(\*?)\}")
 
@@ -51,10 +51,10 @@ class Pattern:
             self.fields: tuple[str, ...] = ()
             return
         if not isinstance(spec, str):
-            raise TreeError(f"a key pattern must be a str or a tuple, not {type(spec).__name__}",
+            raise MappingError(f"a key pattern must be a str or a tuple, not {type(spec).__name__}",
                             code="mapping.pattern")
         if "{" in _FIELD.sub("", spec) or "}" in _FIELD.sub("", spec):
-            raise TreeError(f"pattern {spec!r} has a malformed '{{...}}' field", code="mapping.pattern")
+            raise MappingError(f"pattern {spec!r} has a malformed '{{...}}' field", code="mapping.pattern")
         self.text = spec
         parts, fields, pos = [], [], 0
         for m in _FIELD.finditer(spec):
@@ -91,7 +91,7 @@ class Pattern:
             return self.key
         missing = [f for f in self.fields if f not in captures]
         if missing:
-            raise TreeError(f"pattern {self.text!r} uses {missing}, which the source pattern does not capture",
+            raise MappingError(f"pattern {self.text!r} uses {missing}, which the source pattern does not capture",
                             code="mapping.pattern")
         return parse_path(_FIELD.sub(lambda m: captures[m.group(1)], self.text))
 

@@ -35,7 +35,8 @@ from typing import Any, Callable, Mapping as TMapping, Sequence
 from ..manifest import ArrayEntry, Manifest
 from ..tree import Key, key_str
 from .patterns import Pattern, parse_path, render
-from .rules import MappingError, Output, Rule, drop, rename, same
+from .errors import MappingError
+from .rules import Output, Rule, drop, rename, same
 from .transforms import Transform, Transpose, cast
 from .view import Mapping, RuleSource, match_rules
 

@@ -20,19 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping as TMapping, Sequence
 
-from ..errors import TreeError
+import tensorstore as ts
+
 from ..tree import Key
+from .errors import MappingError
 from .patterns import Pattern, PatternLike
-from .transforms import Slice, Transform
-
-
-class MappingError(TreeError):
-    """A mapping does not fit the checkpoint: no match, a conflict, or a shape that does not fit.
-
-    Raised when the mapping is applied to the manifest, before any array data is read.
-    """
-
-    code = "mapping.invalid"
+from .transforms import Layout, Slice, Transform, TransformError
 
 
 @dataclass(frozen=True)
@@ -92,7 +85,7 @@ def _transforms(transforms: Sequence[Transform]) -> tuple[Transform, ...]:
         elif isinstance(t, Transform):
             flat.append(t)
         else:
-            raise TreeError(f"{t!r} is not a transform (use xckpt.mapping.transpose, cast, reshape)",
+            raise MappingError(f"{t!r} is not a transform (use xckpt.mapping.transpose, cast, reshape)",
                             code="mapping.transform")
     return tuple(flat)
 
@@ -116,12 +109,12 @@ def split(source: PatternLike, parts: TMapping[PatternLike, int] | Sequence[Patt
     src = Pattern(source)
     items = list(parts.items()) if isinstance(parts, TMapping) else [(p, None) for p in parts]
     if not items:
-        raise TreeError("split needs at least one part", code="mapping.pattern")
+        raise MappingError("split needs at least one part", code="mapping.pattern")
     outputs, start = [], 0
     sizes = [s for _, s in items]
     equal = all(s is None for s in sizes)
     if not equal and any(s is None for s in sizes):
-        raise TreeError("split: give a size for every part, or for none", code="mapping.pattern")
+        raise MappingError("split: give a size for every part, or for none", code="mapping.pattern")
     for i, (target, size) in enumerate(items):
         if equal:
             piece: Transform = _EqualSlice(axis, i, len(items))
@@ -143,7 +136,7 @@ def concat(sources: Sequence[PatternLike], target: PatternLike, *, axis: int = 0
     """
     pats = tuple(Pattern(s) for s in sources)
     if len(pats) < 2:
-        raise TreeError("concat needs at least two sources", code="mapping.pattern")
+        raise MappingError("concat needs at least two sources", code="mapping.pattern")
     out = Pattern(target)
     for p in pats[1:]:
         _check_fields(pats[0], [p])
@@ -156,7 +149,7 @@ def same(sources: Sequence[PatternLike], target: PatternLike, *transforms: Trans
     """One target from several leaves that must be equal (checked when read; a difference fails the load)."""
     pats = tuple(Pattern(s) for s in sources)
     if not pats:
-        raise TreeError("same needs at least one source", code="mapping.pattern")
+        raise MappingError("same needs at least one source", code="mapping.pattern")
     out = Pattern(target)
     for p in pats[1:] + (out,):
         _check_fields(pats[0], [p])
@@ -172,7 +165,7 @@ def _check_fields(source: Pattern, targets: Sequence[Pattern]) -> None:
     for t in targets:
         extra = [f for f in t.fields if f not in source.fields]
         if extra:
-            raise TreeError(f"target pattern {t.text!r} uses {extra}, which source pattern {source.text!r} "
+            raise MappingError(f"target pattern {t.text!r} uses {extra}, which source pattern {source.text!r} "
                             f"does not capture", code="mapping.pattern")
 
 
@@ -186,7 +179,6 @@ class _EqualSlice(Transform):
 
     def resolve(self, shape: tuple[int, ...]) -> Slice:
         """The concrete slice for a source of ``shape``."""
-        from .transforms import TransformError
         rank = len(shape)
         if not -rank <= self.axis < rank:
             raise TransformError(f"split along axis {self.axis} does not fit an array of rank {rank}")
@@ -197,11 +189,11 @@ class _EqualSlice(Transform):
         step = n // self.count
         return Slice(self.axis, self.index * step, (self.index + 1) * step)
 
-    def apply(self, layout):  # type: ignore[no-untyped-def]
+    def apply(self, layout: Layout) -> Layout:
         """See :meth:`resolve`."""
         return self.resolve(layout.shape).apply(layout)
 
-    def view(self, store):  # type: ignore[no-untyped-def]
+    def view(self, store: ts.TensorStore) -> ts.TensorStore:
         """See :meth:`resolve`."""
         return self.resolve(tuple(store.shape)).view(store)
 

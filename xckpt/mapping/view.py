@@ -21,7 +21,8 @@ from .. import dtypes
 from ..manifest import ArrayEntry, Entry, Manifest, ValueEntry
 from ..tree import Key, Node, key_str
 from .patterns import render
-from .rules import MappingError, Rule
+from .errors import MappingError
+from .rules import Rule
 from .transforms import Layout, Transform, TransformError
 from .virtual import same_view
 

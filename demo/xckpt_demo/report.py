@@ -1,0 +1,72 @@
+"""What the demo shows at the end: a side-by-side loss table per direction, and a PNG of the curves."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Direction:
+    """One direction of the demo: a run trained in ``origin``, continued in both frameworks."""
+
+    title: str
+    origin: str
+    pretrain: list[float]
+    torch: list[float]
+    jax: list[float]
+    start: int
+
+    def rel_diffs(self) -> list[float]:
+        """Per step ``|torch - jax| / |torch|`` (inf when a loss is missing or not finite)."""
+        out = []
+        for a, b in zip(self.torch, self.jax):
+            ok = math.isfinite(a) and math.isfinite(b) and a != 0
+            out.append(abs(a - b) / abs(a) if ok else math.inf)
+        return out
+
+    def max_rel_diff(self) -> float:
+        """The largest relative difference; inf when the continuations differ in length or are empty."""
+        diffs = self.rel_diffs()
+        if not diffs or len(self.torch) != len(self.jax):
+            return math.inf
+        return max(diffs)
+
+
+def table(d: Direction, rtol: float) -> str:
+    """The side-by-side table of both continuations' losses, and the verdict line."""
+    lines = [f"  {d.title}",
+             f"  {'step':>6}  {'PyTorch loss':>14}  {'JAX loss':>14}  {'rel diff':>9}"]
+    for i, (a, b, r) in enumerate(zip(d.torch, d.jax, d.rel_diffs())):
+        lines.append(f"  {d.start + i:>6}  {a:>14.8f}  {b:>14.8f}  {r:>9.2e}")
+    worst = d.max_rel_diff()
+    verdict = "agree" if worst <= rtol else "DISAGREE"
+    lines.append(f"  {d.origin} checkpoint: max relative difference {worst:.3e} "
+                 f"(tolerance {rtol:.0e}): {verdict}")
+    return "\n".join(lines)
+
+
+def plot(directions: list[Direction], path: Path) -> None:
+    """Both directions' loss curves side by side, written as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(directions), figsize=(6 * len(directions), 4.2), squeeze=False)
+    for ax, d in zip(axes[0], directions):
+        pre = list(range(len(d.pretrain)))
+        cont = list(range(d.start, d.start + len(d.torch)))
+        ax.plot(pre, d.pretrain, color="0.55", marker=".", label=f"{d.origin}: training before the checkpoint")
+        ax.axvline(d.start - 0.5, color="0.7", linestyle=":", linewidth=1)
+        ax.plot(cont, d.torch, color="tab:red", marker="o", markersize=6, linewidth=1.5,
+                label="continued in PyTorch")
+        ax.plot(cont, d.jax, color="tab:blue", marker="x", markersize=8, linestyle="--", linewidth=1.5,
+                label="continued in JAX")
+        ax.set_title(f"{d.title}\nmax rel. diff {d.max_rel_diff():.1e}", fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
