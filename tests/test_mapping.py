@@ -152,7 +152,10 @@ def test_reshape_merges_and_splits_dims_region_by_region(tmp_path):
     meta = os.path.getsize(os.path.join(path, "xckpt.json")) + os.path.getsize(os.path.join(path, e.path,
                                                                                             "zarr.json"))
     share = dim * feats * 4
-    assert share <= read <= share + 4 * 8 + xckpt.arrays.index_nbytes(e.chunk_shape, e.inner_chunk_shape) + meta, read
+    # The reshaped view reads through virtual chunks; with no cache, two of those reads racing may each
+    # fetch the shard's index, so allow it twice (it is 132 bytes here, against 2048 of data).
+    index = xckpt.arrays.index_nbytes(e.chunk_shape, e.inner_chunk_shape)
+    assert share <= read <= share + 4 * 8 + 2 * index + meta, read
     # the manifest of the view has the reshaped shape before anything is read
     assert m.plan(path).manifest.by_key()[("kernel",)].shape == (feats, heads, dim)
 

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import xckpt
 import xckpt.cli
 from xckpt.errors import DataError, ManifestError, UnsafePathError
-from xckpt.orbax_read import open_orbax
+from xckpt.orbax.checkpoint import open_orbax
 
 logging.getLogger("absl").setLevel(logging.ERROR)
 

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import xckpt
-from xckpt import naming, orbax_files, values as xvalues
+from xckpt import naming, values as xvalues
+from xckpt.orbax import files as orbax_files
 from xckpt.errors import XckptError
 from xckpt.manifest import parse
 from xckpt.validate import Finding, Report

@@ -142,7 +142,6 @@ def placements(text: str) -> list[Any]:
 
 def torch_full(name: str, dtype: Any = None) -> Any:
     """``full(name)`` as a CPU tensor (bfloat16 through its bits)."""
-    import torch
     from xckpt_torch import from_numpy
     t = from_numpy(full(name)).clone()
     return t if dtype is None else t.to(dtype)

@@ -12,9 +12,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 from .coord import Coordinator, LocalCoordinator  # noqa: E402
-from .errors import XckptError  # noqa: E402
+from .errors import XckptError, XckptWarning  # noqa: E402
 from .host import ReadSpec  # noqa: E402
-from .load import XckptWarning, load  # noqa: E402
+from .load import load  # noqa: E402
 from .manifest import Manifest  # noqa: E402
 from .regions import Region  # noqa: E402
 from .save import save  # noqa: E402

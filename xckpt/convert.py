@@ -108,7 +108,7 @@ def convert(src: str, dst: str, *, source: str = "xckpt", target: str = "xckpt",
         if source == "dcp" or target == "dcp":
             import xckpt_torch  # noqa: F401 - registers the DCP converters
         if source == "orbax":
-            from . import orbax_read  # noqa: F401 - registers the Orbax converter
+            from .orbax import checkpoint  # noqa: F401 - registers the Orbax converter
     fn = _converters.get((source, target))
     if fn is None:
         raise UnsupportedError(f"no converter from {source} to {target}", code="convert.unsupported")

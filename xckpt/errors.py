@@ -117,3 +117,7 @@ class UnsupportedError(XckptError):
     """A value, dtype or feature that this version of xckpt does not handle."""
 
     code = "unsupported"
+
+
+class XckptWarning(UserWarning):
+    """A problem reported instead of raised (a non-strict load, a missing commit marker)."""

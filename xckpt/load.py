@@ -14,16 +14,12 @@ from typing import Any, Callable
 import numpy as np
 
 from . import dtypes, registry
-from .errors import KeyMismatchError, ResourceError, ShapeError, XckptError
+from .errors import XckptWarning, KeyMismatchError, ResourceError, ShapeError, XckptError
 from .manifest import ArrayEntry, Entry, ValueEntry
 from .reader import Checkpoint, open_checkpoint, translate
 from .registry import ArrayTarget
 from .regions import Region
 from .tree import Key, is_namedtuple, key_str, unflatten
-
-
-class XckptWarning(UserWarning):
-    """Reported instead of raised by a non-strict load."""
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Opening a stored checkpoint for reading: its manifest, its values, its arrays.
 
 :func:`open_checkpoint` returns a :class:`Checkpoint` whatever wrote it: xckpt, or
-Orbax (zarr v2, zarr v3, OCDBT; see :mod:`xckpt.orbax_read`).
+Orbax (zarr v2, zarr v3, OCDBT; see :mod:`xckpt.orbax`).
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def open_checkpoint(path: Any) -> Checkpoint:
         if _has(item, naming.MANIFEST) or _has(item, naming.ORBAX_METADATA):
             loc = item
     if not _has(loc, naming.MANIFEST) and _has(loc, naming.ORBAX_METADATA):
-        from . import orbax_read
-        return orbax_read.open_orbax(loc)
+        from .orbax.checkpoint import open_orbax
+        return open_orbax(loc)
     return Checkpoint(loc, read_manifest(loc))
 
 

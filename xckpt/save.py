@@ -23,10 +23,12 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from . import __version__, arrays, coord as coordmod, dtypes, naming, orbax_files, registry, storage, values
+from . import __version__, arrays, dtypes, naming, registry, storage, values
+from . import coord as coordmod
 from .coord import Coordinator, LocalCoordinator
 from .errors import CoordinationError, SaveError, TreeError, XckptError
 from .manifest import ArrayEntry, Manifest, ValueEntry
+from .orbax import files as orbax_files
 from .plan import INNER_CHUNK_BYTES, LeafDesc, SavePlan, plan_save
 from .registry import ArraySource
 from .storage import Location

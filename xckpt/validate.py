@@ -20,9 +20,10 @@ import google_crc32c
 import numpy as np
 import tensorstore as ts
 
-from . import arrays, dtypes, naming, orbax_files, storage
+from . import arrays, dtypes, naming, storage
 from .errors import XckptError
 from .manifest import ArrayEntry, Manifest, ValueEntry
+from .orbax import files as orbax_files
 from .reader import read_manifest, read_values
 from .regions import grid_shape
 from .storage import Location

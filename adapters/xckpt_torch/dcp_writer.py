@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from xckpt import arrays, dtypes as xdtypes, naming, orbax_files, storage, values
+from xckpt import arrays, dtypes as xdtypes, naming, storage, values
+from xckpt.orbax import files as orbax_files
 from xckpt.coord import LocalCoordinator
 from xckpt.errors import SaveError, ShapeError, UnsupportedError, XckptError
 from xckpt.plan import INNER_CHUNK_BYTES, LeafDesc, LeafPlan, SavePlan as XSavePlan

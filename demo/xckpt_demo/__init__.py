@@ -1,49 +1,193 @@
-"""The main job behind ``xckpt demo``."""
+"""The main job behind ``xckpt demo``: one training run moved from PyTorch to JAX, and one back.
+
+1. PyTorch, 4 ranks (gloo), mesh dp=2 x tp=2 (FSDP2 + tensor-parallel DTensors):
+   train a small GPT, save model, AdamW state, step and RNG with xckpt.
+2. JAX, 8 host devices, mesh data=4 x model=2: restore that checkpoint into the
+   same model in flax + optax (one ``xckpt.load`` through ``torch_to_flax``) and
+   continue; then train the flax model from scratch, save, and continue from it.
+3. PyTorch, 2 ranks, mesh dp=1 x tp=2: continue from the PyTorch checkpoint, and
+   from the JAX one (one ``xckpt.load`` through ``flax_to_torch``).
+4. ``xckpt validate --deep`` on both checkpoints.
+5. Side-by-side loss tables, a PNG of the curves; exit 0 only when both
+   directions agree step by step within float32 tolerance and both checkpoints
+   are valid.
+
+Children run in sessions of their own and are ended on Ctrl-C (see :mod:`.procs`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import shutil
+import sys
 import time
+from pathlib import Path
+from typing import Any
 
-import numpy as np
+from . import procs
+from .config import JAX_MESH, TORCH_RESUME_MESH, TORCH_TRAIN_MESH, Config
+from .report import Direction, plot, table
 
-import xckpt
+
+def _mesh_text(mesh: dict[str, int]) -> str:
+    return " x ".join(f"{k}={v}" for k, v in mesh.items())
 
 
-def numpy_round_trip(out: str) -> int:
-    """Save a small sharded model state, inspect, validate and load it back; 0 when all agrees."""
-    from xckpt.regions import Region
-    from xckpt.registry import ArraySource, Shard
+def _params(cfg: Config) -> int:
+    d, m, v, t = cfg.d_model, cfg.d_mlp, cfg.vocab, cfg.seq_len
+    block = 2 * 2 * d + 4 * (d * d + d) + (d * m + m) + (m * d + d)
+    return v * d + t * d + cfg.n_layers * block + 2 * d + d * v + v
 
-    path = os.path.join(out, "numpy_ckpt")
-    shutil.rmtree(path, ignore_errors=True)
-    rng = np.random.default_rng(0)
-    emb = rng.standard_normal((1024, 256)).astype(np.float32)
-    shards = [Shard(Region((r * 256, 0), (256, 256)), lambda r=r: emb[r * 256:(r + 1) * 256]) for r in range(4)]
-    state = {"model": {"embed.weight": ArraySource(emb.shape, "float32", shards, {"num_shards": 4}),
-                       "head.bias": rng.standard_normal(256).astype(np.float32)},
-             "step": 1000, "data": {"epoch": 3, "offset": 12345}}
-    t0 = time.perf_counter()
-    xckpt.save(state, path)
-    print(f"[1/4] saved {path} in {time.perf_counter() - t0:.2f} s")
-    print("[2/4] inspect:")
+
+class Demo:
+    """Paths, settings and the three child jobs of one demo run."""
+
+    def __init__(self, out: Path, cfg: Config) -> None:
+        self.out, self.cfg = out, cfg
+        self.torch_ckpt = out / f"torch_step{cfg.pretrain_steps}"
+        self.jax_ckpt = out / f"jax_step{cfg.pretrain_steps}"
+        self.work = out / "work"
+        self.work.mkdir(parents=True, exist_ok=True)
+
+    def _job(self, name: str, **fields: Any) -> Path:
+        job = {"cfg": self.cfg.to_json(), "torch_ckpt": str(self.torch_ckpt), "jax_ckpt": str(self.jax_ckpt),
+               "result": str(self.work / f"{name}.result.json"), **fields}
+        path = self.work / f"{name}.job.json"
+        path.write_text(json.dumps(job, indent=1))
+        Path(job["result"]).unlink(missing_ok=True)
+        return path
+
+    def _result(self, name: str) -> dict[str, Any]:
+        return json.loads((self.work / f"{name}.result.json").read_text())
+
+    def torch_job(self, name: str, phase: str, mesh: dict[str, int]) -> dict[str, Any]:
+        """Run a PyTorch job on ``dp * tp`` spawned ranks; its rank 0's result."""
+        world = mesh["dp"] * mesh["tp"]
+        job = self._job(name, phase=phase, world=world, mesh=mesh, port=procs.free_port())
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        procs.run_group(f"PyTorch job {name!r} ({world} ranks)",
+                        [[sys.executable, "-m", "xckpt_demo.train_torch", str(job), str(r)] for r in range(world)],
+                        [self.work / f"{name}.rank{r}.log" for r in range(world)], env=env)
+        return self._result(name)
+
+    def jax_job(self, name: str, mesh: dict[str, int]) -> dict[str, Any]:
+        """Run the JAX job in a process with ``data * model`` host devices; its result."""
+        n = mesh["data"] * mesh["model"]
+        job = self._job(name, mesh=mesh)
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+        procs.run_group(f"JAX job {name!r} ({n} devices)", [[sys.executable, "-m", "xckpt_demo.train_jax", str(job)]],
+                        [self.work / f"{name}.log"], env=env)
+        return self._result(name)
+
+
+def _summary(path: Path) -> str:
+    """One line about a checkpoint: leaves, bytes, and how one of its weights was sharded."""
+    import xckpt
+    info = xckpt.inspect(str(path))
+    kib = info["total_bytes"] / 1024
+    line = f"    {path.name}: {info['arrays']} arrays and {info['values']} values, {kib:.1f} KiB"
+    for leaf in info["leaves"]:
+        sh = leaf.get("sharding") or {}
+        if leaf["kind"] == "array" and leaf["key"].endswith(("attn.q.weight", "attn/q/kernel")) and sh.get("mesh_shape"):
+            line += (f"; e.g. {leaf['key']} {leaf['shape']} saved from mesh {sh['mesh_shape']} "
+                     f"{sh.get('axis_names')}, dims split over {sh.get('dim_axes')}")
+            break
+    return line
+
+
+def _validate(path: Path) -> bool:
     from xckpt.cli import main as cli
-    cli(["inspect", path])
-    print("[3/4] validate --deep:")
-    rc = cli(["validate", "--deep", path])
-    loaded = xckpt.load(path)
-    same = (np.array_equal(loaded["model"]["embed.weight"], emb) and loaded["step"] == 1000
-            and loaded["data"] == {"epoch": 3, "offset": 12345})
-    region = xckpt.ReadSpec(region=(slice(300, 310), slice(0, 256)))
-    part = xckpt.load(path, like={"model": {"embed.weight": region, "head.bias": None}})
-    same = same and np.array_equal(part["model"]["embed.weight"], emb[300:310])
-    print(f"[4/4] load: {'all values equal' if same else 'VALUES DIFFER'}")
-    return 0 if same and rc == 0 else 1
+    print(f"  $ xckpt validate --deep {path}", flush=True)
+    return cli(["validate", "--deep", str(path)]) == 0
+
+
+def run(out: Path, cfg: Config) -> int:
+    """The whole demo; returns the exit code."""
+    demo = Demo(out, cfg)
+    n, k = cfg.pretrain_steps, cfg.continue_steps
+    t_start = time.perf_counter()
+    print(f"xckpt demo: a GPT trained in PyTorch resumes in JAX, and one trained in JAX resumes in PyTorch\n"
+          f"  model: {cfg.n_layers} blocks, d_model {cfg.d_model}, {cfg.n_heads} heads, vocab {cfg.vocab}, "
+          f"{_params(cfg)} parameters, float32; AdamW lr {cfg.lr:g}, betas ({cfg.beta1}, {cfg.beta2}), "
+          f"weight decay {cfg.weight_decay}\n"
+          f"  {n} steps before each checkpoint, {k} after; batch {cfg.batch} x {cfg.seq_len} tokens, "
+          f"the same deterministic batches in both frameworks\n  output: {out}", flush=True)
+
+    tw = TORCH_TRAIN_MESH["dp"] * TORCH_TRAIN_MESH["tp"]
+    print(f"\n[1/5] PyTorch, {tw} ranks (gloo), mesh {_mesh_text(TORCH_TRAIN_MESH)}: FSDP2 over dp, tensor-parallel "
+          f"DTensors over tp; train {n} steps, save with xckpt", flush=True)
+    t0 = time.perf_counter()
+    torch_train = demo.torch_job("torch_train", "train", TORCH_TRAIN_MESH)
+    print(_summary(demo.torch_ckpt))
+    print(f"    ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+    jn = JAX_MESH["data"] * JAX_MESH["model"]
+    print(f"\n[2/5] JAX, {jn} host devices, mesh {_mesh_text(JAX_MESH)}: restore the PyTorch checkpoint in flax + "
+          f"optax and continue {k} steps; then train the flax model {n} steps from scratch, save, continue {k}",
+          flush=True)
+    t0 = time.perf_counter()
+    jax_res = demo.jax_job("jax", JAX_MESH)
+    print(_summary(demo.jax_ckpt))
+    print(f"    ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+    rw = TORCH_RESUME_MESH["dp"] * TORCH_RESUME_MESH["tp"]
+    print(f"\n[3/5] PyTorch, {rw} ranks, mesh {_mesh_text(TORCH_RESUME_MESH)}: continue {k} steps from the PyTorch "
+          f"checkpoint, and {k} steps from the JAX checkpoint", flush=True)
+    t0 = time.perf_counter()
+    torch_res = demo.torch_job("torch_resume", "resume", TORCH_RESUME_MESH)
+    print(f"    ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+    print("\n[4/5] validate both checkpoints", flush=True)
+    valid = [_validate(demo.torch_ckpt), _validate(demo.jax_ckpt)]
+
+    print("\n[5/5] compare the continuations", flush=True)
+    directions = [
+        Direction(title=f"PyTorch -> JAX: {demo.torch_ckpt.name} (PyTorch, {tw} ranks) continued in JAX "
+                        f"({jn} devices) and in PyTorch ({rw} ranks)",
+                  short=f"PyTorch checkpoint ({tw} ranks) -> JAX ({jn} devices)", origin="PyTorch",
+                  pretrain=torch_train["losses"], torch=torch_res["from_torch"], jax=jax_res["from_torch"], start=n),
+        Direction(title=f"JAX -> PyTorch: {demo.jax_ckpt.name} (JAX, {jn} devices) continued in PyTorch "
+                        f"({rw} ranks) and in JAX ({jn} devices)",
+                  short=f"JAX checkpoint ({jn} devices) -> PyTorch ({rw} ranks)", origin="JAX",
+                  pretrain=jax_res["pretrain"], torch=torch_res["from_jax"], jax=jax_res["from_jax"], start=n),
+    ]
+    for d in directions:
+        print(table(d, cfg.rtol) + "\n", flush=True)
+    (out / "losses.json").write_text(json.dumps(
+        {"rtol": cfg.rtol, "directions": [{"title": d.title, "origin": d.origin, "start": d.start,
+                                           "pretrain": d.pretrain, "torch": d.torch, "jax": d.jax,
+                                           "max_rel_diff": d.max_rel_diff()} for d in directions]}, indent=1))
+    png = out / "losses.png"
+    try:
+        plot(directions, png, cfg.rtol)
+        print(f"  plot of both directions' loss curves: {png}")
+        plotted = True
+    except ImportError:
+        print("  no plot: matplotlib is not installed (pip install 'xckpt[demo]')", file=sys.stderr)
+        plotted = False
+    agree = all(d.max_rel_diff() <= cfg.rtol for d in directions)
+    ok = agree and all(valid) and plotted and all(len(d.torch) == k for d in directions)
+    took = time.perf_counter() - t_start
+    if ok:
+        print(f"\nPASS: both directions agree step by step within {cfg.rtol:.0e} relative (float32); both "
+              f"checkpoints are valid ({took:.1f} s)")
+        return 0
+    why = [w for w, bad in (("the continuations disagree", not agree), ("a checkpoint is invalid", not all(valid)),
+                            ("no plot", not plotted)) if bad]
+    print(f"\nFAIL: {'; '.join(why)} ({took:.1f} s)")
+    return 1
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the demo; returns the process exit code."""
-    os.makedirs(args.out, exist_ok=True)
-    return numpy_round_trip(args.out)
+    """Run the demo (``xckpt demo --out DIR``); returns the process exit code."""
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    with procs.interrupt_on_sigterm():
+        try:
+            return run(out, Config())
+        except procs.JobError as exc:
+            print(f"\nFAIL: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            procs.end_all()

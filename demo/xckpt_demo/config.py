@@ -18,7 +18,7 @@ class Config:
     d_mlp: int = 128
     batch: int = 8
     ln_eps: float = 1e-5
-    lr: float = 3e-3
+    lr: float = 1e-2
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -26,8 +26,8 @@ class Config:
     data_seed: int = 1234
     init_seed: int = 0
     #: steps trained before the checkpoint, then steps each continuation trains
-    pretrain_steps: int = 12
-    continue_steps: int = 8
+    pretrain_steps: int = 30
+    continue_steps: int = 10
     #: float32 agreement required between the two continuations, step by step
     rtol: float = 1e-5
 

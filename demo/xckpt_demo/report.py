@@ -12,6 +12,7 @@ class Direction:
     """One direction of the demo: a run trained in ``origin``, continued in both frameworks."""
 
     title: str
+    short: str
     origin: str
     pretrain: list[float]
     torch: list[float]
@@ -47,26 +48,35 @@ def table(d: Direction, rtol: float) -> str:
     return "\n".join(lines)
 
 
-def plot(directions: list[Direction], path: Path) -> None:
-    """Both directions' loss curves side by side, written as a PNG."""
+def plot(directions: list[Direction], path: Path, rtol: float) -> None:
+    """Per direction: the loss curves (top) and the per-step relative difference (bottom), as a PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(directions), figsize=(6 * len(directions), 4.2), squeeze=False)
-    for ax, d in zip(axes[0], directions):
-        pre = list(range(len(d.pretrain)))
+    n = len(directions)
+    fig, axes = plt.subplots(2, n, figsize=(6.2 * n, 6.4), squeeze=False, height_ratios=[3, 1.4], sharex="col")
+    floor = 1e-10
+    for col, d in enumerate(directions):
+        ax, low = axes[0][col], axes[1][col]
         cont = list(range(d.start, d.start + len(d.torch)))
-        ax.plot(pre, d.pretrain, color="0.55", marker=".", label=f"{d.origin}: training before the checkpoint")
-        ax.axvline(d.start - 0.5, color="0.7", linestyle=":", linewidth=1)
-        ax.plot(cont, d.torch, color="tab:red", marker="o", markersize=6, linewidth=1.5,
-                label="continued in PyTorch")
-        ax.plot(cont, d.jax, color="tab:blue", marker="x", markersize=8, linestyle="--", linewidth=1.5,
+        ax.plot(range(len(d.pretrain)), d.pretrain, color="0.55", marker=".",
+                label=f"trained in {d.origin}, saved at step {d.start}")
+        ax.plot(cont, d.torch, color="tab:red", marker="o", markersize=7, linewidth=1.5, label="continued in PyTorch")
+        ax.plot(cont, d.jax, color="tab:blue", marker="x", markersize=9, linestyle="--", linewidth=1.5,
                 label="continued in JAX")
-        ax.set_title(f"{d.title}\nmax rel. diff {d.max_rel_diff():.1e}", fontsize=10)
-        ax.set_xlabel("step")
+        for a in (ax, low):
+            a.axvline(d.start - 0.5, color="0.6", linestyle=":", linewidth=1)
+            a.grid(alpha=0.3)
+        ax.set_title(f"{d.short}\nmax relative difference {d.max_rel_diff():.1e}", fontsize=11)
         ax.set_ylabel("training loss")
-        ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+        low.semilogy(cont, [max(r, floor) for r in d.rel_diffs()], color="tab:purple", marker="s", markersize=4,
+                     linewidth=1, label="|PyTorch - JAX| / PyTorch (0 drawn at 1e-10)")
+        low.axhline(rtol, color="tab:red", linewidth=1, label=f"tolerance {rtol:.0e}")
+        low.set_ylim(floor / 3, rtol * 30)
+        low.set_xlabel("step")
+        low.set_ylabel("rel. diff")
+        low.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, dtypes, naming
-from .manifest import ArrayEntry, Manifest, ValueEntry
-from .storage import Location
-from .tree import Key, iter_nodes
+from .. import arrays, dtypes, naming
+from ..manifest import ArrayEntry, Manifest
+from ..storage import Location
+from ..tree import Key, iter_nodes
+from .metadata import KEY_DICT, KEY_SEQUENCE
 
 HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
-_KEY_DICT, _KEY_SEQ = 2, 1
 _SCALAR_DTYPES = {"bool": "bool", "int": "int64", "float": "float64"}
 
 
@@ -35,7 +35,7 @@ def _key_metadata(m: Manifest, key: Key) -> list[dict[str, Any]]:
     out = []
     for depth, part in enumerate(key):
         parent = kinds.get(key[:depth], "dict")
-        out.append({"key": str(part), "key_type": _KEY_SEQ if parent in ("list", "tuple") else _KEY_DICT})
+        out.append({"key": str(part), "key_type": KEY_SEQUENCE if parent in ("list", "tuple") else KEY_DICT})
     return out
 
 

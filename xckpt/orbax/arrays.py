@@ -1,0 +1,190 @@
+"""The array leaves of an Orbax checkpoint: their zarr v2/v3 metadata, dtypes and saved shardings."""
+
+from __future__ import annotations
+
+import base64
+import json
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tensorstore as ts
+
+from .. import dtypes, naming, storage
+from ..errors import DataError, ManifestError, UnsupportedError, XckptWarning
+from ..manifest import ArrayEntry, Entry, ValueEntry
+from ..storage import Location
+from ..tree import key_str
+from .metadata import NONE_TYPES, OCDBT_MANIFEST, Record
+
+if TYPE_CHECKING:
+    from .checkpoint import OrbaxCheckpoint
+
+
+ARRAY_TYPES = ("jax.Array", "np.ndarray")
+
+
+@dataclass
+class ArrayInfo:
+    """What an array's zarr metadata says."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    chunk_shape: tuple[int, ...]
+    inner_chunk_shape: tuple[int, ...]
+    compression: str
+
+
+def read_array_infos(ckpt: OrbaxCheckpoint, records: list[Record]) -> dict[str, ArrayInfo]:
+    """Read every array's zarr metadata concurrently."""
+    if not records:
+        return {}
+    meta_name = "zarr.json" if ckpt.zarr3 else ".zarray"
+    try:
+        kv = ts.KvStore.open(ckpt.kvstore_spec(), context=ckpt._context).result()
+    except Exception as exc:  # noqa: BLE001 - reported as a specific xckpt error
+        raise DataError(f"cannot open the checkpoint's key-value store: {str(exc)[:400]}", code="orbax.ocdbt",
+                        file=str(ckpt.loc.child(OCDBT_MANIFEST if ckpt.ocdbt else ""))) from exc
+    pending = [(rec, kv.read(f"{rec.name}/{meta_name}")) for rec in records]
+    out = {}
+    for rec, fut in pending:
+        file = ckpt.metadata_file(rec.name)
+        try:
+            res = fut.result()
+        except Exception as exc:  # noqa: BLE001
+            raise DataError(f"cannot read the array's metadata: {str(exc)[:400]}", code="array.metadata",
+                            file=file, leaf=key_str(rec.key)) from exc
+        if res.state != "value":
+            raise DataError(f"array data named in _METADATA is missing (no {meta_name})",
+                            code="array.metadata_missing", file=file, leaf=key_str(rec.key))
+        out[rec.name] = _array_info(bytes(res.value), ckpt.zarr3, file, key_str(rec.key))
+    return out
+
+
+def _ints(v: Any, what: str, file: str, leaf: str, *, positive: bool = False) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and
+                                          x >= (1 if positive else 0) for x in v):
+        raise ManifestError(f"{what} is {v!r}, not a list of {'positive' if positive else 'non-negative'} "
+                            "integers", code="array.metadata", file=file, leaf=leaf)
+    return tuple(v)
+
+
+def _array_info(raw: bytes, zarr3: bool, file: str, leaf: str) -> ArrayInfo:
+    """Shape, logical dtype and chunking from ``.zarray`` (zarr v2) or ``zarr.json`` (zarr v3)."""
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"array metadata is not valid JSON: {exc}", code="array.metadata_json",
+                            file=file, leaf=leaf) from exc
+    if not isinstance(meta, dict):
+        raise ManifestError("array metadata is not a JSON object", code="array.metadata", file=file, leaf=leaf)
+    shape = _ints(meta.get("shape"), "shape", file, leaf)
+    if zarr3:
+        grid = meta.get("chunk_grid")
+        chunk_raw = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) else None
+        chunk = _ints(chunk_raw, "chunk_grid chunk_shape", file, leaf, positive=True)
+        dtype = _zarr3_dtype(meta.get("data_type"), file, leaf)
+        inner, compression = chunk, "none"
+        codecs = meta.get("codecs") if isinstance(meta.get("codecs"), list) else []
+        for c in codecs:
+            if isinstance(c, dict) and c.get("name") == "sharding_indexed":
+                conf = c.get("configuration", {})
+                inner = _ints(conf.get("chunk_shape"), "sharding_indexed chunk_shape", file, leaf, positive=True)
+                codecs = conf.get("codecs", [])
+        names = [c.get("name") for c in codecs if isinstance(c, dict) and c.get("name") not in ("bytes", "crc32c")]
+        compression = "+".join(str(n) for n in names) or "none"
+    else:
+        chunk = _ints(meta.get("chunks"), "chunks", file, leaf, positive=True)
+        inner = chunk
+        dtype = _zarr2_dtype(meta.get("dtype"), file, leaf)
+        comp = meta.get("compressor")
+        compression = str(comp.get("id")) if isinstance(comp, dict) else "none"
+    if len(chunk) != len(shape) or len(inner) != len(shape):
+        raise ManifestError(f"chunk shape {list(chunk)} / {list(inner)} and shape {list(shape)} differ in rank",
+                            code="array.metadata", file=file, leaf=leaf)
+    return ArrayInfo(shape, dtype, chunk, inner, compression)
+
+
+def _zarr2_dtype(v: Any, file: str, leaf: str) -> str:
+    """The logical dtype of a zarr v2 ``dtype`` (``"<f4"``, ``"|b1"``, ``"bfloat16"``, ...)."""
+    if isinstance(v, str):
+        if v in dtypes.LOGICAL_DTYPES:  # TensorStore's names for types numpy lacks: bfloat16, float8_*
+            return v
+        try:
+            dt = np.dtype(v)
+        except TypeError:
+            dt = None
+        if dt is not None and dt.fields is None and dt.name in dtypes.LOGICAL_DTYPES:
+            return dt.name
+    raise UnsupportedError(f"zarr v2 dtype {v!r} is not supported", code="dtype.unsupported",
+                           file=file, leaf=leaf)
+
+
+def _zarr3_dtype(v: Any, file: str, leaf: str) -> str:
+    """The logical dtype of a zarr v3 ``data_type`` (the names are the same)."""
+    if isinstance(v, str) and v in dtypes.LOGICAL_DTYPES:
+        return v
+    raise UnsupportedError(f"zarr v3 data_type {v!r} is not supported", code="dtype.unsupported",
+                           file=file, leaf=leaf)
+
+
+def scalar_type(dtype: str) -> str:
+    kind = dtypes.numpy_dtype(dtype).kind
+    return {"b": "bool", "i": "int", "u": "int", "c": "complex"}.get(kind, "float")
+
+
+def entry_for(ckpt: OrbaxCheckpoint, rec: Record, info: ArrayInfo | None,
+           sharding: dict[str, Any] | None) -> Entry:
+    if rec.value_type in ARRAY_TYPES + ("scalar",) and not rec.skip:
+        assert info is not None
+        if rec.value_type == "scalar" and info.shape == ():
+            ckpt.scalar_dtypes[rec.name] = info.dtype
+            return ValueEntry(rec.key, scalar_type(info.dtype), rec.name)
+        detail: dict[str, Any] = {"framework": "jax", "source": "orbax", "value_type": rec.value_type}
+        if rec.write_shape is not None:
+            detail["write_shape"] = rec.write_shape
+        detail.update(sharding or {})
+        return ArrayEntry(rec.key, rec.name, info.shape, info.dtype, info.dtype, info.chunk_shape,
+                          info.inner_chunk_shape, info.compression, detail)
+    if rec.value_type == "string":
+        return ValueEntry(rec.key, "str")
+    if rec.value_type in NONE_TYPES or rec.skip:
+        if rec.value_type not in NONE_TYPES:
+            warnings.warn(f"{key_str(rec.key)}: Orbax {rec.value_type} record has no data "
+                          "(skip_deserialize); it reads as None", XckptWarning, stacklevel=4)
+        return ValueEntry(rec.key, "none")
+    raise UnsupportedError(f"Orbax value_type {rec.value_type!r} (a custom TypeHandler?) is not supported",
+                           code="orbax.unsupported", file=str(ckpt.loc.child(naming.ORBAX_METADATA)),
+                           leaf=key_str(rec.key))
+
+
+def read_shardings(loc: Location) -> dict[str, dict[str, Any]]:
+    """Mesh shape, axis names and per-dimension axes of each array, from Orbax's ``_sharding`` (best effort).
+
+    Orbax ignores ``_sharding`` when restoring onto a target, so a damaged file is not an error here.
+    """
+    raw = storage.read_bytes(loc, naming.ORBAX_SHARDING)
+    if raw is None:
+        return {}
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    if not isinstance(obj, dict):
+        return out
+    for k, v in obj.items():
+        try:
+            name = base64.urlsafe_b64decode(k + "=" * (-len(k) % 4)).decode()
+            desc = json.loads(v)
+            if desc.get("sharding_type") == "NamedSharding":
+                spec = desc.get("partition_spec") or []
+                dim_axes = [[] if p is None else ([p] if isinstance(p, str) else list(p)) for p in spec]
+                out[name] = {"mesh_shape": list(desc["shape"]), "axis_names": list(desc["axis_names"]),
+                             "dim_axes": dim_axes}
+            elif isinstance(desc.get("sharding_type"), str):
+                out[name] = {"orbax_sharding": desc["sharding_type"]}
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue
+    return out

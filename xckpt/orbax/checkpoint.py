@@ -1,0 +1,216 @@
+"""Reading checkpoints written by Orbax, without jax: zarr v2 or v3, with or without OCDBT.
+
+:func:`open_orbax` turns an Orbax checkpoint directory into a
+:class:`~xckpt.reader.Checkpoint` whose manifest is built from Orbax's ``_METADATA``:
+
+* the tree comes from each record's ``key_metadata`` (``key_type`` 1: sequence, 2: dict);
+  tuples and namedtuples are recovered when the optional rich ``value_metadata_tree`` is there;
+* ``jax.Array`` and ``np.ndarray`` records are array leaves; shape and dtype come from each
+  array's own zarr metadata (``.zarray`` or ``zarr.json``, inside OCDBT when it is used);
+* ``scalar`` records (0-d arrays) are value leaves read as Python scalars, as Orbax gives them;
+* ``string`` records are value leaves read from ``_strings.json``;
+* ``None``, ``Dict``, ``List``, ``Tuple`` and ``NamedTuple`` records are None and empty containers.
+
+The array data is opened with TensorStore exactly as Orbax writes it. Every defect is a
+specific :class:`~xckpt.errors.XckptError` naming the file and the leaf. Registering the
+``orbax`` to ``xckpt`` converter (``xckpt convert --from orbax``) is done on import.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from .. import convert as convert_mod, manifest as manifest_mod, naming, storage
+from ..errors import DataError, ManifestError, NotACheckpointError, XckptWarning
+from ..manifest import ArrayEntry, Entry, Manifest, ValueEntry
+from ..reader import Checkpoint, translate
+from ..storage import Location
+from ..tree import key_str
+
+from .arrays import ARRAY_TYPES, entry_for, read_array_infos, read_shardings
+from .metadata import (OCDBT_MANIFEST, apply_rich_types, build_tree, check_names, finish,
+                       parse_metadata, read_records)
+
+
+STRINGS = "_strings.json"
+
+
+
+
+#: Bytes of OCDBT B-tree nodes kept in memory while reading (array data itself is not cached).
+_OCDBT_CACHE_BYTES = 32 << 20
+
+
+class OrbaxCheckpoint(Checkpoint):
+    """A checkpoint written by Orbax, opened for reading through the xckpt interface."""
+
+    format = "orbax"
+
+    def __init__(self, loc: Location, manifest: Manifest, *, zarr3: bool, ocdbt: bool,
+                 strict_fill: bool) -> None:
+        super().__init__(loc, manifest)
+        self.zarr3 = zarr3
+        self.ocdbt = ocdbt
+        self.strict_fill = strict_fill
+        #: The stored dtype of each scalar's 0-d array, by array name.
+        self.scalar_dtypes: dict[str, str] = {}
+        self._context = ts.Context({"cache_pool": {"total_bytes_limit": 0},
+                                    "cache_pool#ocdbt": {"total_bytes_limit": _OCDBT_CACHE_BYTES}})
+
+    def values(self) -> dict[int, Any]:
+        """Value leaves by leaf index: scalars read from their 0-d arrays, strings, None."""
+        if self._values is None:
+            self._values = read_values(self)
+        return self._values
+
+    def kvstore_spec(self, path: str = "") -> dict[str, Any]:
+        """The kvstore spec of ``path`` (a directory) inside the checkpoint, through OCDBT if used."""
+        if not self.ocdbt:
+            return self.loc.kvstore(path)
+        out: dict[str, Any] = {"driver": "ocdbt", "base": self.loc.kvstore(), "cache_pool": "cache_pool#ocdbt"}
+        if path:
+            out["path"] = path.rstrip("/") + "/"
+        return out
+
+    def array_spec(self, entry: ArrayEntry) -> dict[str, Any]:
+        """The TensorStore spec that opens ``entry`` as Orbax wrote it (shape and dtype enforced)."""
+        spec: dict[str, Any] = {"driver": "zarr3" if self.zarr3 else "zarr",
+                                "kvstore": self.kvstore_spec(entry.path),
+                                "dtype": entry.dtype,
+                                "schema": {"domain": {"shape": list(entry.shape)}}}
+        if self.strict_fill:
+            spec["fill_missing_data_reads"] = False
+        return spec
+
+    def open_array(self, entry: ArrayEntry) -> "ts.Future[ts.TensorStore]":
+        """Start opening an array leaf (or the 0-d array of a scalar) for reading."""
+        return ts.open(self.array_spec(entry), open=True, read=True, context=self._context)
+
+    def metadata_file(self, name: str) -> str:
+        """The display path of an array's zarr metadata file (inside OCDBT when it is used)."""
+        meta = "zarr.json" if self.zarr3 else ".zarray"
+        return str(self.loc.child(f"{name}/{meta}")) + (" (in OCDBT)" if self.ocdbt else "")
+
+
+def open_orbax(path: Any) -> OrbaxCheckpoint:
+    """Open the Orbax checkpoint at ``path`` (a directory holding ``_METADATA``) for reading."""
+    loc = Location.of(path)
+    meta_file = str(loc.child(naming.ORBAX_METADATA))
+    raw = storage.read_bytes(loc, naming.ORBAX_METADATA)
+    if raw is None:
+        raise NotACheckpointError(f"{loc} holds no Orbax checkpoint (no {naming.ORBAX_METADATA})",
+                                  code="orbax.missing", file=meta_file)
+    meta = parse_metadata(raw, meta_file)
+    if storage.read_bytes(loc, naming.COMMIT, slice(0, 0)) is None:
+        warnings.warn(f"{loc}: {naming.COMMIT} is missing; Orbax treats this checkpoint as unfinished",
+                      XckptWarning, stacklevel=3)
+    has_ocdbt = storage.read_bytes(loc, OCDBT_MANIFEST, slice(0, 0)) is not None
+    if meta.get("use_ocdbt") is True and not has_ocdbt:
+        raise DataError(f"_METADATA says use_ocdbt but {OCDBT_MANIFEST} is missing (an unfinished or "
+                        "unmerged multi-process save?)", code="orbax.ocdbt_missing",
+                        file=str(loc.child(OCDBT_MANIFEST)))
+    zarr3 = meta.get("use_zarr3", False)
+    if not isinstance(zarr3, bool):
+        raise ManifestError(f"use_zarr3 is {zarr3!r}, not a boolean", code="orbax.invalid", file=meta_file)
+    records = read_records(meta, meta_file)
+    root = build_tree(records, meta_file)
+    apply_rich_types(root, meta.get("value_metadata_tree"))
+    tree, ordered = finish(root, ())
+    producer = {"library": "orbax-checkpoint", "framework": "jax"}
+    info = {"orbax": {"use_ocdbt": has_ocdbt, "use_zarr3": zarr3,
+                      "store_array_data_equal_to_fill_value": bool(meta.get("store_array_data_equal_to_fill_value")),
+                      "custom_metadata": meta.get("custom_metadata")}}
+    placeholder = Manifest(tree=tree, leaves=[], producer=producer, metadata=info)
+    ckpt = OrbaxCheckpoint(loc, placeholder, zarr3=zarr3, ocdbt=has_ocdbt,
+                           strict_fill=bool(meta.get("store_array_data_equal_to_fill_value")))
+    stored = [r for r in ordered if r.value_type in ARRAY_TYPES + ("scalar",) and not r.skip]
+    check_names(stored, meta_file)
+    arrays = read_array_infos(ckpt, stored)
+    shardings = read_shardings(loc)
+    leaves: list[Entry] = []
+    for rec in ordered:
+        leaves.append(entry_for(ckpt, rec, arrays.get(rec.name), shardings.get(rec.name)))
+    m = Manifest(tree=tree, leaves=leaves, producer=producer, metadata=info,
+                 values={"path": naming.ORBAX_METADATA} if any(isinstance(e, ValueEntry) for e in leaves)
+                 else None)
+    manifest_mod.check_consistency(m, meta_file)
+    for e in m.arrays():
+        manifest_mod.check_shape(e, ckpt.metadata_file(e.path))
+    ckpt.manifest = m
+    return ckpt
+
+
+def read_values(ckpt: OrbaxCheckpoint) -> dict[int, Any]:
+    """Every value leaf: 0-d arrays read concurrently as Python scalars, strings, None."""
+    m = ckpt.manifest
+    out: dict[int, Any] = {}
+    scalars = []
+    strings: dict[str, Any] | None = None
+    for i, e in enumerate(m.leaves):
+        if not isinstance(e, ValueEntry):
+            continue
+        if e.orbax_path:
+            dtype = ckpt.scalar_dtypes[e.orbax_path]
+            entry = ArrayEntry(e.key, e.orbax_path, (), dtype, dtype, (), ())
+            scalars.append((i, e, entry, ckpt.open_array(entry)))
+        elif e.type == "str":
+            if strings is None:
+                strings = _strings(ckpt.loc)
+            out[i] = _string(ckpt.loc, strings, e)
+        else:
+            out[i] = None
+    reads = []
+    for i, e, entry, fut in scalars:
+        try:
+            reads.append((i, e, entry, fut.result().read()))
+        except Exception as exc:  # noqa: BLE001
+            raise translate(exc, entry, str(ckpt.loc.child(entry.path))) from exc
+    for i, e, entry, fut in reads:
+        try:
+            value = np.asarray(fut.result())
+        except Exception as exc:  # noqa: BLE001
+            raise translate(exc, entry, str(ckpt.loc.child(entry.path))) from exc
+        out[i] = {"bool": bool, "int": int, "float": float, "complex": complex}[e.type](value.item())
+    return out
+
+
+def _strings(loc: Location) -> dict[str, Any]:
+    file = str(loc.child(STRINGS))
+    raw = storage.read_bytes(loc, STRINGS)
+    if raw is None:
+        raise DataError(f"{STRINGS} is missing but _METADATA lists string leaves", code="orbax.strings_missing",
+                        file=file)
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{STRINGS} is not valid JSON: {exc}", code="orbax.strings_invalid",
+                            file=file) from exc
+    if not isinstance(obj, dict):
+        raise ManifestError(f"{STRINGS} is not a JSON object", code="orbax.strings_invalid", file=file)
+    return obj
+
+
+def _string(loc: Location, strings: dict[str, Any], e: ValueEntry) -> str:
+    name = ".".join(str(k) for k in e.key)
+    file = str(loc.child(STRINGS))
+    if name not in strings:
+        raise DataError(f"string {name!r} is missing from {STRINGS}", code="orbax.strings_missing",
+                        file=file, leaf=key_str(e.key))
+    value = strings[name]
+    if not isinstance(value, str):
+        raise ManifestError(f"{STRINGS} holds {type(value).__name__} for {name!r}, not a string",
+                            code="orbax.strings_invalid", file=file, leaf=key_str(e.key))
+    return value
+
+
+def orbax_to_xckpt(src: str, dst: str, *, overwrite: bool = False) -> None:
+    """Convert the Orbax checkpoint at ``src`` into an xckpt checkpoint at ``dst``, leaf by leaf."""
+    convert_mod.copy_checkpoint(open_orbax(src), dst, overwrite=overwrite)
+
+
+convert_mod.register_converter("orbax", "xckpt", orbax_to_xckpt)
