@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from . import procs
+from . import mappings, procs
 from .config import JAX_MESH, TORCH_RESUME_MESH, TORCH_TRAIN_MESH, Config
-from .report import Direction, plot, table
+from .jobs import Demo
+from .report import Direction, checkpoint_summary, mapping_sample, plot, table, validate
 
 
 def _mesh_text(mesh: dict[str, int]) -> str:
@@ -38,68 +37,6 @@ def _params(cfg: Config) -> int:
     d, m, v, t = cfg.d_model, cfg.d_mlp, cfg.vocab, cfg.seq_len
     block = 2 * 2 * d + 4 * (d * d + d) + (d * m + m) + (m * d + d)
     return v * d + t * d + cfg.n_layers * block + 2 * d + d * v + v
-
-
-class Demo:
-    """Paths, settings and the three child jobs of one demo run."""
-
-    def __init__(self, out: Path, cfg: Config) -> None:
-        self.out, self.cfg = out, cfg
-        self.torch_ckpt = out / f"torch_step{cfg.pretrain_steps}"
-        self.jax_ckpt = out / f"jax_step{cfg.pretrain_steps}"
-        self.work = out / "work"
-        self.work.mkdir(parents=True, exist_ok=True)
-
-    def _job(self, name: str, **fields: Any) -> Path:
-        job = {"cfg": self.cfg.to_json(), "torch_ckpt": str(self.torch_ckpt), "jax_ckpt": str(self.jax_ckpt),
-               "result": str(self.work / f"{name}.result.json"), **fields}
-        path = self.work / f"{name}.job.json"
-        path.write_text(json.dumps(job, indent=1))
-        Path(job["result"]).unlink(missing_ok=True)
-        return path
-
-    def _result(self, name: str) -> dict[str, Any]:
-        return json.loads((self.work / f"{name}.result.json").read_text())
-
-    def torch_job(self, name: str, phase: str, mesh: dict[str, int]) -> dict[str, Any]:
-        """Run a PyTorch job on ``dp * tp`` spawned ranks; its rank 0's result."""
-        world = mesh["dp"] * mesh["tp"]
-        job = self._job(name, phase=phase, world=world, mesh=mesh, port=procs.free_port())
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        procs.run_group(f"PyTorch job {name!r} ({world} ranks)",
-                        [[sys.executable, "-m", "xckpt_demo.train_torch", str(job), str(r)] for r in range(world)],
-                        [self.work / f"{name}.rank{r}.log" for r in range(world)], env=env)
-        return self._result(name)
-
-    def jax_job(self, name: str, mesh: dict[str, int]) -> dict[str, Any]:
-        """Run the JAX job in a process with ``data * model`` host devices; its result."""
-        n = mesh["data"] * mesh["model"]
-        job = self._job(name, mesh=mesh)
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
-        procs.run_group(f"JAX job {name!r} ({n} devices)", [[sys.executable, "-m", "xckpt_demo.train_jax", str(job)]],
-                        [self.work / f"{name}.log"], env=env)
-        return self._result(name)
-
-
-def _summary(path: Path) -> str:
-    """One line about a checkpoint: leaves, bytes, and how one of its weights was sharded."""
-    import xckpt
-    info = xckpt.inspect(str(path))
-    kib = info["total_bytes"] / 1024
-    line = f"    {path.name}: {info['arrays']} arrays and {info['values']} values, {kib:.1f} KiB"
-    for leaf in info["leaves"]:
-        sh = leaf.get("sharding") or {}
-        if leaf["kind"] == "array" and leaf["key"].endswith(("attn.q.weight", "attn/q/kernel")) and sh.get("mesh_shape"):
-            line += (f"; e.g. {leaf['key']} {leaf['shape']} saved from mesh {sh['mesh_shape']} "
-                     f"{sh.get('axis_names')}, dims split over {sh.get('dim_axes')}")
-            break
-    return line
-
-
-def _validate(path: Path) -> bool:
-    from xckpt.cli import main as cli
-    print(f"  $ xckpt validate --deep {path}", flush=True)
-    return cli(["validate", "--deep", str(path)]) == 0
 
 
 def run(out: Path, cfg: Config) -> int:
@@ -119,7 +56,10 @@ def run(out: Path, cfg: Config) -> int:
           f"DTensors over tp; train {n} steps, save with xckpt", flush=True)
     t0 = time.perf_counter()
     torch_train = demo.torch_job("torch_train", "train", TORCH_TRAIN_MESH)
-    print(_summary(demo.torch_ckpt))
+    print(checkpoint_summary(demo.torch_ckpt))
+    print(mapping_sample("xckpt.mapping.torch_to_flax", mappings.torch_to_flax(), demo.torch_ckpt,
+                          ("params/blocks_0/attn/q/kernel", "params/blocks_0/ln1/scale",
+                           "opt_state/0/mu/blocks_0/attn/q/kernel", "opt_state/0/count")))
     print(f"    ({time.perf_counter() - t0:.1f} s)", flush=True)
 
     jn = JAX_MESH["data"] * JAX_MESH["model"]
@@ -128,7 +68,10 @@ def run(out: Path, cfg: Config) -> int:
           flush=True)
     t0 = time.perf_counter()
     jax_res = demo.jax_job("jax", JAX_MESH)
-    print(_summary(demo.jax_ckpt))
+    print(checkpoint_summary(demo.jax_ckpt))
+    print(mapping_sample("xckpt.mapping.flax_to_torch", mappings.flax_to_torch(), demo.jax_ckpt,
+                          ("model/blocks.0.attn.q.weight", "optim/state/blocks.0.attn.q.weight/exp_avg_sq",
+                           "optim/state/blocks.0.attn.q.weight/step")))
     print(f"    ({time.perf_counter() - t0:.1f} s)", flush=True)
 
     rw = TORCH_RESUME_MESH["dp"] * TORCH_RESUME_MESH["tp"]
@@ -139,7 +82,7 @@ def run(out: Path, cfg: Config) -> int:
     print(f"    ({time.perf_counter() - t0:.1f} s)", flush=True)
 
     print("\n[4/5] validate both checkpoints", flush=True)
-    valid = [_validate(demo.torch_ckpt), _validate(demo.jax_ckpt)]
+    valid = [validate(demo.torch_ckpt), validate(demo.jax_ckpt)]
 
     print("\n[5/5] compare the continuations", flush=True)
     directions = [

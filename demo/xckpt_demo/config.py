@@ -36,7 +36,7 @@ class Config:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Config":
+    def from_json(cls, data: dict[str, Any]) -> Config:
         """Settings from :meth:`to_json` output."""
         return cls(**data)
 

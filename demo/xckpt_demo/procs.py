@@ -17,8 +17,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 #: The environment variable through which a child learns the demo's pid.
 PARENT_ENV = "XCKPT_DEMO_PARENT_PID"
@@ -133,7 +133,7 @@ def run_group(label: str, argvs: Sequence[Sequence[str]], logs: Sequence[Path], 
 class interrupt_on_sigterm:
     """Within this context a SIGTERM of the demo raises KeyboardInterrupt (so children are ended too)."""
 
-    def __enter__(self) -> "interrupt_on_sigterm":
+    def __enter__(self) -> interrupt_on_sigterm:
         def handler(signum: int, frame: object) -> None:
             raise KeyboardInterrupt
         try:

@@ -30,7 +30,9 @@ class Trainer:
         import jax
         import numpy as np
         import optax
-        from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+        from jax.sharding import AxisType, Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
         from . import model_flax
         self.cfg = cfg
         devices = np.array(jax.devices()[:mesh_shape["data"] * mesh_shape["model"]])
@@ -63,9 +65,11 @@ class Trainer:
         """Fresh parameters and optimizer state, sharded over the mesh."""
         return self._init(key)
 
-    def run(self, params: Any, opt_state: Any, start: int, steps: int, tag: str) -> tuple[Any, Any, list[float]]:
-        """Train ``steps`` steps from ``start``; returns the new state and the losses."""
+    def run(self, params: Any, opt_state: Any, start: int, steps: int, tag: str,
+            every: int = 1) -> tuple[Any, Any, list[float]]:
+        """Train ``steps`` steps from ``start`` (progress every ``every`` steps and the last); new state, losses."""
         import jax
+
         from .data import batch
         losses = []
         for s in range(start, start + steps):
@@ -75,13 +79,15 @@ class Trainer:
             targets = jax.device_put(targets, self.batch_sharding)
             params, opt_state, loss = self._step(params, opt_state, ids, targets)
             losses.append(float(loss))
-            print(f"{tag} step {s:>2}  loss {losses[-1]:.6f}  ({time.perf_counter() - t0:.2f} s)", flush=True)
+            if (s + 1) % every == 0 or s == start + steps - 1:
+                print(f"{tag} step {s:>2}  loss {losses[-1]:.6f}  ({time.perf_counter() - t0:.2f} s)", flush=True)
         return params, opt_state, losses
 
 
 def from_torch(job: dict[str, Any], t: Trainer, tag: str) -> list[float]:
     """Restore the PyTorch checkpoint through the torch -> flax mapping, then continue."""
     import xckpt
+
     from .mappings import torch_to_flax
     like = {"params": t.params_like, "opt_state": t.opt_like, "step": 0}
     out = xckpt.load(job["torch_ckpt"], like=like, mapping=torch_to_flax())
@@ -94,10 +100,11 @@ def from_torch(job: dict[str, Any], t: Trainer, tag: str) -> list[float]:
 def train_and_save(job: dict[str, Any], t: Trainer, tag: str) -> list[float]:
     """Train from flax's own initialisation, then save params, optax state, step and RNG key."""
     import jax
+
     import xckpt
     key, init_key = jax.random.split(jax.random.PRNGKey(t.cfg.init_seed))
     params, opt_state = t.init(init_key)
-    params, opt_state, losses = t.run(params, opt_state, 0, t.cfg.pretrain_steps, tag)
+    params, opt_state, losses = t.run(params, opt_state, 0, t.cfg.pretrain_steps, tag, every=5)
     t0 = time.perf_counter()
     state = {"params": params, "opt_state": opt_state, "step": t.cfg.pretrain_steps,
              "rng": jax.random.key_data(key)}
@@ -111,6 +118,7 @@ def from_own(job: dict[str, Any], t: Trainer, tag: str) -> list[float]:
     """Continue from the JAX checkpoint, loaded into fresh abstract state."""
     import jax
     import numpy as np
+
     import xckpt
     like = {"params": t.params_like, "opt_state": t.opt_like, "step": 0,
             "rng": jax.ShapeDtypeStruct((2,), np.uint32, sharding=t.replicated)}

@@ -40,6 +40,7 @@ class Trainer:
 
     def __init__(self, cfg: Any, mesh: Any, seed: int) -> None:
         import torch
+
         from . import model_torch
         self.cfg, self.mesh = cfg, mesh
         torch.manual_seed(seed)  # the same on every rank: each keeps its slices of the same full tensors
@@ -51,6 +52,7 @@ class Trainer:
         """Train on this rank's rows of global batch ``step``; returns the global mean loss."""
         import torch
         import torch.distributed as dist
+
         from .data import batch
         dp = self.mesh["dp"]
         rows = self.cfg.batch // dp.size()
@@ -65,13 +67,13 @@ class Trainer:
             dist.all_reduce(total, group=dp.get_group())
         return float(total.item()) / dp.size()
 
-    def run(self, start: int, steps: int, tag: str, rank: int) -> list[float]:
-        """Train ``steps`` steps from ``start``, printing progress on rank 0."""
+    def run(self, start: int, steps: int, tag: str, rank: int, every: int = 1) -> list[float]:
+        """Train ``steps`` steps from ``start``, printing progress on rank 0 (every ``every`` steps and the last)."""
         losses = []
         for s in range(start, start + steps):
             t0 = time.perf_counter()
             losses.append(self.step(s))
-            if rank == 0:
+            if rank == 0 and ((s + 1) % every == 0 or s == start + steps - 1):
                 print(f"{tag} step {s:>2}  loss {losses[-1]:.6f}  ({time.perf_counter() - t0:.2f} s)", flush=True)
         return losses
 
@@ -80,7 +82,7 @@ def train(job: dict[str, Any], rank: int, mesh: Any, cfg: Any, tag: str) -> dict
     """Train from scratch, then save everything with xckpt (collective)."""
     import xckpt
     t = Trainer(cfg, mesh, cfg.init_seed)
-    losses = t.run(0, cfg.pretrain_steps, tag, rank)
+    losses = t.run(0, cfg.pretrain_steps, tag, rank, every=5)
     t0 = time.perf_counter()
     state = {"model": t.model, "optim": t.opt, "step": cfg.pretrain_steps, "rng": xckpt.torch.rng_state()}
     xckpt.save(state, job["torch_ckpt"], overwrite=True)
@@ -104,7 +106,9 @@ def resume_torch(job: dict[str, Any], rank: int, mesh: Any, cfg: Any, tag: str) 
 def resume_jax(job: dict[str, Any], rank: int, mesh: Any, cfg: Any, tag: str) -> list[float]:
     """Continue from the JAX checkpoint: one load through the flax -> torch mapping."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
     import xckpt
+
     from .mappings import flax_to_torch
     t = Trainer(cfg, mesh, cfg.init_seed + 1)
     osd = get_optimizer_state_dict(t.model, t.opt)  # AdamW state (DTensors on this mesh), keyed by FQN
