@@ -198,3 +198,15 @@ def test_stored_none_matches_an_empty_container_in_the_target(tmp_path):
     with pytest.raises(KeyMismatchError) as info:  # an empty target does not hide real stored data
         xckpt.load(tmp_path / "c", like={"opt": Empty(), "x": None})
     assert info.value.unexpected == ["opt/0", "opt/1"]
+
+
+def test_default_subtree_loads_when_stored_and_is_kept_when_not(tmp_path):
+    xckpt.save({"state": {"w": np.ones(2)}, "groups": [{"lr": 0.5}]}, tmp_path / "with")
+    xckpt.save({"state": {"w": np.ones(2)}}, tmp_path / "without")
+    like = {"state": {"w": np.zeros(2)}, "groups": xckpt.Default([{"lr": 0.1}])}
+    assert xckpt.load(tmp_path / "with", like=like)["groups"] == [{"lr": 0.5}]
+    out = xckpt.load(tmp_path / "without", like=like)
+    assert out["groups"] == [{"lr": 0.1}]
+    np.testing.assert_array_equal(out["state"]["w"], np.ones(2))
+    with pytest.raises(KeyMismatchError):  # without Default the same gap is an error
+        xckpt.load(tmp_path / "without", like={"state": {"w": np.zeros(2)}, "groups": [{"lr": 0.1}]})

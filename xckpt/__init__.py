@@ -19,12 +19,12 @@ from .manifest import Manifest  # noqa: E402
 from .regions import Region  # noqa: E402
 from .save import save  # noqa: E402
 from .save_async import SaveHandle, save_async  # noqa: E402
-from .tree import Value  # noqa: E402
+from .tree import Default, Value  # noqa: E402
 from .inspect import inspect  # noqa: E402
 from . import mapping  # noqa: E402,F401 - xckpt.mapping: rename keys and transform layouts at load time
 from .validate import validate  # noqa: E402
 
-__all__ = ["save", "save_async", "SaveHandle", "load", "inspect", "validate", "Value", "ReadSpec", "Region", "Manifest",
+__all__ = ["save", "save_async", "SaveHandle", "load", "inspect", "validate", "Value", "Default", "ReadSpec", "Region", "Manifest",
            "Coordinator", "LocalCoordinator", "XckptError", "XckptWarning", "__version__"]
 
 _ADAPTERS = {"torch": "xckpt_torch", "jax": "xckpt_jax"}

@@ -19,13 +19,14 @@ from .manifest import ArrayEntry, Entry, ValueEntry
 from .reader import Checkpoint, open_checkpoint, translate
 from .registry import ArrayTarget
 from .regions import Region
-from .tree import Key, is_namedtuple, key_str, unflatten
+from .tree import Default, Key, is_namedtuple, key_str, unflatten
 
 
 @dataclass
 class _Request:
     key: Key
     like: Any
+    optional: bool = False
 
 
 #: Marks an empty container in a target: a stored None at its key counts as matched
@@ -33,8 +34,11 @@ class _Request:
 _EMPTY = object()
 
 
-def _plan_like(like: Any, key: Key, requests: list[_Request]) -> Callable[[dict[Key, Any]], Any]:
+def _plan_like(like: Any, key: Key, requests: list[_Request], optional: bool = False
+               ) -> Callable[[dict[Key, Any]], Any]:
     """Collect the leaves of a target tree; return a function that rebuilds it from results."""
+    if isinstance(like, Default):
+        return _plan_like(like.value, key, requests, True)
     if like is None:
         requests.append(_Request(key, None))
         return lambda res: None
@@ -42,21 +46,21 @@ def _plan_like(like: Any, key: Key, requests: list[_Request]) -> Callable[[dict[
         view = registry.load_view(like)
         if view is not None:
             plain, rebuild = view
-            inner = _plan_like(plain, key, requests)
+            inner = _plan_like(plain, key, requests, optional)
             return lambda res: rebuild(inner(res))
     if isinstance(like, (dict, list, tuple)) and not like:
         requests.append(_Request(key, _EMPTY))
     if isinstance(like, dict):
-        parts = {k: _plan_like(v, key + (k,), requests) for k, v in like.items()}
+        parts = {k: _plan_like(v, key + (k,), requests, optional) for k, v in like.items()}
         return lambda res: _rebuild_dict(like, parts, res)
     if is_namedtuple(like):
         fields = type(like)._fields
-        subs = [_plan_like(v, key + (f,), requests) for f, v in zip(fields, like)]
+        subs = [_plan_like(v, key + (f,), requests, optional) for f, v in zip(fields, like)]
         return lambda res: type(like)(*[s(res) for s in subs])
     if isinstance(like, (list, tuple)):
-        subs = [_plan_like(v, key + (i,), requests) for i, v in enumerate(like)]
+        subs = [_plan_like(v, key + (i,), requests, optional) for i, v in enumerate(like)]
         return lambda res: type(like)(s(res) for s in subs)
-    requests.append(_Request(key, like))
+    requests.append(_Request(key, like, optional))
     return lambda res: res.get(key, like)
 
 
@@ -105,7 +109,8 @@ def load(path: Any, like: Any = None, *, strict: bool = True, max_bytes: int | N
             continue
         entry = by_key.get(req.key)
         if entry is None:
-            missing.append(key_str(req.key))
+            if not req.optional:
+                missing.append(key_str(req.key))
             continue
         i = index[req.key]
         make = registry.target_for(req.like)

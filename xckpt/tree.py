@@ -31,6 +31,17 @@ class Value:
     value: Any
 
 
+@dataclass(frozen=True)
+class Default:
+    """In a load target: load this subtree where the checkpoint has it, else keep ``value`` as it is.
+
+    E.g. a PyTorch optimizer's ``param_groups`` when loading optimizer state written by optax,
+    which keeps its hyper-parameters outside the checkpoint.
+    """
+
+    value: Any
+
+
 def key_str(key: Key) -> str:
     """A readable rendering of a key, for messages: ``model/layers.0.weight``."""
     return "/".join(str(k) for k in key) if key else "<root>"

@@ -5,7 +5,8 @@
   loading copies into that state dict in place, then ``set_model_state_dict``.
 * ``torch.optim.Optimizer``: ``get_optimizer_state_dict(model, optimizer)``, whose
   state is keyed by parameter name, not by id, so it loads into a job with another
-  world size or sharding. The optimizer's model is the one bound with :func:`bind`,
+  world size or sharding. Its ``param_groups`` are loaded where the checkpoint has them
+  and kept otherwise (state mapped from optax has none). The optimizer's model is the one bound with :func:`bind`,
   else a module met in the same tree, else the live module owning its parameters.
 * Anything else with ``state_dict()`` and ``load_state_dict()`` (LR schedulers,
   data-loader state): its state dict, restored with ``load_state_dict``.
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from xckpt.errors import TreeError, XckptError
+from xckpt.tree import Default
 
 _bound: "weakref.WeakKeyDictionary[torch.optim.Optimizer, nn.Module]" = weakref.WeakKeyDictionary()
 _seen: list["weakref.ref[nn.Module]"] = []
@@ -102,6 +104,8 @@ def optimizer_load_view(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any
     """Load into the optimizer's (initialised) state, then ``set_optimizer_state_dict``."""
     model = model_of(optimizer)
     like = _guard(type(optimizer).__name__, lambda: get_optimizer_state_dict(model, optimizer))
+    if "param_groups" in like:  # state from optax carries no param_groups: keep the optimizer's own
+        like = dict(like, param_groups=Default(like["param_groups"]))
 
     def rebuild(loaded: dict[str, Any]) -> torch.optim.Optimizer:
         set_optimizer_state_dict(model, optimizer, loaded)

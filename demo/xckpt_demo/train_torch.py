@@ -105,17 +105,12 @@ def resume_torch(job: dict[str, Any], rank: int, mesh: Any, cfg: Any, tag: str) 
 
 def resume_jax(job: dict[str, Any], rank: int, mesh: Any, cfg: Any, tag: str) -> list[float]:
     """Continue from the JAX checkpoint: one load through the flax -> torch mapping."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
     import xckpt
 
     from .mappings import flax_to_torch
     t = Trainer(cfg, mesh, cfg.init_seed + 1)
-    osd = get_optimizer_state_dict(t.model, t.opt)  # AdamW state (DTensors on this mesh), keyed by FQN
-    like = {"model": t.model, "optim": {"state": osd["state"]}, "step": 0}
-    out = xckpt.load(job["jax_ckpt"], like=like, mapping=flax_to_torch())
-    # optax keeps hyper-parameters in the transformation: the param_groups stay this optimizer's own
-    set_optimizer_state_dict(t.model, t.opt, {"state": out["optim"]["state"], "param_groups": osd["param_groups"]})
+    # optax keeps its hyper-parameters in the transformation, so the optimizer keeps its own param_groups
+    out = xckpt.load(job["jax_ckpt"], like={"model": t.model, "optim": t.opt, "step": 0}, mapping=flax_to_torch())
     if rank == 0:
         print(f"{tag} loaded {job['jax_ckpt']} through xckpt.mapping.flax_to_torch "
               f"(step {out['step']}: kernels transposed, optax mu/nu/count -> exp_avg/exp_avg_sq/step)", flush=True)
