@@ -20,6 +20,7 @@ from xckpt.registry import ArraySource, Shard
 
 from threaded import run_ranks
 
+pytestmark = pytest.mark.usefixtures("every_checkpoint_validates")
 ALL_DTYPES = dtypes.LOGICAL_DTYPES
 
 

@@ -17,14 +17,7 @@ optax = pytest.importorskip("optax")
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _every_checkpoint_validates(tmp_path):
-    """After each test: ``xckpt validate --deep`` passes on every xckpt checkpoint it wrote."""
-    yield
-    found = [p.parent for p in tmp_path.rglob("xckpt.json")]
-    for path in found:
-        report = xckpt.validate(path, deep=True)
-        assert report.ok, (str(path), [str(f) for f in report.findings])
+pytestmark = pytest.mark.usefixtures("every_checkpoint_validates")
 
 
 SPECS_SAVE = {"w": P("x", "y"), "e": P(("x", "y")), "i": P("y")}
