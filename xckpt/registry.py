@@ -25,10 +25,16 @@ Matcher = Callable[[Any], bool]
 
 @dataclass
 class Shard:
-    """A region of an array that this process holds, and how to get it as host numpy."""
+    """A region of an array that this process holds, and how to get it as host numpy.
+
+    ``prefetch``, if given, starts moving the data to the host without waiting (a
+    device-to-host copy); the engine calls it for every shard this process writes
+    before it fetches the first one.
+    """
 
     region: Region
     fetch: Callable[[], np.ndarray]
+    prefetch: Callable[[], None] | None = None
 
 
 @dataclass

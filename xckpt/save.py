@@ -30,7 +30,7 @@ from .errors import CoordinationError, SaveError, TreeError, XckptError
 from .manifest import ArrayEntry, Manifest, ValueEntry
 from .orbax import files as orbax_files
 from .plan import INNER_CHUNK_BYTES, LeafDesc, SavePlan, plan_save
-from .registry import ArraySource
+from .registry import ArraySource, Shard
 from .storage import Location
 from .tree import Key, Node, Value, flatten, key_str
 
@@ -131,6 +131,24 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
                         names, opts)
 
 
+def assigned_shards(p: PreparedSave) -> list[tuple[int, Shard]]:
+    """``(leaf index, shard)`` of every region this process writes, in plan order.
+
+    Starts every shard's ``prefetch`` (its device-to-host copy) before returning, so no
+    copy waits for another to be fetched first.
+    """
+    out = []
+    for i, region in p.plan.assigned(p.coord.rank):
+        shard = next((s for s in p.sources[i].shards if s.region == region), None)
+        if shard is None:
+            raise SaveError("planned region is not held by this process", leaf=key_str(p.keys[i]))
+        out.append((i, shard))
+    for _, shard in out:
+        if shard.prefetch is not None:
+            shard.prefetch()
+    return out
+
+
 def _check_target(final: Location, opts: SaveOptions) -> None:
     """Refuse to replace a checkpoint unless asked; on object stores, clear an uncommitted prefix.
 
@@ -161,13 +179,10 @@ def write_local(p: PreparedSave) -> int:
     written = 0
     opened: dict[int, Any] = {}
     try:
-        for i, region in p.plan.assigned(p.coord.rank):
+        for i, shard in assigned_shards(p):
+            region = shard.region
             lp = p.plan.leaves[i]
             assert lp is not None
-            src: ArraySource = p.sources[i]
-            shard = next((s for s in src.shards if s.region == region), None)
-            if shard is None:
-                raise SaveError("planned region is not held by this process", leaf=key_str(lp.key))
             if i not in opened:
                 opened[i] = arrays.open_for_write(p.tmp, p.names[lp.key], _metadata(lp, p.options))
             data = _host_data(shard.fetch(), region, lp)

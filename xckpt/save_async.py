@@ -35,10 +35,9 @@ from .errors import CoordinationError, SaveError, XckptError
 from .manifest import Manifest
 from .plan import INNER_CHUNK_BYTES
 from .registry import ArraySource, Shard
-from .save import (MAX_INFLIGHT_BYTES, PreparedSave, SaveOptions, build_manifest, prepare, write_local,
-                   write_metadata)
+from .save import (MAX_INFLIGHT_BYTES, PreparedSave, SaveOptions, assigned_shards, build_manifest, prepare,
+                   write_local, write_metadata)
 from .storage import Location
-from .tree import key_str
 
 #: How long the coordinating process waits for the other processes' status files, in seconds.
 COMMIT_TIMEOUT_S = 3600.0
@@ -182,13 +181,9 @@ def _stage(p: PreparedSave) -> None:
     Afterwards ``p`` no longer refers to the caller's arrays or containers.
     """
     staged: dict[int, list[Shard]] = {}
-    for i, region in p.plan.assigned(p.coord.rank):
-        src: ArraySource = p.sources[i]
-        shard = next((s for s in src.shards if s.region == region), None)
-        if shard is None:
-            raise SaveError("planned region is not held by this process", leaf=key_str(p.keys[i]))
+    for i, shard in assigned_shards(p):
         data = np.array(shard.fetch(), copy=True, order="C")
-        staged.setdefault(i, []).append(Shard(region, lambda d=data: d))
+        staged.setdefault(i, []).append(Shard(shard.region, lambda d=data: d))
     sources = list(p.sources)
     for i, d in enumerate(p.descs):
         if d.kind == "array":

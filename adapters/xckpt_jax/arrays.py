@@ -1,9 +1,10 @@
 """jax.Array leaves: what each process saves of them, and how load targets are built.
 
 Saving: every process lists the distinct regions its addressable devices hold
-(one shard per region, the lowest ``replica_id`` among its own devices) and
-starts the device-to-host copy of each at once, so no write waits for one copy
-before the next has started. The core planner keeps one writer per region across
+(one shard per region, the lowest ``replica_id`` among its own devices); the engine
+starts the device-to-host copy (``prefetch``) of every shard this process is
+assigned to write before it waits for any, and copies no replica another process
+writes. The core planner keeps one writer per region across
 processes, balanced by bytes.
 
 Loading: a target leaf (``jax.ShapeDtypeStruct`` with a sharding, a real
@@ -72,8 +73,7 @@ def _fetch(data: jax.Array) -> np.ndarray:
 def array_source(arr: jax.Array) -> ArraySource:
     """This process's part of a ``jax.Array``: one shard per distinct region its devices hold.
 
-    The device-to-host copy of every listed shard is started here, asynchronously,
-    before any of them is waited for.
+    Each shard's ``prefetch`` starts its device-to-host copy asynchronously.
     """
     if arr.is_deleted():
         raise SaveError("cannot save a deleted (donated) jax.Array")
@@ -88,8 +88,7 @@ def array_source(arr: jax.Array) -> ArraySource:
     shards = []
     for region, shard in chosen.items():
         data = shard.data
-        data.copy_to_host_async()
-        shards.append(Shard(region, functools.partial(_fetch, data)))
+        shards.append(Shard(region, functools.partial(_fetch, data), data.copy_to_host_async))
     return ArraySource(shape, dtype, shards, sharding_info(arr.sharding, len(shape)))
 
 
