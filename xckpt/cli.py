@@ -26,9 +26,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=1))
         return 0
     prod = info["producer"]
-    print(f"{info['path']}  ({info['format']} {info['version']}, written by "
-          f"{prod.get('library', '?')} {prod.get('library_version', '')} / {prod.get('framework', '?')} "
-          f"{prod.get('framework_version', '')})")
+    fmt = info["format"] + (f" {info['version']}" if info["version"] else "")
+    lib = " ".join(str(x) for x in (prod.get("library"), prod.get("library_version")) if x)
+    fw = " ".join(str(x) for x in (prod.get("framework"), prod.get("framework_version")) if x)
+    print(f"{info['path']}  ({fmt}, written by {' / '.join(x for x in (lib, fw) if x) or 'unknown'})")
     width = max([len(leaf["key"]) for leaf in info["leaves"]] + [4])
     for leaf in info["leaves"]:
         if leaf["kind"] == "array":
@@ -113,6 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into e.g. `head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

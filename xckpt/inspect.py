@@ -22,6 +22,6 @@ def inspect(path: Any) -> dict[str, Any]:
                            "bytes": e.nbytes, "chunk_shape": list(e.chunk_shape), "sharding": e.sharding})
         else:
             leaves.append({"key": key_str(e.key), "kind": "value", "type": e.type})
-    return {"path": str(ckpt.loc), "format": ckpt.format, "version": m.version, "producer": m.producer,
+    return {"path": str(ckpt.loc), "format": ckpt.format, "version": m.version if ckpt.format == "xckpt" else None, "producer": m.producer,
             "leaves": leaves, "arrays": sum(1 for e in m.leaves if isinstance(e, ArrayEntry)),
             "values": sum(1 for e in m.leaves if not isinstance(e, ArrayEntry)), "total_bytes": total}

@@ -237,11 +237,22 @@ def build_manifest(p: PreparedSave, values_info: dict[str, Any] | None) -> Manif
         sharding.setdefault("num_shards", len(lp.writers))
         entries.append(ArrayEntry(d.key, p.names[d.key], lp.shape, lp.dtype, dtypes.storage_name(lp.dtype),
                                   lp.chunk_shape, lp.inner_chunk_shape, p.options.compression, sharding))
-    producer = {"library": "xckpt", "library_version": __version__, "framework": "numpy",
-                "framework_version": np.__version__}
+    producer = {"library": "xckpt", "library_version": __version__, **_framework(p)}
     producer.update(p.options.producer)
     return Manifest(tree=p.structure, leaves=entries, producer=producer, values=values_info,
                     metadata=dict(p.options.metadata))
+
+
+def _framework(p: PreparedSave) -> dict[str, str]:
+    """The framework that produced the arrays, as the adapters record it in each leaf's sharding."""
+    for lp in p.plan.leaves:
+        info = lp.sharding if lp is not None else None
+        if info and info.get("framework"):
+            out = {"framework": str(info["framework"])}
+            if info.get("framework_version"):
+                out["framework_version"] = str(info["framework_version"])
+            return out
+    return {"framework": "numpy", "framework_version": np.__version__}
 
 
 def commit(p: PreparedSave, local_error: BaseException | None = None) -> Manifest:

@@ -98,7 +98,7 @@ def _mesh_info(d: DTensor) -> dict[str, Any]:
     for mesh_dim, p in enumerate(d.placements):
         if isinstance(p, (TShard, _StridedShard)):
             dim_axes[p.dim].append(names[mesh_dim])
-    return {"framework": "torch", "mesh_shape": list(mesh.shape), "axis_names": names,
+    return {"framework": "torch", "framework_version": torch.__version__, "mesh_shape": list(mesh.shape), "axis_names": names,
             "dim_axes": dim_axes, "placements": [repr(p) for p in d.placements],
             "device_type": mesh.device_type}
 
@@ -152,7 +152,7 @@ def tensor_source(t: torch.Tensor) -> ArraySource:
     t = t.detach()
     shape = tuple(int(s) for s in t.shape)
     return ArraySource(shape, logical_dtype(t.dtype), [Shard(Region.full(shape), lambda: to_host(t))],
-                       {"framework": "torch"})
+                       {"framework": "torch", "framework_version": torch.__version__})
 
 
 def dtensor_target(like: DTensor, entry: Any) -> ArrayTarget:
