@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +32,7 @@ from .plan import INNER_CHUNK_BYTES, LeafDesc, SavePlan, plan_save
 from .registry import ArraySource, Shard
 from .storage import Location
 from .tree import Key, Node, Value, flatten, key_str
+from .writer import RegionWriter
 
 #: Default bound on host bytes handed to TensorStore and not yet written, per process.
 MAX_INFLIGHT_BYTES = 256 << 20
@@ -98,6 +98,7 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
     keys: list[Key] = []
     sources: list[Any] = []
     descs: list[LeafDesc] = []
+    names: dict[Key, str] = {}
     tmp_url = ""
     try:
         structure, leaves = flatten(tree, registry.save_view)
@@ -106,10 +107,9 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
             keys.append(key)
             sources.append(src)
             descs.append(desc)
-        naming.check_unique([d.key for d, s in zip(descs, sources)
-                             if d.kind == "array" or orbax_files.mirrors(s) or isinstance(s, str)])
+        names = storage_names(descs, sources)
         if coord.rank == 0:
-            _check_target(final, opts)
+            check_target(final, opts)
             tmp_url = storage.temporary_sibling(final).url
     except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
         raised: XckptError | None = exc if isinstance(exc, XckptError) else SaveError(
@@ -126,9 +126,16 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
         raise CoordinationError(f"rank {failures[0][0]} failed to prepare the save: {failures[0][1]}")
     per_rank = [[LeafDesc.from_wire(w) for w in g["descs"]] for g in gathered]
     plan = plan_save(per_rank, inner_chunk_bytes=opts.inner_chunk_bytes)
-    names = naming.check_unique(d.key for d in descs if d.kind == "array")
     return PreparedSave(final, Location(gathered[0]["tmp"]), coord, structure, keys, sources, descs, plan,
                         names, opts)
+
+
+def storage_names(descs: list[LeafDesc], sources: list[Any]) -> dict[Key, str]:
+    """Storage names of the array leaves; refuses two leaves that Orbax would store under one name
+    (arrays, scalar values mirrored as 0-d arrays, and strings share Orbax's namespace)."""
+    naming.check_unique([d.key for d, s in zip(descs, sources)
+                         if d.kind == "array" or orbax_files.mirrors(s) or isinstance(s, str)])
+    return naming.check_unique(d.key for d in descs if d.kind == "array")
 
 
 def assigned_shards(p: PreparedSave) -> list[tuple[int, Shard]]:
@@ -149,7 +156,7 @@ def assigned_shards(p: PreparedSave) -> list[tuple[int, Shard]]:
     return out
 
 
-def _check_target(final: Location, opts: SaveOptions) -> None:
+def check_target(final: Location, opts: SaveOptions) -> None:
     """Refuse to replace a checkpoint unless asked; on object stores, clear an uncommitted prefix.
 
     Object stores have no atomic rename, so the manifest written last is the commit and
@@ -169,53 +176,19 @@ def _check_target(final: Location, opts: SaveOptions) -> None:
 def write_local(p: PreparedSave) -> int:
     """Step 2: write every region assigned to this process. Returns the bytes written.
 
-    At most ``max_inflight_bytes`` of fetched host data is held at once. On any error,
-    every write already started is waited for before the error propagates, so that
-    nothing writes into the temporary directory once it is cleaned up.
+    At most ``max_inflight_bytes`` of fetched host data is held at once (see
+    :class:`~xckpt.writer.RegionWriter`).
     """
     started = time.perf_counter()
-    inflight: deque[tuple[int, Any]] = deque()
-    held = 0
-    written = 0
-    opened: dict[int, Any] = {}
-    try:
+    with RegionWriter(p.tmp, p.options.max_inflight_bytes) as w:
         for i, shard in assigned_shards(p):
-            region = shard.region
             lp = p.plan.leaves[i]
             assert lp is not None
-            if i not in opened:
-                opened[i] = arrays.open_for_write(p.tmp, p.names[lp.key], _metadata(lp, p.options))
-            data = _host_data(shard.fetch(), region, lp)
-            fut = opened[i][region.slices()].write(data, can_reference_source_data_indefinitely=True)
-            inflight.append((data.nbytes, fut))
-            held += data.nbytes
-            written += data.nbytes
-            while held > p.options.max_inflight_bytes and len(inflight) > 1:
-                n, f = inflight.popleft()
-                f.result()
-                held -= n
-        while inflight:
-            inflight.popleft()[1].result()
-    finally:
-        for _, f in inflight:
-            try:
-                f.result()
-            except Exception:  # noqa: BLE001 - the first error is already propagating
-                pass
-    p.bytes_written = written
+            w.write(p.names[lp.key], _metadata(lp, p.options), shard.region, shard.fetch(), lp.dtype,
+                    key_str(lp.key))
+    p.bytes_written = w.bytes_written
     p.stats["write_s"] = time.perf_counter() - started
-    return written
-
-
-def _host_data(data: Any, region: Any, lp: Any) -> np.ndarray:
-    """Check a fetched shard against the plan; give C-contiguous storage-dtype data."""
-    data = np.asarray(data)
-    if tuple(data.shape) != region.sizes or dtypes.logical_name(data.dtype) != lp.dtype:
-        raise SaveError(f"shard data has shape {data.shape} and dtype {data.dtype}, expected "
-                        f"{region.sizes} {lp.dtype}", leaf=key_str(lp.key))
-    if not data.flags.c_contiguous:
-        data = data.copy(order="C")
-    return data.view(np.uint8) if dtypes.is_raw(lp.dtype) else data
+    return w.bytes_written
 
 
 def _metadata(lp: Any, opts: SaveOptions) -> dict[str, Any]:

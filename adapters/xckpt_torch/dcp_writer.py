@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections import deque
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint import StorageWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
@@ -24,12 +22,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from xckpt import arrays, dtypes as xdtypes, naming, storage, values
-from xckpt.orbax import files as orbax_files
 from xckpt.coord import LocalCoordinator
 from xckpt.errors import SaveError, ShapeError, UnsupportedError, XckptError
 from xckpt.plan import INNER_CHUNK_BYTES, LeafDesc, LeafPlan, SavePlan as XSavePlan
 from xckpt.regions import Region, check_tiling, chunk_shape_for, inner_chunk_shape_for
-from xckpt.save import MAX_INFLIGHT_BYTES, PreparedSave, SaveOptions, write_metadata
+from xckpt.save import MAX_INFLIGHT_BYTES, PreparedSave, SaveOptions, check_target, storage_names, write_metadata
+from xckpt.writer import RegionWriter
 from xckpt.storage import Location
 from xckpt.tree import Value, flatten
 
@@ -78,9 +76,7 @@ class XckptStorageWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: pick each array's chunk grid from every rank's chunks, and a temporary directory."""
         final = Location.of(self.path)  # type: ignore[arg-type]
-        if final.is_local and os.path.lexists(final.local_path) and not self.options.overwrite:
-            raise SaveError(f"{final.local_path} already exists; pass overwrite=True to replace it",
-                            code="save.exists", file=final.local_path)
+        check_target(final, self.options)
         mappings: dict[str, Any] = {}
         for p in plans:
             mappings.update(p.planner_data or {})
@@ -125,41 +121,25 @@ class XckptStorageWriter(StorageWriter):
         tmp = Location(data["tmp"])
         layout = data["layout"]
         results: list[WriteResult] = []
-        opened: dict[str, Any] = {}
-        inflight: deque[tuple[int, Any]] = deque()
-        held = 0
-        for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
-                try:
-                    blob = values.encode(raw_object(planner, item))
-                except XckptError as exc:
-                    raise UnsupportedError(f"cannot store this value without pickle: {exc.message}",
-                                           code="value.unsupported", leaf=item.index.fqn) from exc
-                results.append(WriteResult(index=item.index, size_in_bytes=len(blob), storage_data={"value": blob}))
-                continue
-            spec = layout[item.index.fqn]
-            td = item.tensor_data
-            region = Region(tuple(int(o) for o in td.chunk.offsets), tuple(int(s) for s in td.chunk.sizes))
-            if region.is_empty():
-                results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=None))
-                continue
-            arr = to_host(planner.resolve_data(item))
-            if tuple(arr.shape) != region.sizes or xdtypes.logical_name(arr.dtype) != spec["dtype"]:
-                raise SaveError(f"chunk data has shape {arr.shape} {arr.dtype}, expected {region.sizes} "
-                                f"{spec['dtype']}", leaf=item.index.fqn)
-            if item.index.fqn not in opened:
-                opened[item.index.fqn] = arrays.open_for_write(tmp, spec["name"], self._zarr(spec))
-            raw = arr.view(np.uint8) if xdtypes.is_raw(spec["dtype"]) else arr
-            fut = opened[item.index.fqn][region.slices()].write(raw, can_reference_source_data_indefinitely=True)
-            inflight.append((arr.nbytes, fut))
-            held += arr.nbytes
-            while held > self.options.max_inflight_bytes and len(inflight) > 1:
-                n, f = inflight.popleft()
-                f.result()
-                held -= n
-            results.append(WriteResult(index=item.index, size_in_bytes=arr.nbytes, storage_data=None))
-        for _, f in inflight:
-            f.result()
+        with RegionWriter(tmp, self.options.max_inflight_bytes) as writer:
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    try:
+                        blob = values.encode(raw_object(planner, item))
+                    except XckptError as exc:
+                        raise UnsupportedError(f"cannot store this value without pickle: {exc.message}",
+                                               code="value.unsupported", leaf=item.index.fqn) from exc
+                    results.append(WriteResult(index=item.index, size_in_bytes=len(blob),
+                                               storage_data={"value": blob}))
+                    continue
+                spec = layout[item.index.fqn]
+                td = item.tensor_data
+                region = Region(tuple(int(o) for o in td.chunk.offsets), tuple(int(s) for s in td.chunk.sizes))
+                nbytes = 0
+                if not region.is_empty():
+                    nbytes = writer.write(spec["name"], self._zarr(spec), region,
+                                          to_host(planner.resolve_data(item)), spec["dtype"], item.index.fqn)
+                results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
@@ -217,9 +197,7 @@ class XckptStorageWriter(StorageWriter):
                 descs.append(LeafDesc(key, "value", value_type=values.value_type(value)))
                 plans.append(None)
                 sources.append(value)
-        naming.check_unique([d.key for d, s in zip(descs, sources)
-                             if d.kind == "array" or orbax_files.mirrors(s) or isinstance(s, str)])
-        names = naming.check_unique(d.key for d in descs if d.kind == "array")
+        names = storage_names(descs, sources)
         if names != planned_names:  # the ranks already wrote under the planned names
             raise SaveError(f"array names changed between planning and commit: {planned_names} vs {names}")
         return PreparedSave(final, self._tmp, LocalCoordinator(), structure, keys, sources, descs,  # type: ignore[arg-type]
