@@ -116,3 +116,22 @@ def test_corruption_on_s3_is_detected(s3_bucket):
     with pytest.raises(xckpt.XckptError) as info:
         xckpt.load(url)
     assert info.value.code == "chunk.crc32c" and info.value.leaf == "w"
+
+
+def test_several_writers_on_s3(s3_bucket):
+    """Four ranks (our thread coordinator) each write their shard of one array to the same prefix."""
+    from threaded import run_ranks
+
+    url = f"s3://ckpts/run-{uuid.uuid4().hex[:6]}/multi"
+    full = np.arange(40 * 8, dtype=np.float32).reshape(40, 8)
+
+    def body(coord):
+        r = Region((coord.rank * 10, 0), (10, 8))
+        src = ArraySource(full.shape, "float32", [Shard(r, lambda: full[r.slices()])])
+        return xckpt.save({"w": src, "step": 5}, url, coordinator=coord)
+
+    run_ranks(4, body)
+    prefix = url[len("s3://ckpts/"):] + "/w/c/"
+    assert _keys(s3_bucket, prefix) == [prefix + f"{i}/0" for i in range(4)]
+    np.testing.assert_array_equal(xckpt.load(url)["w"], full)
+    assert xckpt.validate(url, deep=True).ok

@@ -236,3 +236,22 @@ def test_coordinator_and_unsupported_placement_in_a_one_rank_group(tmp_path):
         assert xckpt.validate(tmp_path / "ok", deep=True).ok
     finally:
         dist.destroy_process_group()
+
+
+def test_failed_load_leaves_the_model_untouched(tmp_path):
+    """A corrupt chunk in the last parameter: the load raises and no parameter was changed."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    xckpt.save({"model": model}, tmp_path / "c")
+    shard = tmp_path / "c" / "model.1.bias" / "c" / "0"
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(xckpt.XckptError) as info:
+        xckpt.load(tmp_path / "c", like={"model": fresh})
+    assert info.value.code == "chunk.crc32c" and info.value.leaf == "model/1.bias"
+    for k, v in fresh.state_dict().items():
+        np.testing.assert_array_equal(v.numpy(), before[k].numpy(), err_msg=k)
