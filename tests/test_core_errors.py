@@ -166,3 +166,19 @@ def test_shard_data_of_wrong_shape_is_refused(tmp_path):
     with pytest.raises(SaveError, match="shape"):
         xckpt.save({"x": src}, tmp_path / "c")
     assert not os.listdir(tmp_path)
+
+
+def test_symbolic_link_to_a_chunk_is_refused_on_load(ckpt):
+    shard = _shard_file(ckpt)
+    moved = ckpt.parent / "elsewhere"
+    os.rename(shard, moved)
+    os.symlink(moved, shard)
+    M = xckpt.mapping
+    for mapping in (None, M.Mapping(M.rename("params/w", "params/wt", M.transpose(1, 0)), M.drop("params/b"))):
+        with pytest.raises(UnsafePathError) as info:
+            xckpt.load(ckpt, like={"params": {"w" if mapping is None else "wt": np.zeros((8, 8), np.float32),
+                                              "b": None}}, mapping=mapping)
+        assert info.value.code == "path.link" and info.value.leaf == "params/w"
+    # reading only another array touches no link and works
+    part = xckpt.load(ckpt, like={"params": {"w": None, "b": np.zeros(8, np.float32)}})
+    np.testing.assert_array_equal(part["params"]["b"], np.ones(8, np.float32))

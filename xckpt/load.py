@@ -208,7 +208,10 @@ def _read(ckpt: Checkpoint, jobs: list[tuple[int, ArrayTarget]], max_bytes: int 
         raise ResourceError(f"load would read {total} bytes into memory, more than the limit {limit}",
                             file=str(ckpt.loc))
     opened: dict[int, Any] = {}
-    for i, _ in jobs:
+    refuse_links = getattr(ckpt, "refuse_links", None)  # native local checkpoints: no symbolic links
+    for i, t in jobs:
+        if refuse_links is not None:
+            refuse_links(m.leaves[i], t.regions)
         if i not in opened:
             opened[i] = ckpt.open_array(m.leaves[i])  # type: ignore[arg-type]
     futures: list[tuple[int, ArrayTarget, list[Any]]] = []

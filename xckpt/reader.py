@@ -7,7 +7,7 @@ Orbax (zarr v2, zarr v3, OCDBT; see :mod:`xckpt.orbax`).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import google_crc32c
 import tensorstore as ts
@@ -15,6 +15,7 @@ import tensorstore as ts
 from . import arrays, manifest as manifest_mod, naming, storage, values as values_mod
 from .errors import DataError, IntegrityError, ManifestError, NotACheckpointError, UnsafePathError, XckptError
 from .manifest import ArrayEntry, Manifest, ValueEntry
+from .regions import Region, chunks_of
 from .storage import Location
 from .tree import key_str
 
@@ -44,24 +45,26 @@ class Checkpoint:
         return spec
 
     def open_array(self, entry: ArrayEntry) -> "ts.Future[ts.TensorStore]":
-        """Start opening an array leaf (refusing links on local file systems)."""
-        if self.loc.is_local:
-            _refuse_links(self.loc, entry)
+        """Start opening an array leaf."""
         return ts.open(self.array_spec(entry), open=True, read=True, context=arrays.context())
 
+    def refuse_links(self, entry: ArrayEntry, regions: Sequence[Region]) -> None:
+        """A reader does not follow links: refuse one on the path to any chunk these regions read.
 
-def _refuse_links(loc: Location, entry: ArrayEntry) -> None:
-    """A reader does not follow links: the array directory and everything in it must be plain."""
-    base = os.path.join(loc.local_path, entry.path)
-    bad = base if os.path.islink(base) else None
-    for dirpath, dirnames, filenames in os.walk(base) if bad is None else ():
-        bad = next((os.path.join(dirpath, n) for n in dirnames + filenames
-                    if os.path.islink(os.path.join(dirpath, n))), None)
-        if bad:
-            break
-    if bad:
-        raise UnsafePathError(f"{bad} is a symbolic link; a checkpoint holds plain files only",
-                              code="path.link", file=bad, leaf=key_str(entry.key))
+        Only the objects the read touches are checked (xckpt layout on local file systems).
+        """
+        if not self.loc.is_local or self.format != "xckpt":
+            return
+        base = os.path.join(self.loc.local_path, entry.path)
+        paths = {base, os.path.join(base, "zarr.json"), os.path.join(base, "c")}
+        for region in regions:
+            for idx in chunks_of(region, entry.chunk_shape) if entry.shape else [()]:
+                parts = [str(i) for i in idx]
+                paths.update(os.path.join(base, "c", *parts[:n]) for n in range(1, len(parts) + 1))
+        for path in sorted(paths):
+            if os.path.islink(path):
+                raise UnsafePathError(f"{path} is a symbolic link; a checkpoint holds plain files only",
+                                      code="path.link", file=path, leaf=key_str(entry.key))
 
 
 def read_manifest(loc: Location) -> Manifest:

@@ -19,9 +19,10 @@ import tensorstore as ts
 
 from .. import dtypes
 from ..manifest import ArrayEntry, Entry, Manifest, ValueEntry
+from ..regions import Region
 from ..tree import Key, Node, key_str
-from .patterns import render
 from .errors import MappingError
+from .patterns import render
 from .rules import Rule
 from .transforms import Layout, Transform, TransformError
 from .virtual import same_view
@@ -90,6 +91,16 @@ class MappedCheckpoint:
             return store
 
         return _when_all(futures, build)
+
+    def refuse_links(self, entry: ArrayEntry, regions: Any) -> None:
+        """Refuse symbolic links in the stored arrays a target leaf is read from (all their chunks:
+        the regions are in target coordinates)."""
+        check = getattr(self.base, "refuse_links", None)
+        if check is None:
+            return
+        for i in self._plans[entry.key].sources:
+            src = self.base.manifest.leaves[i]
+            check(src, [Region.full(src.shape)])
 
     def origin(self, key: Key) -> str:
         """Where a target leaf comes from (for messages); empty for an unknown key."""
