@@ -30,6 +30,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 import xckpt  # noqa: E402
 from xckpt import mapping as M  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("every_checkpoint_validates")
+
 ATOL = 2e-5
 
 

@@ -33,6 +33,8 @@ import xckpt.cli
 from xckpt.errors import DataError, ManifestError, UnsafePathError
 from xckpt.orbax.checkpoint import open_orbax
 
+pytestmark = pytest.mark.usefixtures("every_checkpoint_validates")
+
 logging.getLogger("absl").setLevel(logging.ERROR)
 
 

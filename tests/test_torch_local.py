@@ -29,6 +29,8 @@ from xckpt_torch.tensors import _BY_NAME  # noqa: E402
 
 import torch_workers as tw  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("every_checkpoint_validates")
+
 
 def _layouts():
     """(mesh shape, placements) pairs: Shard on any dim, Replicate, several mesh dims on one dim, strided."""
@@ -238,8 +240,9 @@ def test_coordinator_and_unsupported_placement_in_a_one_rank_group(tmp_path):
         dist.destroy_process_group()
 
 
-def test_failed_load_leaves_the_model_untouched(tmp_path):
+def test_failed_load_leaves_the_model_untouched(tmp_path_factory):
     """A corrupt chunk in the last parameter: the load raises and no parameter was changed."""
+    tmp_path = tmp_path_factory.mktemp("corrupt")  # outside tmp_path: it is invalid on purpose
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     xckpt.save({"model": model}, tmp_path / "c")
