@@ -94,8 +94,3 @@ def create(root: Location, path: str, metadata: dict[str, Any]) -> None:
 def index_nbytes(chunk_shape: Sequence[int], inner_chunk_shape: Sequence[int]) -> int:
     """Bytes of a shard index: an (offset, nbytes) pair of uint64 per inner chunk, then a crc32c."""
     return math.prod(c // i for c, i in zip(chunk_shape, inner_chunk_shape)) * 16 + 4
-
-
-def nbytes(shape: Sequence[int], itemsize: int) -> int:
-    """Bytes of an array of ``shape``."""
-    return math.prod(int(s) for s in shape) * itemsize

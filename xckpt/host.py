@@ -31,13 +31,14 @@ def array_source(arr: np.ndarray | np.generic) -> ArraySource:
                        [Shard(Region.full(a.shape), lambda a=a: a)])
 
 
-def _full_target(shape: tuple[int, ...], dtype: str | None) -> ArrayTarget:
+def full_target(shape: tuple[int, ...], dtype: str | None = None) -> ArrayTarget:
+    """Read a whole array of ``shape`` as one numpy array (``dtype`` None: as stored)."""
     return ArrayTarget(shape, dtype, [Region.full(shape)], lambda parts: parts[0])
 
 
 def ndarray_target(like: np.ndarray, entry: Any) -> ArrayTarget:
     """Load a whole array as a new numpy array with ``like``'s dtype."""
-    return _full_target(tuple(like.shape), dtypes.logical_name(like.dtype))
+    return full_target(tuple(like.shape), dtypes.logical_name(like.dtype))
 
 
 def readspec_target(like: ReadSpec, entry: Any) -> ArrayTarget:
@@ -45,7 +46,7 @@ def readspec_target(like: ReadSpec, entry: Any) -> ArrayTarget:
     dtype = None if like.dtype is None else dtypes.logical_name(like.dtype)
     region = like.region
     if region is None:
-        return _full_target(tuple(entry.shape), dtype)
+        return full_target(tuple(entry.shape), dtype)
     if not isinstance(region, Region):
         if len(region) != len(entry.shape):
             raise ShapeError(f"{len(region)} slices given for an array of rank {len(entry.shape)}")

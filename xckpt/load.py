@@ -17,6 +17,7 @@ from . import dtypes, registry
 from .errors import XckptWarning, KeyMismatchError, ResourceError, ShapeError, XckptError
 from .manifest import ArrayEntry, Entry, ValueEntry
 from .reader import Checkpoint, open_checkpoint, translate
+from .host import full_target
 from .registry import ArrayTarget
 from .regions import Region
 from .tree import Default, Key, is_namedtuple, key_str, unflatten
@@ -94,7 +95,7 @@ def load(path: Any, like: Any = None, *, strict: bool = True, max_bytes: int | N
         if unused_all:
             warnings.warn(f"checkpoint {ckpt.loc}: no mapping rule uses {unused_all[:20]}", XckptWarning,
                           stacklevel=2)
-        results = _read(ckpt, [(i, _numpy_target(e)) for i, e in enumerate(m.leaves)
+        results = _read(ckpt, [(i, full_target(e.shape)) for i, e in enumerate(m.leaves)
                                 if isinstance(e, ArrayEntry)], max_bytes)
         vals = ckpt.values()
         return unflatten(m.tree, [results[i] if i in results else vals[i] for i in range(len(m.leaves))])
@@ -178,10 +179,6 @@ def _unexpected(like: Any, requests: list[_Request], leaves: list[Entry]) -> lis
             continue
         out.append(key_str(e.key))
     return out
-
-
-def _numpy_target(e: ArrayEntry) -> ArrayTarget:
-    return ArrayTarget(e.shape, None, [Region.full(e.shape)], lambda parts: parts[0])
 
 
 def _memory_limit() -> int:

@@ -6,7 +6,6 @@ so every process computes the same plan from the same gathered inputs.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -124,16 +123,3 @@ def _check_agree(a: Sequence[LeafDesc], b: Sequence[LeafDesc], rank: int) -> Non
             raise CoordinationError(
                 f"rank 0 has {x.kind} {list(x.shape)} {x.dtype}, rank {rank} has {y.kind} {list(y.shape)} {y.dtype}",
                 leaf=key_str(x.key))
-
-
-@dataclass(frozen=True)
-class ReadOp:
-    """One read: a region of a stored array, in the stored array's coordinates."""
-
-    leaf: int
-    region: Region
-
-
-def bytes_needed(ops: Sequence[tuple[Region, int]]) -> int:
-    """Total bytes of a set of ``(region, itemsize)`` reads."""
-    return sum(math.prod(r.sizes) * item for r, item in ops)
