@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 import xckpt
-from xckpt.errors import (DataError, IntegrityError, ManifestError, NotACheckpointError, SaveError, ShapeError,
-                          UnsafePathError, VersionError, XckptError)
-from xckpt.regions import Region
+from xckpt.errors import DataError, IntegrityError, ManifestError, NotACheckpointError, SaveError, ShapeError, UnsafePathError, VersionError, XckptError
+from xckpt.engine.regions import Region
 from xckpt.registry import ArraySource, Shard
 
 W = np.arange(64, dtype=np.float32).reshape(8, 8)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import xckpt
-from xckpt import dtypes
+from xckpt.format import dtypes
 from xckpt.errors import KeyMismatchError, TreeError
-from xckpt.regions import Region
+from xckpt.engine.regions import Region
 from xckpt.registry import ArraySource, Shard
 
 from threaded import run_ranks

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import xckpt
 import xckpt.cli
 from xckpt.errors import DataError, ManifestError, UnsafePathError
-from xckpt.orbax.checkpoint import open_orbax
+from xckpt.interop.orbax.checkpoint import open_orbax
 
 pytestmark = pytest.mark.usefixtures("every_checkpoint_validates")
 

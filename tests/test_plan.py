@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from xckpt import coord, dtypes
+from xckpt.engine import collective as coord
+from xckpt.format import dtypes
 from xckpt.errors import CoordinationError, ShapeError
-from xckpt.plan import LeafDesc, SavePlan, plan_save
-from xckpt.regions import Region, chunk_indices, chunk_shape_for, inner_chunk_shape_for, intersect
+from xckpt.engine.plan import LeafDesc, SavePlan, plan_save
+from xckpt.engine.regions import Region, chunk_indices, chunk_shape_for, inner_chunk_shape_for, intersect
 
 from test_regions import chunk_box, tilings
 

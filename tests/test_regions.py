@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from xckpt.errors import ShapeError
-from xckpt.regions import (Region, check_tiling, chunk_indices, chunk_shape_for, chunks_of, grid_shape,
-                           inner_chunk_shape_for, intersect)
+from xckpt.engine.regions import Region, check_tiling, chunk_indices, chunk_shape_for, chunks_of, grid_shape, inner_chunk_shape_for, intersect
 
 SETTINGS = settings(max_examples=150, deadline=None)
 

@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
 import xckpt  # noqa: E402
 from xckpt.errors import UnsupportedError  # noqa: E402
-from xckpt.regions import check_tiling  # noqa: E402
+from xckpt.engine.regions import check_tiling  # noqa: E402
 from xckpt_torch import XckptLoadPlanner, XckptStorageReader, XckptStorageWriter, bind  # noqa: E402
 from xckpt_torch.dtensor import local_pieces  # noqa: E402
 from xckpt_torch.tensors import _BY_NAME  # noqa: E402
@@ -101,7 +101,7 @@ def test_every_torch_dtype_round_trips(tmp_path, name):
     t = _sample(name)
     xckpt.save({"t": t, "s": t[1, 2].clone()}, tmp_path / "c")
     raw = xckpt.load(tmp_path / "c")["t"]
-    assert raw.dtype == xckpt.dtypes.numpy_dtype(name)
+    assert raw.dtype == xckpt.format.dtypes.numpy_dtype(name)
     want = xckpt.torch.to_host(t)
     np.testing.assert_array_equal(raw.view(np.uint8), want.view(np.uint8))
     into = {"t": torch.zeros(4, 6, dtype=t.dtype), "s": torch.zeros((), dtype=t.dtype)}

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import xckpt
-from xckpt import naming, values as xvalues
-from xckpt.orbax import files as orbax_files
+from xckpt.format import names as naming, values as xvalues
+from xckpt.interop.orbax import files as orbax_files
 from xckpt.errors import XckptError
-from xckpt.manifest import parse
+from xckpt.format.manifest import parse
 from xckpt.validate import Finding, Report
 
 CONF = Path(__file__).resolve().parents[1] / "spec" / "conformance"

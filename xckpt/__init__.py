@@ -11,18 +11,18 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-from .coord import Coordinator, LocalCoordinator  # noqa: E402
-from .errors import XckptError, XckptWarning  # noqa: E402
-from .host import ReadSpec  # noqa: E402
-from .load import load  # noqa: E402
-from .manifest import Manifest  # noqa: E402
-from .regions import Region  # noqa: E402
-from .save import save  # noqa: E402
-from .save_async import SaveHandle, save_async  # noqa: E402
-from .tree import Default, Value  # noqa: E402
-from .inspect import inspect  # noqa: E402
-from . import mapping  # noqa: E402,F401 - xckpt.mapping: rename keys and transform layouts at load time
-from .validate import validate  # noqa: E402
+from xckpt.engine.collective import Coordinator, LocalCoordinator  # noqa: E402
+from xckpt.errors import XckptError, XckptWarning  # noqa: E402
+from xckpt.host import ReadSpec  # noqa: E402
+from xckpt.load import load  # noqa: E402
+from xckpt.format.manifest import Manifest  # noqa: E402
+from xckpt.engine.regions import Region  # noqa: E402
+from xckpt.save import save  # noqa: E402
+from xckpt.save_async import SaveHandle, save_async  # noqa: E402
+from xckpt.format.tree import Default, Value  # noqa: E402
+from xckpt.inspect import inspect  # noqa: E402
+from xckpt import mapping  # noqa: E402,F401 - xckpt.mapping: rename keys and transform layouts at load time
+from xckpt.validate import validate  # noqa: E402
 
 __all__ = ["save", "save_async", "SaveHandle", "load", "inspect", "validate", "Value", "Default", "ReadSpec", "Region", "Manifest",
            "Coordinator", "LocalCoordinator", "XckptError", "XckptWarning", "__version__"]

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Sequence
 
-from .errors import XckptError
+from xckpt.errors import XckptError
 
 
 def _fmt_bytes(n: int) -> str:
@@ -20,7 +20,7 @@ def _fmt_bytes(n: int) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a readable tree of leaves, or JSON."""
-    from .inspect import inspect
+    from xckpt.inspect import inspect
     info = inspect(args.path)
     if args.json:
         print(json.dumps(info, indent=1))
@@ -49,7 +49,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Validate; exit 0 when the checkpoint conforms, 1 otherwise."""
-    from .validate import validate
+    from xckpt.validate import validate
     report = validate(args.path, deep=args.deep)
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
@@ -64,7 +64,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert between xckpt and other formats."""
-    from .convert import convert
+    from xckpt.convert import convert
     convert(args.src, args.dst, source=args.from_format, target=args.to_format, overwrite=args.overwrite)
     print(f"wrote {args.dst}")
     return 0

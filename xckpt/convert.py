@@ -12,10 +12,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import dtypes
-from .errors import UnsupportedError
-from .regions import Region
-from .registry import ArraySource, Shard
+from xckpt.format import dtypes
+from xckpt.errors import UnsupportedError
+from xckpt.engine.regions import Region
+from xckpt.registry import ArraySource, Shard
 
 #: Bytes per piece when a lazily read array is split for conversion.
 PIECE_BYTES = 64 << 20
@@ -50,7 +50,7 @@ def register_converter(source: str, target: str, fn: Callable[..., None]) -> Non
 
 def _read_region(ckpt: Any, entry: Any) -> Callable[[Region], np.ndarray]:
     """A function reading regions of one stored array of ``ckpt`` in its logical dtype (opened once)."""
-    from .reader import translate
+    from xckpt.sources.native import translate
     state: dict[str, Any] = {}
     want = dtypes.numpy_dtype(entry.dtype)
 
@@ -67,15 +67,15 @@ def _read_region(ckpt: Any, entry: Any) -> Callable[[Region], np.ndarray]:
 
 
 def copy_checkpoint(ckpt: Any, dst: str, *, overwrite: bool = False) -> Any:
-    """Save any opened checkpoint (:func:`xckpt.reader.open_checkpoint`) as xckpt at ``dst``.
+    """Save any opened checkpoint (:func:`xckpt.sources.native.open_checkpoint`) as xckpt at ``dst``.
 
     Arrays are streamed region by region (:func:`lazy_array`); values are copied as they
     are. Returns the manifest written.
     """
-    from .coord import LocalCoordinator
-    from .manifest import ArrayEntry
-    from .save import save
-    from .tree import Value, unflatten
+    from xckpt.engine.collective import LocalCoordinator
+    from xckpt.format.manifest import ArrayEntry
+    from xckpt.save import save
+    from xckpt.format.tree import Value, unflatten
     m = ckpt.manifest
     vals = ckpt.values()
     leaves: list[Any] = []
@@ -95,7 +95,7 @@ def copy_checkpoint(ckpt: Any, dst: str, *, overwrite: bool = False) -> Any:
 
 def _xckpt_to_xckpt(src: str, dst: str, *, overwrite: bool = False) -> None:
     """Re-save a checkpoint as xckpt (a verified copy: every chunk is read and rewritten)."""
-    from .reader import open_checkpoint
+    from xckpt.sources.native import open_checkpoint
     copy_checkpoint(open_checkpoint(src), dst, overwrite=overwrite)
 
 
@@ -108,7 +108,7 @@ def convert(src: str, dst: str, *, source: str = "xckpt", target: str = "xckpt",
         if source == "dcp" or target == "dcp":
             import xckpt_torch  # noqa: F401 - registers the DCP converters
         if source == "orbax":
-            from .orbax import checkpoint  # noqa: F401 - registers the Orbax converter
+            from xckpt.interop.orbax import checkpoint  # noqa: F401 - registers the Orbax converter
     fn = _converters.get((source, target))
     if fn is None:
         raise UnsupportedError(f"no converter from {source} to {target}", code="convert.unsupported")

@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes
-from .errors import ShapeError
-from .regions import Region
-from .registry import ArraySource, ArrayTarget, Shard, register_source, register_target
+from xckpt.format import dtypes
+from xckpt.errors import ShapeError
+from xckpt.engine.regions import Region
+from xckpt.registry import ArraySource, ArrayTarget, Shard, register_source, register_target
 
 
 @dataclass(frozen=True)

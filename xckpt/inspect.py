@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .manifest import ArrayEntry
-from .reader import open_checkpoint
-from .tree import key_str
+from xckpt.format.manifest import ArrayEntry
+from xckpt.sources.native import open_checkpoint
+from xckpt.format.tree import key_str
 
 
 def inspect(path: Any) -> dict[str, Any]:

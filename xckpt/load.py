@@ -13,14 +13,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import dtypes, registry
-from .errors import XckptWarning, KeyMismatchError, ResourceError, ShapeError, XckptError
-from .manifest import ArrayEntry, Entry, ValueEntry
-from .reader import Checkpoint, open_checkpoint, translate
-from .host import full_target
-from .registry import ArrayTarget
-from .regions import Region
-from .tree import Default, Key, is_namedtuple, key_str, unflatten
+from xckpt.format import dtypes
+from xckpt import registry
+from xckpt.errors import XckptWarning, KeyMismatchError, ResourceError, ShapeError, XckptError
+from xckpt.format.manifest import ArrayEntry, Entry, ValueEntry
+from xckpt.sources.native import Checkpoint, open_checkpoint, translate
+from xckpt.host import full_target
+from xckpt.registry import ArrayTarget
+from xckpt.engine.regions import Region
+from xckpt.format.tree import Default, Key, is_namedtuple, key_str, unflatten
 
 
 @dataclass

@@ -17,8 +17,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .coord import Coordinator
-from .regions import Region
+from xckpt.engine.collective import Coordinator
+from xckpt.engine.regions import Region
 
 Matcher = Callable[[Any], bool]
 
@@ -82,7 +82,7 @@ def register_source(matches: Matcher, to_source: Callable[[Any], ArraySource]) -
 def register_target(matches: Matcher, to_target: Callable[[Any, Any], ArrayTarget]) -> None:
     """Register how to load into target leaves for which ``matches`` is true.
 
-    ``to_target(like_leaf, entry)`` gets the stored :class:`~xckpt.manifest.ArrayEntry`.
+    ``to_target(like_leaf, entry)`` gets the stored :class:`~xckpt.format.manifest.ArrayEntry`.
     """
     _targets.insert(0, (matches, to_target))
 

@@ -22,17 +22,19 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from . import __version__, arrays, dtypes, naming, registry, storage, values
-from . import coord as coordmod
-from .coord import Coordinator, LocalCoordinator
-from .errors import CoordinationError, SaveError, TreeError, XckptError
-from .manifest import ArrayEntry, Manifest, ValueEntry
-from .orbax import files as orbax_files
-from .plan import INNER_CHUNK_BYTES, LeafDesc, SavePlan, plan_save
-from .registry import ArraySource, Shard
-from .storage import Location
-from .tree import Key, Node, Value, flatten, key_str
-from .writer import RegionWriter
+from xckpt import __version__, registry
+from xckpt.format import zarr as arrays, dtypes, names as naming, values
+from xckpt.engine import storage
+from xckpt.engine import collective as coordmod
+from xckpt.engine.collective import Coordinator, LocalCoordinator
+from xckpt.errors import CoordinationError, SaveError, TreeError, XckptError
+from xckpt.format.manifest import ArrayEntry, Manifest, ValueEntry
+from xckpt.interop.orbax import files as orbax_files
+from xckpt.engine.plan import INNER_CHUNK_BYTES, LeafDesc, SavePlan, plan_save
+from xckpt.registry import ArraySource, Shard
+from xckpt.engine.storage import Location
+from xckpt.format.tree import Key, Node, Value, flatten, key_str
+from xckpt.engine.write import RegionWriter
 
 #: Default bound on host bytes handed to TensorStore and not yet written, per process.
 MAX_INFLIGHT_BYTES = 256 << 20
@@ -177,7 +179,7 @@ def write_local(p: PreparedSave) -> int:
     """Step 2: write every region assigned to this process. Returns the bytes written.
 
     At most ``max_inflight_bytes`` of fetched host data is held at once (see
-    :class:`~xckpt.writer.RegionWriter`).
+    :class:`~xckpt.engine.write.RegionWriter`).
     """
     started = time.perf_counter()
     with RegionWriter(p.tmp, p.options.max_inflight_bytes) as w:
@@ -286,7 +288,7 @@ def save(tree: Any, path: Any, *, coordinator: Coordinator | None = None, overwr
     Each process writes only the regions the plan assigns it; the checkpoint appears
     at ``path`` only once complete. Returns the manifest written.
     """
-    from .save_async import wait_pending  # a pending asynchronous save finishes first
+    from xckpt.save_async import wait_pending  # a pending asynchronous save finishes first
     wait_pending()
     opts = SaveOptions(overwrite=overwrite, compression=compression, metadata=dict(metadata or {}),
                        max_inflight_bytes=max_inflight_bytes, inner_chunk_bytes=inner_chunk_bytes)

@@ -29,15 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from . import coord as coordmod, storage
-from .coord import Coordinator
-from .errors import CoordinationError, SaveError, XckptError
-from .manifest import Manifest
-from .plan import INNER_CHUNK_BYTES
-from .registry import ArraySource, Shard
-from .save import (MAX_INFLIGHT_BYTES, PreparedSave, SaveOptions, assigned_shards, build_manifest, prepare,
-                   write_local, write_metadata)
-from .storage import Location
+from xckpt.engine import collective as coordmod, storage
+from xckpt.engine.collective import Coordinator
+from xckpt.errors import CoordinationError, SaveError, XckptError
+from xckpt.format.manifest import Manifest
+from xckpt.engine.plan import INNER_CHUNK_BYTES
+from xckpt.registry import ArraySource, Shard
+from xckpt.save import MAX_INFLIGHT_BYTES, PreparedSave, SaveOptions, assigned_shards, build_manifest, prepare, write_local, write_metadata
+from xckpt.engine.storage import Location
 
 #: How long the coordinating process waits for the other processes' status files, in seconds.
 COMMIT_TIMEOUT_S = 3600.0

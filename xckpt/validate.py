@@ -20,14 +20,15 @@ import google_crc32c
 import numpy as np
 import tensorstore as ts
 
-from . import arrays, dtypes, naming, storage
-from .errors import XckptError
-from .manifest import ArrayEntry, Manifest, ValueEntry
-from .orbax import files as orbax_files
-from .reader import read_manifest, read_values
-from .regions import grid_shape
-from .storage import Location
-from .tree import key_str
+from xckpt.format import zarr as arrays, dtypes, names as naming
+from xckpt.engine import storage
+from xckpt.errors import XckptError
+from xckpt.format.manifest import ArrayEntry, Manifest, ValueEntry
+from xckpt.interop.orbax import files as orbax_files
+from xckpt.sources.native import read_manifest, read_values
+from xckpt.engine.regions import grid_shape
+from xckpt.engine.storage import Location
+from xckpt.format.tree import key_str
 
 _MISSING = 2**64 - 1
 #: zarr data type of the 0-d array mirroring a value of each type, for Orbax.

@@ -23,9 +23,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 
-from xckpt import dtypes
+from xckpt.format import dtypes
 from xckpt.errors import SaveError, ShapeError, UnsupportedError
-from xckpt.regions import Region
+from xckpt.engine.regions import Region
 from xckpt.registry import ArraySource, ArrayTarget, Shard
 
 

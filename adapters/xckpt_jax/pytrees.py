@@ -20,7 +20,7 @@ import numpy as np
 from jax import tree_util
 
 from xckpt.errors import TreeError
-from xckpt.tree import Value
+from xckpt.format.tree import Value
 
 _PLAIN = (dict, list, tuple, str, bytes, bool, int, float, complex, type(None), np.ndarray, np.generic, Value)
 

@@ -28,17 +28,18 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, WriteItem
 
-from xckpt import dtypes as xdtypes, storage
+from xckpt.format import dtypes as xdtypes
+from xckpt.engine import storage
 from xckpt.convert import LazySource, register_converter
-from xckpt.coord import LocalCoordinator
+from xckpt.engine.collective import LocalCoordinator
 from xckpt.errors import SaveError, UnsupportedError, XckptError
-from xckpt.manifest import ArrayEntry
-from xckpt.reader import open_checkpoint
-from xckpt.regions import Region
+from xckpt.format.manifest import ArrayEntry
+from xckpt.sources.native import open_checkpoint
+from xckpt.engine.regions import Region
 from xckpt.registry import Shard
 from xckpt.save import save
-from xckpt.storage import Location
-from xckpt.tree import unflatten
+from xckpt.engine.storage import Location
+from xckpt.format.tree import unflatten
 
 from .dcp_tree import as_leaf, insert, key_of, listify
 from .tensors import from_numpy, logical_dtype, to_host, torch_dtype

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem, SavePlanner, WriteItem, WriteItemType
 
-from xckpt import values
+from xckpt.format import values
 from xckpt.errors import UnsupportedError
 
 

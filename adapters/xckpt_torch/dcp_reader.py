@@ -26,13 +26,13 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from xckpt import dtypes as xdtypes
+from xckpt.format import dtypes as xdtypes
 from xckpt.errors import KeyMismatchError, ShapeError, UnsupportedError, XckptError
-from xckpt.manifest import ArrayEntry, ValueEntry
-from xckpt.reader import Checkpoint, open_checkpoint, translate
-from xckpt.regions import Region
+from xckpt.format.manifest import ArrayEntry, ValueEntry
+from xckpt.sources.native import Checkpoint, open_checkpoint, translate
+from xckpt.engine.regions import Region
 from xckpt.save import MAX_INFLIGHT_BYTES
-from xckpt.tree import iter_nodes, key_str, unflatten
+from xckpt.format.tree import iter_nodes, key_str, unflatten
 
 from .dcp_planners import deliver_value
 from .dcp_tree import fqn_of

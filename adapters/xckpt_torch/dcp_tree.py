@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from xckpt.errors import TreeError, XckptError
-from xckpt.tree import Key, Value, flatten, key_str
+from xckpt.format.tree import Key, Value, flatten, key_str
 
 
 def key_of(fqn: str, mappings: dict[str, Any] | None) -> Key:

@@ -21,15 +21,16 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from xckpt import arrays, dtypes as xdtypes, naming, storage, values
-from xckpt.coord import LocalCoordinator
+from xckpt.format import zarr as arrays, dtypes as xdtypes, names as naming, values
+from xckpt.engine import storage
+from xckpt.engine.collective import LocalCoordinator
 from xckpt.errors import SaveError, ShapeError, UnsupportedError, XckptError
-from xckpt.plan import INNER_CHUNK_BYTES, LeafDesc, LeafPlan, SavePlan as XSavePlan
-from xckpt.regions import Region, check_tiling, chunk_shape_for, inner_chunk_shape_for
+from xckpt.engine.plan import INNER_CHUNK_BYTES, LeafDesc, LeafPlan, SavePlan as XSavePlan
+from xckpt.engine.regions import Region, check_tiling, chunk_shape_for, inner_chunk_shape_for
 from xckpt.save import MAX_INFLIGHT_BYTES, PreparedSave, SaveOptions, check_target, storage_names, write_metadata
-from xckpt.writer import RegionWriter
-from xckpt.storage import Location
-from xckpt.tree import Value, flatten
+from xckpt.engine.write import RegionWriter
+from xckpt.engine.storage import Location
+from xckpt.format.tree import Value, flatten
 
 from .dcp_planners import raw_object
 from .dcp_tree import as_leaf, insert, key_of, listify

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard as TShard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from xckpt.errors import UnsupportedError, XckptError
-from xckpt.regions import Region
+from xckpt.engine.regions import Region
 from xckpt.registry import ArraySource, ArrayTarget, Shard
 
 from .tensors import copy_into, from_numpy, logical_dtype, to_host, torch_dtype

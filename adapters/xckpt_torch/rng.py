@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from xckpt.errors import ShapeError
-from xckpt.regions import Region
+from xckpt.engine.regions import Region
 from xckpt.registry import ArraySource, ArrayTarget, Shard
 
 

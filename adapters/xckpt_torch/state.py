@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from xckpt.errors import TreeError, XckptError
-from xckpt.tree import Default
+from xckpt.format.tree import Default
 
 _bound: "weakref.WeakKeyDictionary[torch.optim.Optimizer, nn.Module]" = weakref.WeakKeyDictionary()
 _seen: list["weakref.ref[nn.Module]"] = []

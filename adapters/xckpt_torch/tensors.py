@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from xckpt import dtypes as xdtypes
+from xckpt.format import dtypes as xdtypes
 from xckpt.errors import UnsupportedError
 
 _BY_NAME: dict[str, torch.dtype] = {

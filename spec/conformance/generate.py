@@ -39,12 +39,12 @@ import google_crc32c
 import ml_dtypes
 import numpy as np
 
-from xckpt import arrays, naming, values as xvalues
+from xckpt.format import zarr as arrays, names as naming, values as xvalues
 from xckpt.save import SaveOptions, commit, prepare, write_local
-from xckpt.tree import Value
-from xckpt.coord import LocalCoordinator
-from xckpt.dtypes import logical_name
-from xckpt.regions import Region
+from xckpt.format.tree import Value
+from xckpt.engine.collective import LocalCoordinator
+from xckpt.format.dtypes import logical_name
+from xckpt.engine.regions import Region
 from xckpt.registry import ArraySource, Shard, register_source
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -196,7 +196,7 @@ def untagged(obj: Any) -> Any:
     """Inverse of :func:`tagged` (namedtuples come back as generated namedtuple classes)."""
     t = obj["t"]
     if t == "array":
-        from xckpt.dtypes import numpy_dtype
+        from xckpt.format.dtypes import numpy_dtype
         dt = numpy_dtype(obj["dtype"]).newbyteorder("<")
         return np.frombuffer(bytes.fromhex(obj["hex"]), dtype=dt).reshape(obj["shape"]).astype(dt.newbyteorder("="))
     simple: dict[str, Callable[[Any], Any]] = {
@@ -239,7 +239,7 @@ def _plain(tree: Any) -> Any:
 # --------------------------------------------------------------------------- valid vectors
 
 def _dtype_samples(name: str) -> np.ndarray:
-    from xckpt.dtypes import numpy_dtype
+    from xckpt.format.dtypes import numpy_dtype
     dt = numpy_dtype(name)
     if name == "bool":
         return np.array([True, False, True])
@@ -593,7 +593,7 @@ INVALID: dict[str, Invalid] = {
 
 
 def _rewrite_mirror(p: str, name: str, value: np.generic) -> None:
-    from xckpt.storage import Location
+    from xckpt.engine.storage import Location
     meta = arrays.zarr_metadata([], str(value.dtype), [], [])
     arrays.open_for_write(Location.of(p), name, meta).write(np.asarray(value)).result()
 

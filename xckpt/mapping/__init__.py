@@ -13,13 +13,13 @@ Ready-made: :func:`torch_to_flax` and :func:`flax_to_torch` (Linear, Embedding,
 LayerNorm, Conv1d/2d; Adam/AdamW and SGD-momentum optimizer state).
 """
 
-from .patterns import Pattern
-from .presets import KINDS, OPTIMIZERS, flax_to_torch, torch_to_flax
-from .errors import MappingError
-from .rules import Output, Rule, concat, drop, rename, same, split
-from .reshape import Reshape, reshape
-from .transforms import Cast, Slice, Transform, Transpose, cast, transpose
-from .view import MappedCheckpoint, Mapping, RuleSource
+from xckpt.mapping.patterns import Pattern
+from xckpt.mapping.presets import KINDS, OPTIMIZERS, flax_to_torch, torch_to_flax
+from xckpt.mapping.errors import MappingError
+from xckpt.mapping.rules import Output, Rule, concat, drop, rename, same, split
+from xckpt.mapping.reshape import Reshape, reshape
+from xckpt.mapping.transforms import Cast, Slice, Transform, Transpose, cast, transpose
+from xckpt.mapping.view import MappedCheckpoint, Mapping, RuleSource
 
 __all__ = ["Mapping", "MappedCheckpoint", "MappingError", "Rule", "Output", "RuleSource", "Pattern",
            "rename", "split", "concat", "same", "drop", "transpose", "cast", "reshape",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import TreeError
+from xckpt.errors import TreeError
 
 
 class MappingError(TreeError):

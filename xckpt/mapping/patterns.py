@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from typing import Union
 
-from ..tree import Key
-from .errors import MappingError
+from xckpt.format.tree import Key
+from xckpt.mapping.errors import MappingError
 
 _FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(\*?)\}")
 

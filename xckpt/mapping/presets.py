@@ -32,13 +32,13 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping as TMapping, Sequence
 
-from ..manifest import ArrayEntry, Manifest
-from ..tree import Key, key_str
-from .patterns import Pattern, parse_path, render
-from .errors import MappingError
-from .rules import Output, Rule, drop, rename, same
-from .transforms import Transform, Transpose, cast
-from .view import Mapping, RuleSource, match_rules
+from xckpt.format.manifest import ArrayEntry, Manifest
+from xckpt.format.tree import Key, key_str
+from xckpt.mapping.patterns import Pattern, parse_path, render
+from xckpt.mapping.errors import MappingError
+from xckpt.mapping.rules import Output, Rule, drop, rename, same
+from xckpt.mapping.transforms import Transform, Transpose, cast
+from xckpt.mapping.view import Mapping, RuleSource, match_rules
 
 
 @dataclass(frozen=True)

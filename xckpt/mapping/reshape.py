@@ -17,8 +17,8 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 
-from .transforms import Layout, Transform, TransformError
-from .virtual import context, event_loop
+from xckpt.mapping.transforms import Layout, Transform, TransformError
+from xckpt.mapping.virtual import context, event_loop
 
 Group = tuple[tuple[int, ...], tuple[int, ...]]
 

@@ -22,10 +22,10 @@ from typing import Mapping as TMapping, Sequence
 
 import tensorstore as ts
 
-from ..tree import Key
-from .errors import MappingError
-from .patterns import Pattern, PatternLike
-from .transforms import Layout, Slice, Transform, TransformError
+from xckpt.format.tree import Key
+from xckpt.mapping.errors import MappingError
+from xckpt.mapping.patterns import Pattern, PatternLike
+from xckpt.mapping.transforms import Layout, Slice, Transform, TransformError
 
 
 @dataclass(frozen=True)

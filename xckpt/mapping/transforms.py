@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import tensorstore as ts
 
-from .. import dtypes
+from xckpt.format import dtypes
 
 
 class TransformError(ValueError):

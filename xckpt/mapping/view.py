@@ -2,7 +2,7 @@
 
 :meth:`Mapping.apply` resolves every rule against the stored manifest (no array
 data is read), checks shapes, conflicts and unmatched rules, and returns a
-:class:`MappedCheckpoint`: the same interface as :class:`xckpt.reader.Checkpoint`
+:class:`MappedCheckpoint`: the same interface as :class:`xckpt.sources.native.Checkpoint`
 (``loc``, ``format``, ``manifest``, ``values()``, ``open_array(entry)``), whose
 manifest lists the target keys with their shapes and dtypes after the transforms
 and whose arrays are lazy TensorStore views of the stored ones.
@@ -17,15 +17,15 @@ from typing import Any, Callable, Iterable, Sequence, Union
 
 import tensorstore as ts
 
-from .. import dtypes
-from ..manifest import ArrayEntry, Entry, Manifest, ValueEntry
-from ..regions import Region
-from ..tree import Key, Node, key_str
-from .errors import MappingError
-from .patterns import render
-from .rules import Rule
-from .transforms import Layout, Transform, TransformError
-from .virtual import same_view
+from xckpt.format import dtypes
+from xckpt.format.manifest import ArrayEntry, Entry, Manifest, ValueEntry
+from xckpt.engine.regions import Region
+from xckpt.format.tree import Key, Node, key_str
+from xckpt.mapping.errors import MappingError
+from xckpt.mapping.patterns import render
+from xckpt.mapping.rules import Rule
+from xckpt.mapping.transforms import Layout, Transform, TransformError
+from xckpt.mapping.virtual import same_view
 
 
 class RuleSource:
@@ -193,7 +193,7 @@ class Mapping(RuleSource):
 
     def plan(self, path: Any) -> MappedCheckpoint:
         """Open the checkpoint at ``path`` and apply the mapping (to inspect it: ``.describe()``)."""
-        from ..reader import open_checkpoint
+        from xckpt.sources.native import open_checkpoint
         return self.apply(open_checkpoint(path))
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from .errors import UnsupportedError
+from xckpt.errors import UnsupportedError
 
 EXT_TUPLE, EXT_DICT, EXT_BIGINT, EXT_COMPLEX = 1, 2, 3, 4
 _INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1

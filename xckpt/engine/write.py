@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, dtypes
-from .errors import SaveError
-from .regions import Region
-from .storage import Location
+from xckpt.format import zarr as arrays, dtypes
+from xckpt.errors import SaveError
+from xckpt.engine.regions import Region
+from xckpt.engine.storage import Location
 
 
 def host_data(data: Any, region: Region, dtype: str, leaf: str) -> np.ndarray:

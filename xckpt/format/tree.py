@@ -16,7 +16,7 @@ import collections
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from .errors import TreeError
+from xckpt.errors import TreeError
 
 Key = tuple[Any, ...]
 Node = dict[str, Any]

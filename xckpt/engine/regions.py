@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Iterable, Iterator, Sequence
 
-from .errors import ShapeError
+from xckpt.errors import ShapeError
 
 
 @dataclass(frozen=True, order=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from .errors import XckptError
+from xckpt.errors import XckptError
 
 
 @dataclass(frozen=True)

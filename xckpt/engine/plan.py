@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from . import dtypes
-from .errors import CoordinationError, ShapeError
-from .regions import Region, check_tiling, chunk_shape_for, inner_chunk_shape_for
-from .tree import Key, key_str
+from xckpt.format import dtypes
+from xckpt.errors import CoordinationError, ShapeError
+from xckpt.engine.regions import Region, check_tiling, chunk_shape_for, inner_chunk_shape_for
+from xckpt.format.tree import Key, key_str
 
 #: Default upper bound on inner chunk bytes: the unit a reader on another mesh fetches.
 INNER_CHUNK_BYTES = 4 << 20

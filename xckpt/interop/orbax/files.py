@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import arrays, dtypes, naming
-from ..manifest import ArrayEntry, Manifest
-from ..storage import Location
-from ..tree import Key, iter_nodes
-from .metadata import KEY_DICT, KEY_SEQUENCE
+from xckpt.format import zarr as arrays, dtypes, names as naming
+from xckpt.format.manifest import ArrayEntry, Manifest
+from xckpt.engine.storage import Location
+from xckpt.format.tree import Key, iter_nodes
+from xckpt.interop.orbax.metadata import KEY_DICT, KEY_SEQUENCE
 
 HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 _SCALAR_DTYPES = {"bool": "bool", "int": "int64", "float": "float64"}

@@ -11,15 +11,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorstore as ts
 
-from .. import dtypes, naming, storage
-from ..errors import DataError, ManifestError, UnsupportedError, XckptWarning
-from ..manifest import ArrayEntry, Entry, ValueEntry
-from ..storage import Location
-from ..tree import key_str
-from .metadata import NONE_TYPES, OCDBT_MANIFEST, Record
+from xckpt.format import dtypes, names as naming
+from xckpt.engine import storage
+from xckpt.errors import DataError, ManifestError, UnsupportedError, XckptWarning
+from xckpt.format.manifest import ArrayEntry, Entry, ValueEntry
+from xckpt.engine.storage import Location
+from xckpt.format.tree import key_str
+from xckpt.interop.orbax.metadata import NONE_TYPES, OCDBT_MANIFEST, Record
 
 if TYPE_CHECKING:
-    from .checkpoint import OrbaxCheckpoint
+    from xckpt.interop.orbax.checkpoint import OrbaxCheckpoint
 
 
 ARRAY_TYPES = ("jax.Array", "np.ndarray")

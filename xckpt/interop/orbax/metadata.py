@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from .. import naming
-from ..errors import ManifestError, UnsafePathError, UnsupportedError
-from ..tree import Key, Node, key_str
+from xckpt.format import names as naming
+from xckpt.errors import ManifestError, UnsafePathError, UnsupportedError
+from xckpt.format.tree import Key, Node, key_str
 
 
 OCDBT_MANIFEST = "manifest.ocdbt"

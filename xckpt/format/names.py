@@ -9,8 +9,8 @@ from __future__ import annotations
 import posixpath
 from typing import Iterable
 
-from .errors import TreeError, UnsafePathError
-from .tree import Key, key_str
+from xckpt.errors import TreeError, UnsafePathError
+from xckpt.format.tree import Key, key_str
 
 MANIFEST = "xckpt.json"
 VALUES = "values.msgpack"

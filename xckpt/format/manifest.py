@@ -16,10 +16,10 @@ from typing import Any, Union
 
 import jsonschema
 
-from . import dtypes, naming
-from .errors import ManifestError, ShapeError, UnsafePathError, VersionError, XckptError
-from .regions import grid_shape
-from .tree import MAX_DEPTH, Key, Node, iter_nodes, key_str
+from xckpt.format import dtypes, names as naming
+from xckpt.errors import ManifestError, ShapeError, UnsafePathError, VersionError, XckptError
+from xckpt.engine.regions import grid_shape
+from xckpt.format.tree import MAX_DEPTH, Key, Node, iter_nodes, key_str
 
 FORMAT = "xckpt"
 VERSION = "1.0"

@@ -1,7 +1,7 @@
 """Reading checkpoints written by Orbax, without jax: zarr v2 or v3, with or without OCDBT.
 
 :func:`open_orbax` turns an Orbax checkpoint directory into a
-:class:`~xckpt.reader.Checkpoint` whose manifest is built from Orbax's ``_METADATA``:
+:class:`~xckpt.sources.native.Checkpoint` whose manifest is built from Orbax's ``_METADATA``:
 
 * the tree comes from each record's ``key_metadata`` (``key_type`` 1: sequence, 2: dict);
   tuples and namedtuples are recovered when the optional rich ``value_metadata_tree`` is there;
@@ -25,16 +25,17 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from .. import convert as convert_mod, manifest as manifest_mod, naming, storage
-from ..errors import DataError, ManifestError, NotACheckpointError, XckptWarning
-from ..manifest import ArrayEntry, Entry, Manifest, ValueEntry
-from ..reader import Checkpoint, translate
-from ..storage import Location
-from ..tree import key_str
+from xckpt import convert as convert_mod
+from xckpt.format import manifest as manifest_mod, names as naming
+from xckpt.engine import storage
+from xckpt.errors import DataError, ManifestError, NotACheckpointError, XckptWarning
+from xckpt.format.manifest import ArrayEntry, Entry, Manifest, ValueEntry
+from xckpt.sources.native import Checkpoint, translate
+from xckpt.engine.storage import Location
+from xckpt.format.tree import key_str
 
-from .arrays import ARRAY_TYPES, entry_for, read_array_infos, read_shardings
-from .metadata import (OCDBT_MANIFEST, apply_rich_types, build_tree, check_names, finish,
-                       parse_metadata, read_records)
+from xckpt.interop.orbax.arrays import ARRAY_TYPES, entry_for, read_array_infos, read_shardings
+from xckpt.interop.orbax.metadata import OCDBT_MANIFEST, apply_rich_types, build_tree, check_names, finish, parse_metadata, read_records
 
 
 STRINGS = "_strings.json"

@@ -1,7 +1,7 @@
 """Opening a stored checkpoint for reading: its manifest, its values, its arrays.
 
 :func:`open_checkpoint` returns a :class:`Checkpoint` whatever wrote it: xckpt, or
-Orbax (zarr v2, zarr v3, OCDBT; see :mod:`xckpt.orbax`).
+Orbax (zarr v2, zarr v3, OCDBT; see :mod:`xckpt.interop.orbax`).
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from typing import Any, Sequence
 import google_crc32c
 import tensorstore as ts
 
-from . import arrays, manifest as manifest_mod, naming, storage, values as values_mod
-from .errors import DataError, IntegrityError, ManifestError, NotACheckpointError, UnsafePathError, XckptError
-from .manifest import ArrayEntry, Manifest, ValueEntry
-from .regions import Region, chunks_of
-from .storage import Location
-from .tree import key_str
+from xckpt.format import zarr as arrays, manifest as manifest_mod, names as naming, values as values_mod
+from xckpt.engine import storage
+from xckpt.errors import DataError, IntegrityError, ManifestError, NotACheckpointError, UnsafePathError, XckptError
+from xckpt.format.manifest import ArrayEntry, Manifest, ValueEntry
+from xckpt.engine.regions import Region, chunks_of
+from xckpt.engine.storage import Location
+from xckpt.format.tree import key_str
 
 
 class Checkpoint:
@@ -125,7 +126,7 @@ def open_checkpoint(path: Any) -> Checkpoint:
         if _has(item, naming.MANIFEST) or _has(item, naming.ORBAX_METADATA):
             loc = item
     if not _has(loc, naming.MANIFEST) and _has(loc, naming.ORBAX_METADATA):
-        from .orbax.checkpoint import open_orbax
+        from xckpt.interop.orbax.checkpoint import open_orbax
         return open_orbax(loc)
     return Checkpoint(loc, read_manifest(loc))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .errors import UnsupportedError
+from xckpt.errors import UnsupportedError
 
 _NATIVE = (
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",

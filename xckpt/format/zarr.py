@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import tensorstore as ts
 
-from .storage import Location
+from xckpt.engine.storage import Location
 
 #: Codec names a conforming xckpt writer may use inside ``sharding_indexed``.
 COMPRESSIONS = ("none", "zstd")

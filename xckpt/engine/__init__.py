@@ -1,0 +1,1 @@
+"""How bytes move: region and plan maths, collectives, storage, writing, reading, commit."""

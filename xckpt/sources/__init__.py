@@ -1,0 +1,1 @@
+"""Stored checkpoints opened for reading, whatever wrote them, behind one Protocol."""
