@@ -7,6 +7,7 @@ Not a benchmark itself; see ``bench_torch.py``, ``bench_jax.py``, ``bench_numpy.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -46,8 +47,13 @@ class Workload:
     vec_len: int
 
     def seed(self, key: str) -> int:
-        """The seed of one leaf's values (its position in the tree)."""
-        return self.leaves().index(key) + 1
+        """The seed of one leaf's values (its position in the tree, from 1)."""
+        return self._seeds[key]
+
+    @functools.cached_property
+    def _seeds(self) -> dict[str, int]:
+        """Every array leaf's seed."""
+        return {k: i + 1 for i, k in enumerate(self.leaves())}
 
     def leaves(self) -> list[str]:
         """Every array leaf's key, matrices first, then vectors (the step is not listed)."""
@@ -228,15 +234,27 @@ class Sample:
         return self.peak_rss - self.base_rss
 
 
+def release_memory() -> None:
+    """Collect garbage and hand freed heap memory back to the OS (glibc ``malloc_trim``), so that
+    what earlier runs freed does not hide in, or inflate, the next run's RSS."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def measure(fn: Callable[[], Any], barrier: Callable[[], None] | None = None) -> tuple[Sample, Any]:
     """Run ``fn`` once and return its :class:`Sample` and result.
 
-    Garbage is collected first; with ``barrier`` (a collective operation) every
+    Garbage is collected and freed memory trimmed first; with ``barrier`` (a collective operation) every
     process enters and leaves together, and only the call itself is timed. The
     RSS sampler runs from just before the call to just after it; ``rchar`` is
     read around it.
     """
-    gc.collect()
+    release_memory()
     if barrier is not None:
         barrier()
     with PeakRSS() as mem:
@@ -294,6 +312,13 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def log_xckpt() -> None:
+    """Log which xckpt is measured (its version and where it is imported from)."""
+    import xckpt
+
+    log(f"xckpt {xckpt.__version__} from {os.path.dirname(os.path.abspath(xckpt.__file__))}")
+
+
 # ----------------------------------------------------------------------------- raw baseline
 
 def raw_save(arrays: dict[str, np.ndarray], directory: str, threads: int = 2) -> None:
@@ -301,6 +326,7 @@ def raw_save(arrays: dict[str, np.ndarray], directory: str, threads: int = 2) ->
     os.makedirs(directory, exist_ok=True)
 
     def one(item: tuple[str, np.ndarray]) -> None:
+        """Write one array to its file and fsync it."""
         key, a = item
         with open(os.path.join(directory, key + ".bin"), "wb") as f:
             a.tofile(f)
@@ -315,6 +341,7 @@ def raw_load(like: dict[str, np.ndarray], directory: str, threads: int = 2) -> d
     """Read back what :func:`raw_save` wrote, with ``np.fromfile`` (shapes and dtypes from ``like``)."""
 
     def one(item: tuple[str, np.ndarray]) -> tuple[str, np.ndarray]:
+        """Read one array's file back."""
         key, a = item
         return key, np.fromfile(os.path.join(directory, key + ".bin"), dtype=a.dtype).reshape(a.shape)
 
@@ -388,14 +415,16 @@ class Table:
                   for v in r.values] for r in self.rows]
         cw = max([len(c) for c in self.columns] + [len(c) for row in cells for c in row] + [8]) + 2
         gw = max([len(r.goal.label()) for r in self.rows if r.goal] + [6]) + 2
-        head = " " * lw + "".join(c.rjust(cw) for c in self.columns) + "ratio".rjust(8) + "  " + "goal".ljust(gw)
+        ratios = ["-" if r.ratio is None else f"{r.ratio:.2f}" if r.ratio < 1000 else f"{r.ratio:.0f}"
+                  for r in self.rows]
+        rw = max(len(x) for x in ratios + ["ratio"]) + 2
+        head = " " * lw + "".join(c.rjust(cw) for c in self.columns) + "ratio".rjust(rw) + "  " + "goal".ljust(gw)
         lines = [self.title, head.rstrip()]
-        for r, row_cells in zip(self.rows, cells):
-            ratio = "-" if r.ratio is None else f"{r.ratio:.2f}"
+        for r, row_cells, ratio in zip(self.rows, cells, ratios):
             goal = r.goal.label() if r.goal else ""
             ok = r.goal.passed(r.ratio) if r.goal else None
             verdict = {True: "PASS", False: "FAIL", None: ""}[ok]
-            line = (r.label.ljust(lw) + "".join(c.rjust(cw) for c in row_cells) + ratio.rjust(8) + "  "
+            line = (r.label.ljust(lw) + "".join(c.rjust(cw) for c in row_cells) + ratio.rjust(rw) + "  "
                     + goal.ljust(gw) + verdict.ljust(6) + r.note)
             lines.append(line.rstrip())
         return "\n".join(lines)
@@ -410,9 +439,13 @@ def common_args(description: str, workload: bool = True) -> argparse.ArgumentPar
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     if workload:
         p.add_argument("--workload", choices=["w1", "w2", "all"], default="all", help="which workload(s) (default all)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians are reported (default 3)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs per measurement; medians are reported (default 3)")
     p.add_argument("--scale", type=float, default=1.0,
-                   help="shrink matrix sides and vector counts by this factor for a quick check (default 1 = full size)")
+                   help="shrink matrix sides and vector counts by this factor for a quick check "
+                   "(default 1 = full size)")
+    p.add_argument("--strict", action="store_true", help="exit with status 1 when a goal is not met "
+                   "(without it, only errors, such as a load returning wrong data, make the exit status non-zero)")
     return p
 
 

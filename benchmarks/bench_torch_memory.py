@@ -4,8 +4,9 @@ Spawns ``--ranks`` gloo processes on CPU. Each holds ``--tensors`` local shards 
 ``rows x cols`` float32 (its shard), so the model is ``ranks`` times larger than
 one shard. For each method, each rank samples its RSS every half millisecond
 during the save and reports the peak growth over the RSS just before it.
+Checkpoints are written under /dev/shm and deleted.
 
-    python benchmarks/bench_torch_memory.py --ranks 4 --tensors 16 --rows 1024 --cols 1024
+    .venv/bin/python benchmarks/bench_torch_memory.py --ranks 4 --tensors 16 --rows 1024 --cols 1024
 """
 
 from __future__ import annotations
@@ -15,42 +16,34 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import sys
-import tempfile
-import threading
 import time
 import warnings
 
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+import _common as C
 
 
-class _Peak:
+class _Peak(C.PeakRSS):
+    """:class:`_common.PeakRSS` sampling every half millisecond, plus the seconds the block took."""
+
+    def __init__(self) -> None:
+        """Sample every 0.5 ms."""
+        super().__init__(interval=0.0005)
+
     def __enter__(self) -> "_Peak":
-        self.base = _rss()
-        self.peak = self.base
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        """Start sampling and the clock."""
+        super().__enter__()
         self.t0 = time.perf_counter()
         return self
 
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            self.peak = max(self.peak, _rss())
-            time.sleep(0.0005)
-
     def __exit__(self, *exc: object) -> None:
+        """Stop the clock and the sampling."""
         self.seconds = time.perf_counter() - self.t0
-        self.stop.set()
-        self.thread.join()
-        self.peak = max(self.peak, _rss())
+        super().__exit__(*exc)
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    """One rank: save its shards with every method in turn, write its peak RSS growth to rank<N>.json."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     warnings.filterwarnings("ignore")
     import gc
@@ -75,6 +68,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     dcp.save({"warm": model["layer0"]}, storage_writer=dcp.FileSystemWriter(os.path.join(out, "warm_dcp")))
 
     def gather_then_save(path: str) -> None:
+        """The naive way: gather every full tensor, rank 0 writes them with np.save."""
         full = {k: v.full_tensor() for k, v in model.items()}   # what xckpt never does
         if rank == 0:
             os.makedirs(path, exist_ok=True)
@@ -115,10 +109,8 @@ def main() -> None:
     p.add_argument("--cols", type=int, default=1024)
     args = p.parse_args()
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tempfile.mkdtemp(prefix="xckpt-bench-")
+    port = C.free_port()
+    out = C.fresh_dir("torch-memory")
     try:
         mp.spawn(_worker, args=(args.ranks, port, args, out), nprocs=args.ranks, join=True)
         reports = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.ranks)]

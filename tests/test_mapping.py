@@ -16,9 +16,9 @@ import tensorstore as ts
 
 import xckpt
 from xckpt import mapping as M
-from xckpt.convert import lazy_array
+from xckpt.engine.copy import lazy_array
 from xckpt.errors import DataError, KeyMismatchError, XckptError
-from xckpt.engine.regions import Region
+from xckpt.format.regions import Region
 
 
 def _arr(*shape: int, dtype: str = "float32", seed: int = 0) -> np.ndarray:
@@ -32,7 +32,7 @@ def _chunked(a: np.ndarray, rows: int) -> object:
 
 def _drop_array_data(path: str) -> None:
     """Remove every array's chunk data, keeping manifests: any data read would now fail."""
-    m = xckpt.sources.native.open_checkpoint(path).manifest
+    m = xckpt.sources.detect.open_checkpoint(path).manifest
     for e in m.arrays():
         shutil.rmtree(os.path.join(path, e.path, "c"), ignore_errors=True)
 
@@ -147,14 +147,14 @@ def test_reshape_merges_and_splits_dims_region_by_region(tmp_path):
                      mapping=m)["kernel"]
     read = _bytes_read() - before
     np.testing.assert_array_equal(got, w.T.reshape(feats, heads, dim)[:, 2:3])
-    e = xckpt.sources.native.open_checkpoint(path).manifest.by_key()[("w",)]
+    e = xckpt.sources.detect.open_checkpoint(path).manifest.by_key()[("w",)]
     assert e.chunk_shape == (8, 64) and e.inner_chunk_shape == (8, 8)  # head 2 is the third stored chunk
     meta = os.path.getsize(os.path.join(path, "xckpt.json")) + os.path.getsize(os.path.join(path, e.path,
                                                                                             "zarr.json"))
     share = dim * feats * 4
     # The reshaped view reads through virtual chunks; with no cache, two of those reads racing may each
     # fetch the shard's index, so allow it twice (it is 132 bytes here, against 2048 of data).
-    index = xckpt.format.zarr.index_nbytes(e.chunk_shape, e.inner_chunk_shape)
+    index = xckpt.format.zarr.geometry("float32", e.chunk_shape, e.inner_chunk_shape, "none").index_nbytes
     assert share <= read <= share + 4 * 8 + 2 * index + meta, read
     # the manifest of the view has the reshaped shape before anything is read
     assert m.plan(path).manifest.by_key()[("kernel",)].shape == (feats, heads, dim)
@@ -213,7 +213,7 @@ def test_region_read_through_transpose_reads_only_its_share(tmp_path):
     man = xckpt.save({"w": _chunked(a, 64)}, path, inner_chunk_bytes=16 * 16 * 4)
     entry = man.arrays()[0]
     assert entry.chunk_shape == (64, 256) and entry.inner_chunk_shape == (16, 16)
-    index = xckpt.format.zarr.index_nbytes(entry.chunk_shape, entry.inner_chunk_shape)  # one shard's index
+    index = xckpt.format.zarr.geometry("float32", entry.chunk_shape, entry.inner_chunk_shape, "none").index_nbytes  # one shard's index
     # every load also reads the manifest and the array's zarr.json
     meta = os.path.getsize(os.path.join(path, "xckpt.json")) + os.path.getsize(os.path.join(path, entry.path,
                                                                                             "zarr.json"))
@@ -254,7 +254,7 @@ def test_split_part_reads_only_its_rows(tmp_path):
     np.testing.assert_array_equal(got["k"], fused[32:64].T)
     assert e.chunk_shape == (32, 64)  # k is exactly the second stored chunk
     n_inner = (32 // e.inner_chunk_shape[0]) * (64 // e.inner_chunk_shape[1])
-    overhead = meta + 4 * n_inner + xckpt.format.zarr.index_nbytes(e.chunk_shape, e.inner_chunk_shape)
+    overhead = meta + 4 * n_inner + xckpt.format.zarr.geometry("float32", e.chunk_shape, e.inner_chunk_shape, "none").index_nbytes
     assert 32 * 64 * 4 <= read <= 32 * 64 * 4 + overhead, read
 
 

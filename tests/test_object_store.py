@@ -14,7 +14,7 @@ import pytest
 
 import xckpt
 from xckpt.errors import SaveError
-from xckpt.engine.regions import Region
+from xckpt.format.regions import Region
 from xckpt.registry import ArraySource, Shard
 
 boto3 = pytest.importorskip("boto3")

@@ -22,9 +22,10 @@ from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
 import xckpt  # noqa: E402
 from xckpt.errors import UnsupportedError  # noqa: E402
-from xckpt.engine.regions import check_tiling  # noqa: E402
+from xckpt.format.regions import check_tiling  # noqa: E402
 from xckpt_torch import XckptLoadPlanner, XckptStorageReader, XckptStorageWriter, bind  # noqa: E402
-from xckpt_torch.dtensor import local_pieces  # noqa: E402
+from xckpt.engine.layout import mesh as engine_mesh, mesh_layout  # noqa: E402
+from xckpt_torch.dtensor import placement  # noqa: E402
 from xckpt_torch.tensors import _BY_NAME  # noqa: E402
 
 import torch_workers as tw  # noqa: E402
@@ -47,18 +48,26 @@ def _layouts():
 SHAPES = [(8, 12), (7, 5), (3, 2), (1, 9), (16, 6), (0, 4)]
 
 
+def _layout(shape: tuple, mesh: tuple, places: list):
+    """The engine's layout of a DTensor of ``shape`` on a mesh of ranks 0..n-1 with ``places``."""
+    return mesh_layout(tuple(shape), engine_mesh(tuple(mesh), tuple(range(math.prod(mesh)))),
+                       tuple(placement(p) for p in places))
+
+
 def test_pieces_agree_with_torch_local_shape_and_offset():
     checked = 0
     for mesh, places in _layouts():
         for shape in SHAPES:
+            lay = _layout(shape, mesh, places)
             for coord in itertools.product(*(range(n) for n in mesh)):
-                pieces = local_pieces(shape, mesh, list(coord), places)
+                pieces = lay.pieces(coord)
                 local, offset = _compute_local_shape_and_global_offset(shape, mesh, list(coord), places)
-                got = tuple(max((p.local[d].stop for p in pieces), default=0) for d in range(len(shape)))
-                assert got == tuple(local), (mesh, places, shape, coord, got, local)
-                nonempty = [p for p in pieces if not p.region.is_empty()]
-                if nonempty:  # torch reports the offset of the first local element
-                    assert nonempty[0].region.offsets == tuple(offset), (mesh, places, shape, coord)
+                assert lay.local_shape(coord) == tuple(local), (mesh, places, shape, coord, local)
+                if pieces:  # the local tensor is exactly the pieces' slices, in order
+                    got = tuple(max(sl[d].stop for _, sl in pieces) for d in range(len(shape)))
+                    assert got == tuple(local), (mesh, places, shape, coord, got, local)
+                    # torch reports the offset of the first local element
+                    assert pieces[0][0].offsets == tuple(offset), (mesh, places, shape, coord)
                 checked += 1
     assert checked > 1000
 
@@ -68,18 +77,18 @@ def test_pieces_of_all_ranks_tile_the_array_and_replicas_repeat():
         replicas = math.prod(n for n, p in zip(mesh, places) if isinstance(p, Replicate))
         for shape in SHAPES:
             held: dict = {}
+            lay = _layout(shape, mesh, places)
             for coord in itertools.product(*(range(n) for n in mesh)):
-                for p in local_pieces(shape, mesh, list(coord), places):
-                    if not p.region.is_empty():
-                        held[p.region] = held.get(p.region, 0) + 1
+                for region, _ in lay.pieces(coord):
+                    held[region] = held.get(region, 0) + 1
             assert check_tiling(shape, list(held)) is None, (mesh, places, shape)
             assert set(held.values()) <= {replicas}, (mesh, places, shape, held)
 
 
 def test_strided_last_placement_gives_several_boxes():
-    pieces = local_pieces((8, 3), (2, 2), [0, 0], [Shard(0), _StridedShard(0, split_factor=2)])
-    assert [(p.region.offsets, p.region.sizes) for p in pieces] == [((0, 0), (1, 3)), ((2, 0), (1, 3))]
-    assert [p.local[0] for p in pieces] == [slice(0, 1), slice(1, 2)]
+    pieces = _layout((8, 3), (2, 2), [Shard(0), _StridedShard(0, split_factor=2)]).pieces((0, 0))
+    assert [(r.offsets, r.sizes) for r, _ in pieces] == [((0, 0), (1, 3)), ((2, 0), (1, 3))]
+    assert [sl[0] for _, sl in pieces] == [slice(0, 1), slice(1, 2)]
 
 
 def _sample(name: str) -> torch.Tensor:

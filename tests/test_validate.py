@@ -9,14 +9,14 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-import google_crc32c
+import crc32c
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import xckpt
 from xckpt.format import names as naming, values as xvalues
-from xckpt.interop.orbax import files as orbax_files
+from xckpt.format import orbax_view as orbax_files
 from xckpt.errors import XckptError
 from xckpt.format.manifest import parse
 from xckpt.validate import Finding, Report
@@ -170,7 +170,7 @@ def _write_nested(ckpt: Path, depth: int) -> None:
     for _ in range(depth):
         tree = '{"kind": "list", "items": [' + tree + "]}"
     leaf = json.dumps({"key": [0] * depth, "kind": "value", "type": "none"})
-    values = json.dumps({"path": naming.VALUES, "size": len(blob), "crc32c": google_crc32c.value(blob)})
+    values = json.dumps({"path": naming.VALUES, "size": len(blob), "crc32c": crc32c.crc32c(blob)})
     (ckpt / naming.MANIFEST).write_text(
         '{"format": "xckpt", "version": "1.0", "producer": {"library": "x", "library_version": "0"}, '
         f'"tree": {tree}, "leaves": [{leaf}], "values": {values}}}')

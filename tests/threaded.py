@@ -1,4 +1,4 @@
-"""An in-process Coordinator over threads, to run the engine's collective logic with N 'ranks'.
+"""Running the engine's collective logic with N 'ranks' on threads (xckpt's own ThreadGroup coordinator).
 
 This is our own Coordinator protocol implemented over threads (not a stand-in for a
 framework): the torch and jax adapters are tested with their real distributed runtimes.
@@ -9,52 +9,21 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-
-class _Group:
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.barrier_ = threading.Barrier(n, timeout=60)
-        self.slots: list[Any] = [None] * n
-
-
-class ThreadCoordinator:
-    """Rank ``rank`` of a group of threads."""
-
-    def __init__(self, group: _Group, rank: int) -> None:
-        self._g = group
-        self.rank = rank
-        self.world_size = group.n
-
-    def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        """Every thread's data."""
-        self._g.barrier_.wait()
-        self._g.slots[self.rank] = data
-        self._g.barrier_.wait()
-        out = list(self._g.slots)
-        self._g.barrier_.wait()
-        return out
-
-    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
-        """Root's data."""
-        return self.all_gather_bytes(data if self.rank == root else b"")[root]
-
-    def barrier(self) -> None:
-        """Wait for all threads."""
-        self._g.barrier_.wait()
+from xckpt.engine.collective import ThreadCoordinator, ThreadGroup
 
 
 def run_ranks(n: int, fn: Callable[[ThreadCoordinator], Any]) -> list[Any]:
     """Run ``fn(coord)`` on ``n`` threads; return results by rank, re-raising the first error."""
-    group = _Group(n)
+    group = ThreadGroup(n, timeout=60)
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
 
     def body(rank: int) -> None:
         try:
-            results[rank] = fn(ThreadCoordinator(group, rank))
+            results[rank] = fn(group.coordinator(rank))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             errors[rank] = exc
-            group.barrier_.abort()
+            group.barrier.abort()
 
     threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
     for t in threads:

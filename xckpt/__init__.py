@@ -1,7 +1,11 @@
 """xckpt: a framework-neutral distributed checkpoint format (Zarr v3 + a JSON manifest).
 
-The numpy-level API is here; the PyTorch and JAX adapters plug in through
-:mod:`xckpt.registry` and are reachable as ``xckpt.torch`` and ``xckpt.jax``.
+The public API lives in the top-level modules (:mod:`xckpt.save`, :mod:`xckpt.load`,
+:mod:`xckpt.validate`, :mod:`xckpt.inspect`, :mod:`xckpt.convert`); the layers below are
+:mod:`xckpt.format` (the on-disk format), :mod:`xckpt.engine` (how bytes move),
+:mod:`xckpt.sources` (stored checkpoints opened for reading) and :mod:`xckpt.interop`.
+The PyTorch and JAX adapters plug in through :mod:`xckpt.registry` and are reachable as
+``xckpt.torch`` and ``xckpt.jax``.
 """
 
 from __future__ import annotations
@@ -9,31 +13,30 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from xckpt import convert, mapping  # noqa: F401 - xckpt.convert.convert, xckpt.mapping
+from xckpt import registry
+from xckpt._version import __version__
+from xckpt.engine.collective import Coordinator, LocalCoordinator
+from xckpt.errors import XckptError, XckptWarning
+from xckpt.format.manifest import Manifest
+from xckpt.format.regions import Region
+from xckpt.format.tree import Default, Value
+from xckpt.host import ReadSpec
+from xckpt.inspect import inspect
+from xckpt.load import load
+from xckpt.save import SaveHandle, release_buffers, save, save_async
+from xckpt.validate import validate
 
-from xckpt.engine.collective import Coordinator, LocalCoordinator  # noqa: E402
-from xckpt.errors import XckptError, XckptWarning  # noqa: E402
-from xckpt.host import ReadSpec  # noqa: E402
-from xckpt.load import load  # noqa: E402
-from xckpt.format.manifest import Manifest  # noqa: E402
-from xckpt.engine.regions import Region  # noqa: E402
-from xckpt.save import save  # noqa: E402
-from xckpt.save_async import SaveHandle, save_async  # noqa: E402
-from xckpt.format.tree import Default, Value  # noqa: E402
-from xckpt.inspect import inspect  # noqa: E402
-from xckpt import mapping  # noqa: E402,F401 - xckpt.mapping: rename keys and transform layouts at load time
-from xckpt.validate import validate  # noqa: E402
-
-__all__ = ["save", "save_async", "SaveHandle", "load", "inspect", "validate", "Value", "Default", "ReadSpec", "Region", "Manifest",
-           "Coordinator", "LocalCoordinator", "XckptError", "XckptWarning", "__version__"]
-
-_ADAPTERS = {"torch": "xckpt_torch", "jax": "xckpt_jax"}
+__all__ = ["save", "save_async", "SaveHandle", "release_buffers", "load", "inspect", "validate", "Value", "Default",
+           "ReadSpec", "Region", "Manifest", "Coordinator", "LocalCoordinator", "XckptError", "XckptWarning",
+           "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     """``xckpt.torch`` and ``xckpt.jax``: the adapters, imported on first use."""
-    if name in _ADAPTERS:
-        module = importlib.import_module(_ADAPTERS[name])
+    module_name = registry.adapters().get(name)
+    if module_name is not None:
+        module = importlib.import_module(module_name)
         globals()[name] = module
         return module
     raise AttributeError(f"module 'xckpt' has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""The ``xckpt`` command line: inspect, validate, convert, demo."""
+"""The ``xckpt`` command line: inspect, validate, convert, and the subcommands installed packages add
+(``xckpt demo``, through the ``xckpt.commands`` entry point)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import sys
 from typing import Sequence
 
+from xckpt import registry
 from xckpt.errors import XckptError
 
 
@@ -70,13 +72,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    """Run the main job."""
-    import importlib
-    demo = importlib.import_module("xckpt_demo")  # lives outside the core: it uses torch and jax
-    return int(demo.main(args))
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``xckpt`` command."""
     p = argparse.ArgumentParser(prog="xckpt", description="Cross-framework distributed checkpoints.")
@@ -93,13 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("convert", help="convert a checkpoint between formats")
     s.add_argument("src")
     s.add_argument("dst")
-    s.add_argument("--from", dest="from_format", default="xckpt", choices=["xckpt", "orbax", "dcp"])
-    s.add_argument("--to", dest="to_format", default="xckpt", choices=["xckpt", "dcp"])
+    formats = registry.converter_formats()
+    s.add_argument("--from", dest="from_format", default="xckpt", choices=formats)
+    s.add_argument("--to", dest="to_format", default="xckpt", choices=formats)
     s.add_argument("--overwrite", action="store_true")
     s.set_defaults(fn=cmd_convert)
-    s = sub.add_parser("demo", help="run the main job")
-    s.add_argument("--out", default="demo_out", help="directory for checkpoints and the plot")
-    s.set_defaults(fn=cmd_demo)
+    for command in registry.commands():  # installed packages' subcommands (the demo among them)
+        s = sub.add_parser(command.name, help=command.help)
+        command.add_arguments(s)
+        s.set_defaults(fn=command.run)
     return p
 
 

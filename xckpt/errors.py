@@ -28,6 +28,15 @@ class XckptError(Exception):
         super().__init__(f"[{self.code}] {message}{suffix}")
         self.message = message
 
+    def at(self, *, file: str | None = None, leaf: str | None = None) -> "XckptError":
+        """This error with its ``file`` and ``leaf`` filled in where they were not known yet."""
+        if (self.file or not file) and (self.leaf or not leaf):
+            return self
+        err = type(self).__new__(type(self))
+        XckptError.__init__(err, self.message, code=self.code, file=self.file or file, leaf=self.leaf or leaf)
+        err.__dict__.update({k: v for k, v in self.__dict__.items() if k not in err.__dict__})
+        return err
+
     def to_json(self) -> dict[str, Any]:
         """The error as a JSON-able finding."""
         return {"code": self.code, "message": self.message, "file": self.file, "leaf": self.leaf}
@@ -105,6 +114,31 @@ class CoordinationError(XckptError):
     """Processes taking part in a collective save or load disagree."""
 
     code = "coord.mismatch"
+
+
+class CollectiveError(XckptError):
+    """A collective step failed on one or more processes; ``failures`` holds each one's error by rank.
+
+    Every process of the step raises it, with the same list. Its ``code`` is the failing
+    processes' code when they all share one, else ``collective.failed``.
+    """
+
+    code = "collective.failed"
+
+    def __init__(self, what: str, failures: dict[int, dict[str, Any]]) -> None:
+        self.failures = dict(sorted(failures.items()))
+        codes = {f.get("code") for f in self.failures.values()}
+        first = next(iter(self.failures.values()), {})
+        parts = []
+        for rank, f in self.failures.items():
+            where = ", ".join(x for x in (f"leaf {f['leaf']!r}" if f.get("leaf") else "",
+                                          f"file {f['file']}" if f.get("file") else "") if x)
+            parts.append(f"rank {rank}: [{f.get('code')}] {f.get('message')}" + (f" ({where})" if where else ""))
+        ranks = "rank" if len(self.failures) == 1 else "ranks"
+        super().__init__(f"{what} failed on {ranks} {sorted(self.failures)}: " + "; ".join(parts),
+                         code=codes.pop() if len(codes) == 1 and None not in codes else None,
+                         file=first.get("file") if len(self.failures) == 1 else None,
+                         leaf=first.get("leaf") if len(self.failures) == 1 else None)
 
 
 class ResourceError(XckptError):

@@ -9,7 +9,7 @@ import numpy as np
 
 from xckpt.format import dtypes
 from xckpt.errors import ShapeError
-from xckpt.engine.regions import Region
+from xckpt.format.regions import Region
 from xckpt.registry import ArraySource, ArrayTarget, Shard, register_source, register_target
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from xckpt.format.manifest import ArrayEntry
-from xckpt.sources.native import open_checkpoint
+from xckpt.sources.detect import open_checkpoint
 from xckpt.format.tree import key_str
 
 

@@ -1,7 +1,7 @@
 """Loading: match a target tree to the manifest, read only the regions asked for, build results.
 
-Nothing is returned until every read has succeeded: a load never yields
-half-filled state.
+Nothing is returned until every read has succeeded: a load never yields half-filled
+state (see :func:`load` for targets loaded in place).
 """
 
 from __future__ import annotations
@@ -13,15 +13,21 @@ from typing import Any, Callable
 
 import numpy as np
 
-from xckpt.format import dtypes
 from xckpt import registry
-from xckpt.errors import XckptWarning, KeyMismatchError, ResourceError, ShapeError, XckptError
+from xckpt.engine.gcpause import paused_gc
+from xckpt.engine.read import ReadRequest
+from xckpt.errors import KeyMismatchError, ResourceError, ShapeError, XckptWarning
+from xckpt.format import dtypes
 from xckpt.format.manifest import ArrayEntry, Entry, ValueEntry
-from xckpt.sources.native import Checkpoint, open_checkpoint, translate
+from xckpt.format.regions import Region
+from xckpt.format.tree import Default, Key, is_namedtuple, key_str, unflatten
 from xckpt.host import full_target
 from xckpt.registry import ArrayTarget
-from xckpt.engine.regions import Region
-from xckpt.format.tree import Default, Key, is_namedtuple, key_str, unflatten
+from xckpt.sources.base import Source
+from xckpt.sources.detect import open_checkpoint
+
+#: In-place targets up to this many bytes are left untouched by a failed load (see :func:`load`).
+MAX_STAGING_BYTES = 256 << 20
 
 
 @dataclass
@@ -75,7 +81,7 @@ def _rebuild_dict(like: dict, parts: dict[Any, Callable[[dict[Key, Any]], Any]],
 
 
 def load(path: Any, like: Any = None, *, strict: bool = True, max_bytes: int | None = None,
-         mapping: Any = None) -> Any:
+         mapping: Any = None, max_staging_bytes: int = MAX_STAGING_BYTES) -> Any:
     """Load a checkpoint (xckpt, or one written by Orbax).
 
     Without ``like``: the whole tree, arrays as numpy. With ``like``: a tree whose
@@ -85,19 +91,34 @@ def load(path: Any, like: Any = None, *, strict: bool = True, max_bytes: int | N
     match exactly, or with ``strict=False`` differences are warned about and the
     target's own leaves are kept. ``mapping`` (see :mod:`xckpt.mapping`) renames keys and
     transforms layouts lazily between the stored arrays and the target.
+
+    Arrays are read straight into their destination: new arrays, or the memory of targets
+    loaded in place (tensors, DTensors). A failed load returns nothing; in-place targets are
+    left untouched when they total at most ``max_staging_bytes`` (read into staging memory
+    first, copied in once every read succeeded). Larger in-place loads check every stored
+    object's index before writing anything and then read in place, so that only a corrupt
+    inner chunk can stop them half way (the error names it). ``max_bytes`` bounds the bytes
+    a load may bring into memory.
     """
     registry.autoload()
-    ckpt = open_checkpoint(path)
-    if mapping is not None:
-        ckpt = mapping.apply(ckpt)
+    with paused_gc():
+        stored = open_checkpoint(path)
+        try:
+            mapped = mapping.apply(stored) if mapping is not None else None
+            return _load(mapped or stored, mapped, like, strict, max_bytes, max_staging_bytes)
+        finally:
+            stored.close()
+
+
+def _load(ckpt: Source, mapped: Any, like: Any, strict: bool, max_bytes: int | None, staging: int) -> Any:
     m = ckpt.manifest
     if like is None:
-        unused_all = getattr(ckpt, "unused_sources", lambda tops: [])(None)  # a mapping's unused stored leaves
+        unused_all = mapped.unused_sources(None) if mapped is not None else []
         if unused_all:
             warnings.warn(f"checkpoint {ckpt.loc}: no mapping rule uses {unused_all[:20]}", XckptWarning,
-                          stacklevel=2)
+                          stacklevel=3)
         results = _read(ckpt, [(i, full_target(e.shape)) for i, e in enumerate(m.leaves)
-                                if isinstance(e, ArrayEntry)], max_bytes)
+                                if isinstance(e, ArrayEntry)], max_bytes, staging)
         vals = ckpt.values()
         return unflatten(m.tree, [results[i] if i in results else vals[i] for i in range(len(m.leaves))])
     requests: list[_Request] = []
@@ -127,38 +148,32 @@ def load(path: Any, like: Any = None, *, strict: bool = True, max_bytes: int | N
                 continue
             target = make(req.like, entry)
             if tuple(target.shape) != tuple(entry.shape):
-                mismatched.append(f"{key_str(req.key)}: stored {list(entry.shape)}{_origin(ckpt, req.key)}, "
-                                  f"target {list(target.shape)}")
+                origin = mapped.origin(req.key) if mapped is not None else ""
+                mismatched.append(f"{key_str(req.key)}: stored {list(entry.shape)}"
+                                  f"{f' ({origin})' if origin else ''}, target {list(target.shape)}")
                 continue
             jobs.append((i, target))
         else:
             value_reqs.append((req.key, i, make(req.like, _value_entry_as_array(entry)) if make else None))
     unexpected = _unexpected(like, requests, m.leaves)
-    unused_of = getattr(ckpt, "unused_sources", None)  # set by a mapping: stored leaves no rule uses
-    unused = unused_of(set(like) if isinstance(like, dict) else None) if unused_of is not None else []
-    unexpected += [f"{k} (stored; no mapping rule uses it)" for k in unused]
+    if mapped is not None:
+        unused = mapped.unused_sources(set(like) if isinstance(like, dict) else None)
+        unexpected += [f"{k} (stored; no mapping rule uses it)" for k in unused]
     if missing or unexpected or mismatched:
         message = (f"checkpoint {ckpt.loc} and the load target differ: "
                    f"missing {missing[:20]}, unexpected {unexpected[:20]}, mismatched {mismatched[:20]}")
         if strict:
             raise KeyMismatchError(message, missing=missing, unexpected=unexpected, mismatched=mismatched,
                                    file=str(ckpt.loc))
-        warnings.warn(message, XckptWarning, stacklevel=2)
-    results_by_leaf = _read(ckpt, jobs, max_bytes)
+        warnings.warn(message, XckptWarning, stacklevel=3)
     vals = ckpt.values() if value_reqs else {}
+    results_by_leaf = _read(ckpt, jobs, max_bytes, staging)
     results: dict[Key, Any] = {m.leaves[i].key: r for i, r in results_by_leaf.items()}
     for key, i, target in value_reqs:
         v = vals[i]
         results[key] = target.build([np.asarray(v, dtype=dtypes.numpy_dtype(target.dtype))]) \
             if target is not None and target.dtype else v
     return build(results)
-
-
-def _origin(ckpt: Any, key: Key) -> str:
-    """Where a mapped leaf comes from, for messages (empty without a mapping)."""
-    origin = getattr(ckpt, "origin", None)
-    text = origin(key) if origin is not None else ""
-    return f" ({text})" if text else ""
 
 
 def _value_entry_as_array(e: ValueEntry) -> ArrayEntry:
@@ -189,60 +204,99 @@ def _memory_limit() -> int:
         return 1 << 40
 
 
-def _read(ckpt: Checkpoint, jobs: list[tuple[int, ArrayTarget]], max_bytes: int | None) -> dict[int, Any]:
-    """Read every region of every job concurrently, then build each result."""
+@dataclass
+class _Part:
+    """One region of one job: where it is read to, and where it ends up."""
+
+    leaf: int
+    entry: ArrayEntry
+    region: Region
+    dtype: str  # the target's logical dtype
+    out: np.ndarray | None  # the target's own memory (in place), or None: a new array
+
+
+def _storage(arr: np.ndarray, e: ArrayEntry) -> np.ndarray:
+    """An array of the entry's logical dtype viewed as its storage dtype."""
+    return arr.view(dtypes.numpy_dtype(e.storage_dtype)) if dtypes.is_raw(e.dtype) else arr
+
+
+def _logical(raw: np.ndarray, e: ArrayEntry, dtype: str) -> np.ndarray:
+    """Raw storage data as the target's logical dtype (a view, or a cast copy)."""
+    arr = raw.view(dtypes.numpy_dtype(e.dtype)) if dtypes.is_raw(e.dtype) else raw
+    return arr if dtype == e.dtype else arr.astype(dtypes.numpy_dtype(dtype))
+
+
+def _read(ckpt: Source, jobs: list[tuple[int, ArrayTarget]], max_bytes: int | None, staging: int) -> dict[int, Any]:
+    """Read every region of every job, then build each result (see :func:`load` for the guarantees)."""
     m = ckpt.manifest
     limit = _memory_limit() if max_bytes is None else max_bytes
     total = 0
+    parts: dict[int, list[_Part]] = {}
     for i, t in jobs:
         e = m.leaves[i]
         assert isinstance(e, ArrayEntry)
-        for r in t.regions:
+        dtype = t.dtype or e.dtype
+        for k, r in enumerate(t.regions):
             if not r.within(e.shape):
                 raise ShapeError(f"requested region {r.offsets}+{r.sizes} lies outside shape {list(e.shape)}",
                                  leaf=key_str(e.key))
-            total += r.numel * max(dtypes.itemsize(e.dtype), dtypes.itemsize(t.dtype or e.dtype))
+            out = t.out(k) if t.out is not None else None
+            if out is not None and (tuple(out.shape) != r.sizes or dtypes.logical_name(out.dtype) != dtype):
+                raise ShapeError(f"the target offers {out.shape} {out.dtype} for region {r.offsets}+{r.sizes} "
+                                 f"of {dtype}", leaf=key_str(e.key))
+            total += r.numel * max(dtypes.itemsize(e.dtype), dtypes.itemsize(dtype))
+            parts.setdefault(i, []).append(_Part(i, e, r, dtype, out))
     if total > limit:
         raise ResourceError(f"load would read {total} bytes into memory, more than the limit {limit}",
                             file=str(ckpt.loc))
-    opened: dict[int, Any] = {}
-    refuse_links = getattr(ckpt, "refuse_links", None)  # native local checkpoints: no symbolic links
-    for i, t in jobs:
-        if refuse_links is not None:
-            refuse_links(m.leaves[i], t.regions)
-        if i not in opened:
-            opened[i] = ckpt.open_array(m.leaves[i])  # type: ignore[arg-type]
-    futures: list[tuple[int, ArrayTarget, list[Any]]] = []
-    for i, t in jobs:
-        e = m.leaves[i]
-        try:
-            store = opened[i].result()
-            futures.append((i, t, [store[r.slices()].read() if not r.is_empty() else None for r in t.regions]))
-        except Exception as exc:  # noqa: BLE001 - translated to a specific xckpt error
-            raise translate(exc, e, _array_file(ckpt, e)) from exc  # type: ignore[arg-type]
-    out: dict[int, Any] = {}
-    for i, t, futs in futures:
-        e = m.leaves[i]
-        assert isinstance(e, ArrayEntry)
-        parts = []
-        try:
-            for r, f in zip(t.regions, futs):
-                raw = np.empty(r.sizes, dtype=dtypes.numpy_dtype(e.storage_dtype)) if f is None else f.result()
-                parts.append(_convert(np.asarray(raw), e, t.dtype))
-        except XckptError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise translate(exc, e, _array_file(ckpt, e)) from exc
-        out[i] = parts
-    return {i: t.build(out[i]) for i, t in jobs}
+    in_place = sum(p.region.numel * dtypes.itemsize(p.entry.dtype) for ps in parts.values() for p in ps
+                   if p.out is not None)
+    atomic = in_place <= staging
+    results: dict[int, list[np.ndarray]] = {i: [None] * len(t.regions) for i, t in jobs}  # type: ignore[misc]
+    direct: list[ReadRequest] = []
+    later: list[tuple[_Part, int, np.ndarray]] = []  # staged in-place parts: (part, position, raw)
+    casts: list[tuple[_Part, int]] = []
+    for i, ps in parts.items():
+        for k, p in enumerate(ps):
+            same = p.dtype == p.entry.dtype
+            if p.out is None and same:
+                raw = np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype))
+                direct.append(ReadRequest(p.entry, p.region, raw))
+                results[i][k] = _logical(raw, p.entry, p.dtype)
+            elif p.out is not None and atomic:
+                raw = np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype))
+                direct.append(ReadRequest(p.entry, p.region, raw))
+                later.append((p, k, raw))
+            elif p.out is not None and same:
+                direct.append(ReadRequest(p.entry, p.region, _storage(p.out, p.entry)))
+                results[i][k] = p.out
+            else:
+                casts.append((p, k))
+    ckpt.read(direct, precheck=not atomic and in_place > 0)
+    for batch in _batches(casts):
+        raws = [np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype)) for p, _ in batch]
+        ckpt.read([ReadRequest(p.entry, p.region, raw) for (p, _), raw in zip(batch, raws)])
+        for (p, k), raw in zip(batch, raws):
+            value = _logical(raw, p.entry, p.dtype)
+            if p.out is not None:
+                np.copyto(p.out, value)
+                value = p.out
+            results[p.leaf][k] = value
+    for p, k, raw in later:  # every read succeeded: now the in-place targets change
+        np.copyto(p.out, _logical(raw, p.entry, p.dtype))
+        results[p.leaf][k] = p.out  # type: ignore[assignment]
+    return {i: t.build(results[i]) for i, t in jobs}
 
 
-def _array_file(ckpt: Checkpoint, e: ArrayEntry) -> str:
-    return str(ckpt.loc.child(e.path)) if e.path else str(ckpt.loc)
-
-
-def _convert(raw: np.ndarray, e: ArrayEntry, dtype: str | None) -> np.ndarray:
-    arr = raw.view(dtypes.numpy_dtype(e.dtype)) if dtypes.is_raw(e.dtype) else raw
-    if dtype is not None and dtype != e.dtype:
-        arr = arr.astype(dtypes.numpy_dtype(dtype))
-    return arr
+def _batches(casts: list[tuple[_Part, int]], limit: int = 64 << 20) -> list[list[tuple[_Part, int]]]:
+    """Cast reads grouped so that each group's raw buffers stay near ``limit`` bytes."""
+    out: list[list[tuple[_Part, int]]] = []
+    size = limit
+    for item in casts:
+        n = item[0].region.numel * dtypes.itemsize(item[0].entry.dtype)
+        if size + n > limit and (not out or out[-1]):
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += n
+    return out

@@ -1,16 +1,22 @@
-"""Hook points the framework adapters plug into; the core itself knows only numpy.
+"""Hook points the framework adapters and other packages plug into; the core itself knows only numpy.
 
 * sources: turn a framework array into an :class:`ArraySource` (its local shards).
 * targets: turn a load-target leaf into an :class:`ArrayTarget` (regions to read, how to build).
 * containers: present a custom object (module, optimizer, pytree node) as a plain container.
 * coordinators: give the coordinator of a running distributed job.
+* converters: turn a checkpoint of one format into another (``xckpt convert``).
+* commands: add a subcommand to the ``xckpt`` command line.
 
-Adapters are imported lazily, only when their framework is already imported.
+The core never imports these packages by name: they are found through entry points
+(``pyproject.toml``): ``xckpt.adapters`` (name: the framework module, value: its adapter
+module, imported once the framework is), ``xckpt.converters`` (name: a format, value: a
+mapping ``{(source, target): function}``), ``xckpt.commands`` (value: a :class:`Command`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -18,7 +24,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from xckpt.engine.collective import Coordinator
-from xckpt.engine.regions import Region
+from xckpt.engine.layout import MeshLayout
+from xckpt.format.regions import Region
 
 Matcher = Callable[[Any], bool]
 
@@ -41,14 +48,18 @@ class Shard:
 class ArraySource:
     """An array leaf to save: global shape, logical dtype and this process's shards.
 
-    Replicas are simply listed by every process that holds them; the planner
-    keeps one writer per distinct region.
+    ``layout`` (a :class:`~xckpt.engine.layout.MeshLayout`), where the framework knows one,
+    says what every process holds, so planning needs no per-shard messages; this process's
+    shards are then exactly the layout's pieces for its rank. Without a layout, replicas are
+    listed by every process that holds them and the planner keeps one writer per region.
+    ``sharding`` is the free-form description the manifest records.
     """
 
     shape: tuple[int, ...]
     dtype: str
     shards: Sequence[Shard]
     sharding: dict[str, Any] | None = None
+    layout: MeshLayout | None = None
 
 
 @dataclass
@@ -58,19 +69,33 @@ class ArrayTarget:
     ``regions`` are read from the stored array (in its coordinates) and converted to
     ``dtype`` (None: the stored dtype); ``build`` turns the list of numpy arrays, one
     per region, into the result leaf. ``shape`` is the global shape the target expects.
+    ``out``, where given, returns for region ``i`` a writable host array of the region's
+    shape and ``dtype`` to read into (a view of the target's own memory, for a load in
+    place), or None; ``build`` then receives those very arrays.
     """
 
     shape: tuple[int, ...]
     dtype: str | None
     regions: Sequence[Region]
     build: Callable[[list[np.ndarray]], Any]
+    out: Callable[[int], np.ndarray | None] | None = None
+
+
+@dataclass
+class Command:
+    """A subcommand of the ``xckpt`` command line."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[Any], None]  # (argparse.ArgumentParser) -> None
+    run: Callable[[Any], int]  # (argparse.Namespace) -> exit code
 
 
 _sources: list[tuple[Matcher, Callable[[Any], ArraySource]]] = []
 _targets: list[tuple[Matcher, Callable[[Any, Any], ArrayTarget]]] = []
 _containers: list[tuple[Matcher, Callable[[Any], Any], Callable[[Any], tuple[Any, Callable[[Any], Any]]]]] = []
 _coordinators: list[Callable[[], Coordinator | None]] = []
-_ADAPTERS = {"torch": "xckpt_torch", "jax": "xckpt_jax"}
+_converters: dict[tuple[str, str], Callable[..., None]] = {}
 _loaded: set[str] = set()
 
 
@@ -102,15 +127,58 @@ def register_coordinator(factory: Callable[[], Coordinator | None]) -> None:
     _coordinators.insert(0, factory)
 
 
+def _entry_points(group: str) -> list[Any]:
+    return list(importlib.metadata.entry_points(group=group))
+
+
+def adapters() -> dict[str, str]:
+    """Framework module name -> its adapter module, as installed packages declare them."""
+    return {ep.name: ep.value for ep in _entry_points("xckpt.adapters")}
+
+
 def autoload() -> None:
     """Import the adapter of every framework the process has already imported."""
-    for framework, module in _ADAPTERS.items():
+    for framework, module in adapters().items():
         if framework in sys.modules and module not in _loaded:
             _loaded.add(module)
             try:
                 importlib.import_module(module)
             except ImportError:
                 pass
+
+
+def register_converter(source: str, target: str, fn: Callable[..., None]) -> None:
+    """Register ``fn(src, dst, overwrite=...)`` converting format ``source`` to ``target``."""
+    _converters[(source, target)] = fn
+
+
+def converter(source: str, target: str) -> Callable[..., None] | None:
+    """The converter from ``source`` to ``target``, loading the entry points that name either format."""
+    if (source, target) not in _converters:
+        for ep in _entry_points("xckpt.converters"):
+            if ep.name in (source, target):
+                for (a, b), fn in ep.load().items():
+                    _converters.setdefault((a, b), fn)
+    return _converters.get((source, target))
+
+
+def converter_formats() -> list[str]:
+    """Every format some installed converter reads or writes."""
+    formats = {"xckpt"} | {ep.name for ep in _entry_points("xckpt.converters")}
+    for a, b in _converters:
+        formats.update((a, b))
+    return sorted(formats)
+
+
+def commands() -> list[Command]:
+    """The subcommands installed packages add to the ``xckpt`` command line."""
+    out = []
+    for ep in _entry_points("xckpt.commands"):
+        try:
+            out.append(ep.load())
+        except ImportError:
+            continue
+    return out
 
 
 def source_for(obj: Any) -> Callable[[Any], ArraySource] | None:

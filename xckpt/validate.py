@@ -1,9 +1,11 @@
-"""The validator: does a directory conform to the xckpt 1.0 spec (``spec/xckpt-1.0.md``)?
+"""The validator: does a directory conform to the xckpt spec (``spec/xckpt-1.1.md``)?
 
 Every finding has a stable code (listed in the spec) and names the file and leaf.
 Without ``deep``, only metadata and shard indexes are read: every offset in every
-shard index is checked against the object's size before it is trusted. With
-``deep``, every inner chunk's crc32c is recomputed, one chunk at a time.
+shard index is checked against the object's size before it is trusted
+(:func:`xckpt.format.shard.parse_index`). With ``deep``, every inner chunk's crc32c is
+recomputed, one chunk at a time. Nothing is read through a link or from a special file:
+every read goes through the checkpoint's store, and the directory walk uses ``lstat``.
 """
 
 from __future__ import annotations
@@ -16,27 +18,22 @@ from dataclasses import asdict, dataclass, field
 from itertools import product
 from typing import Any, Iterator
 
-import google_crc32c
+import crc32c
 import numpy as np
 import tensorstore as ts
 
-from xckpt.format import zarr as arrays, dtypes, names as naming
-from xckpt.engine import storage
+from xckpt.engine.read import ReadRequest, read_regions
+from xckpt.engine.storage import Location, Store
 from xckpt.errors import XckptError
-from xckpt.format.manifest import ArrayEntry, Manifest, ValueEntry
-from xckpt.interop.orbax import files as orbax_files
-from xckpt.sources.native import read_manifest, read_values
-from xckpt.engine.regions import grid_shape
-from xckpt.engine.storage import Location
+from xckpt.format import names as naming, orbax_view as orbax_files, shard, zarr
+from xckpt.format.manifest import ArrayEntry, Manifest, StoredArray, ValueEntry
+from xckpt.format.regions import Region, chunk_indices
 from xckpt.format.tree import key_str
+from xckpt.sources.native import read_manifest, read_values
 
 _MISSING = 2**64 - 1
 #: zarr data type of the 0-d array mirroring a value of each type, for Orbax.
 _MIRROR_DTYPES = {"bool": "bool", "int": "int64", "float": "float64"}
-#: Top-level members a zarr.json may have; anything else could change how the data is read.
-_ZARR_KEYS = frozenset({"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
-                        "fill_value", "codecs", "attributes", "dimension_names", "storage_transformers"})
-
 
 @dataclass
 class Finding:
@@ -85,26 +82,30 @@ def validate(path: Any, deep: bool = False) -> Report:
     loc = Location.of(path)
     report = Report(str(loc), deep)
     add = report.findings.append
+    store = loc.store()
     try:
-        m = read_manifest(loc)
-    except XckptError as exc:
-        add(Finding(exc.code, exc.message, exc.file, exc.leaf))
-        return report
-    if loc.is_local:
-        _check_files(loc, m, report)
-    if not storage.exists(loc, naming.COMMIT):
-        add(Finding("commit.missing", f"{naming.COMMIT} is missing (Orbax will treat the checkpoint as unfinished)",
-                    str(loc.child(naming.COMMIT)), severity="warning"))
-    _check_names(loc, m, report)
-    vals: dict[int, Any] | None = None
-    try:
-        vals = read_values(loc, m)
-    except XckptError as exc:
-        add(Finding(exc.code, exc.message, exc.file, exc.leaf))
-    for e in m.arrays():
-        report.arrays += 1
-        _check_array(loc, e, deep, report)
-    _check_orbax(loc, m, vals, report, deep)
+        try:
+            m = read_manifest(loc, store)
+        except XckptError as exc:
+            add(Finding(exc.code, exc.message, exc.file, exc.leaf))
+            return report
+        if loc.is_local:
+            _check_files(loc, m, report)
+        if not store.exists(naming.COMMIT):
+            add(Finding("commit.missing", f"{naming.COMMIT} is missing (Orbax will treat the checkpoint as "
+                        "unfinished)", str(loc.child(naming.COMMIT)), severity="warning"))
+        _check_names(loc, m, report)
+        vals: dict[int, Any] | None = None
+        try:
+            vals = read_values(loc, store, m)
+        except XckptError as exc:
+            add(Finding(exc.code, exc.message, exc.file, exc.leaf))
+        for e in m.arrays():
+            report.arrays += 1
+            _check_leaf(loc, store, e, deep, report)
+        _check_orbax(loc, store, m, vals, report, deep)
+    finally:
+        store.close()
     return report
 
 
@@ -155,143 +156,113 @@ def _check_names(loc: Location, m: Manifest, report: Report) -> None:
         seen.setdefault(name, key_str(e.key))
 
 
-def _expected_chunk_names(e: ArrayEntry) -> Iterator[tuple[tuple[int, ...], str]]:
-    if any(s == 0 for s in e.shape):
-        return
-    if not e.shape:
-        yield (), "c"
-        return
-    for idx in product(*(range(n) for n in grid_shape(e.shape, e.chunk_shape))):
-        yield idx, "c/" + "/".join(str(i) for i in idx)
+def _check_leaf(loc: Location, store: Store, e: ArrayEntry, deep: bool, report: Report) -> None:
+    """A leaf's Zarr nodes: one array, or a group whose segment arrays tile it."""
+    if e.segments is not None:
+        meta = _read_json(loc, store, f"{e.path}/zarr.json", e, report)
+        if meta is None:
+            return
+        if meta.get("zarr_format") != 3 or meta.get("node_type") != "group":
+            report.findings.append(Finding("array.metadata_mismatch", "a segmented leaf's zarr.json must be a "
+                                           "Zarr v3 group", str(loc.child(f"{e.path}/zarr.json")), key_str(e.key)))
+            return
+    for a in e.arrays():
+        _check_array(loc, store, e, a, deep, report)
 
 
-def _check_array(loc: Location, e: ArrayEntry, deep: bool, report: Report) -> None:
+def _read_json(loc: Location, store: Store, name: str, e: ArrayEntry, report: Report) -> dict[str, Any] | None:
     add = report.findings.append
-    leaf = key_str(e.key)
-    meta_file = str(loc.child(e.path).child("zarr.json"))
-    raw = storage.read_bytes(loc, e.path + "/zarr.json")
+    file, leaf = str(loc.child(name)), key_str(e.key)
+    try:
+        raw = store.read(name)
+    except XckptError as exc:
+        add(Finding(exc.code, exc.message, exc.file or file, leaf))
+        return None
     if raw is None:
-        add(Finding("array.metadata_missing", "zarr.json is missing", meta_file, leaf))
-        return
+        add(Finding("array.metadata_missing", "zarr.json is missing", file, leaf))
+        return None
     try:
         meta = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        add(Finding("array.metadata_json", f"zarr.json is not valid JSON: {exc}", meta_file, leaf))
-        return
+        add(Finding("array.metadata_json", f"zarr.json is not valid JSON: {exc}", file, leaf))
+        return None
     if not isinstance(meta, dict):
-        add(Finding("array.metadata_json", "zarr.json is not a JSON object", meta_file, leaf))
+        add(Finding("array.metadata_json", "zarr.json is not a JSON object", file, leaf))
+        return None
+    return meta
+
+
+def _check_array(loc: Location, store: Store, e: ArrayEntry, a: StoredArray, deep: bool, report: Report) -> None:
+    add = report.findings.append
+    leaf = key_str(e.key)
+    meta = _read_json(loc, store, f"{a.path}/zarr.json", e, report)
+    if meta is None:
         return
-    why = _metadata_mismatch(meta, e)
+    why = zarr.mismatch(meta, zarr.zarr_metadata(a.shape, e.storage_dtype, a.chunk_shape, a.inner_chunk_shape,
+                                                 e.compression))
     if why is not None:
-        add(Finding("array.metadata_mismatch", why, meta_file, leaf))
+        add(Finding("array.metadata_mismatch", why, str(loc.child(f"{a.path}/zarr.json")), leaf))
         return
-    stored = set(storage.list_names(loc, e.path + "/"))
-    stored.discard(e.path + "/zarr.json")
-    for idx, name in _expected_chunk_names(e):
-        full = e.path + "/" + name
+    stored = set(store.list(a.path + "/"))
+    stored.discard(a.path + "/zarr.json")
+    geom = zarr.geometry(e.storage_dtype, a.chunk_shape, a.inner_chunk_shape, e.compression)
+    for idx in chunk_indices(a.shape, a.chunk_shape) if all(a.shape) else []:
+        full = f"{a.path}/{zarr.chunk_key(idx)}"
         if full not in stored:
             add(Finding("chunk.missing", f"chunk {list(idx)} is missing", str(loc.child(full)), leaf))
             continue
         stored.discard(full)
         report.chunks += 1
-        _check_shard(loc, full, e, idx, deep, report)
+        valid = tuple(min(c, n - i * c) for i, c, n in zip(idx, a.chunk_shape, a.shape))
+        _check_shard(loc, store, full, geom, valid, leaf, deep, report)
     for extra in sorted(stored):
         add(Finding("chunk.unexpected", "object is not a chunk of this array's grid", str(loc.child(extra)), leaf))
 
 
-def _metadata_mismatch(meta: dict[str, Any], e: ArrayEntry) -> str | None:
-    """Why ``zarr.json`` disagrees with what the manifest implies, or None."""
-    expected = arrays.zarr_metadata(e.shape, e.storage_dtype, e.chunk_shape, e.inner_chunk_shape, e.compression)
-    for name in ("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "fill_value", "codecs"):
-        if _normal(meta.get(name)) != _normal(expected[name]):
-            return f"zarr.json {name} is {meta.get(name)!r}, the manifest implies {expected[name]!r}"
-    enc = meta.get("chunk_key_encoding")
-    conf = enc.get("configuration", {}) if isinstance(enc, dict) else None
-    if not (isinstance(enc, dict) and enc.get("name") == "default" and isinstance(conf, dict)
-            and conf.get("separator", "/") == "/"):
-        return f"chunk_key_encoding is {enc!r}, expected default with '/'"
-    unknown = sorted(set(meta) - _ZARR_KEYS)
-    if unknown or meta.get("storage_transformers", []) != []:
-        return f"zarr.json has members the format does not allow: {unknown or ['storage_transformers']}"
-    return None
-
-
-def _normal(v: Any) -> Any:
-    """Normalise JSON for comparison (TensorStore omits defaults such as index_location)."""
-    if isinstance(v, dict):
-        out = {k: _normal(x) for k, x in v.items()}
-        if v.get("name") == "sharding_indexed" and isinstance(out.get("configuration"), dict):
-            out["configuration"].setdefault("index_location", "end")
-        return out
-    if isinstance(v, list):
-        return [_normal(x) for x in v]
-    if isinstance(v, bool):
-        return ("bool", v)  # False must not equal a fill value of 0
-    if isinstance(v, float) and math.isfinite(v) and v == int(v):
-        return int(v)
-    return v
-
-
-def _check_shard(loc: Location, name: str, e: ArrayEntry, idx: tuple[int, ...], deep: bool,
-                 report: Report) -> None:
+def _check_shard(loc: Location, store: Store, name: str, geom: shard.Geometry, valid: tuple[int, ...], leaf: str,
+                 deep: bool, report: Report) -> None:
     add = report.findings.append
-    leaf = key_str(e.key)
     file = str(loc.child(name))
-    size = storage.size_of(loc, name)
-    index_len = arrays.index_nbytes(e.chunk_shape, e.inner_chunk_shape)
-    if size is None or size < index_len:
-        add(Finding("chunk.truncated", f"object has {size} bytes, less than its {index_len}-byte shard index",
-                    file, leaf))
+    try:
+        blob = store.open(name)
+    except XckptError as exc:
+        add(Finding(exc.code, exc.message, exc.file or file, leaf))
         return
-    index = storage.read_bytes(loc, name, slice(size - index_len, size)) or b""
-    body, crc = index[:-4], int.from_bytes(index[-4:], "little")
-    if len(index) != index_len or google_crc32c.value(body) != crc:
-        add(Finding("chunk.crc32c", "shard index crc32c does not match", file, leaf))
+    if blob is None:
+        add(Finding("chunk.missing", "object disappeared", file, leaf))
         return
-    pairs = np.frombuffer(body, dtype="<u8").reshape(-1, 2)
-    inner_grid = [c // i for c, i in zip(e.chunk_shape, e.inner_chunk_shape)]
-    itemsize = dtypes.numpy_dtype(e.storage_dtype).itemsize
-    raw_len = math.prod(e.inner_chunk_shape) * itemsize + 4
-    data_end = size - index_len
-    spans = []
-    for n, inner in enumerate(product(*(range(g) for g in inner_grid))):
-        start = [ci * c + ii * i for ci, c, ii, i in zip(idx, e.chunk_shape, inner, e.inner_chunk_shape)]
-        inside = all(s < dim for s, dim in zip(start, e.shape))
-        off, nbytes = int(pairs[n][0]), int(pairs[n][1])
-        if off == _MISSING and nbytes == _MISSING:
-            if inside:
-                add(Finding("chunk.missing", f"inner chunk {list(inner)} is missing from the shard", file, leaf))
-                return
-            continue
-        if off + nbytes > data_end or nbytes < 4:
-            add(Finding("chunk.truncated", f"inner chunk {list(inner)} at bytes [{off}, {off + nbytes}) lies "
-                        f"outside the {data_end} data bytes", file, leaf))
-            return
-        if e.compression == "none" and nbytes != raw_len:
-            why = f"inner chunk {list(inner)} has {nbytes} bytes, an uncompressed one has {raw_len}"
-            add(Finding("chunk.truncated", why, file, leaf) if nbytes < raw_len else
-                Finding("chunk.size", why, file, leaf))
-            return
-        spans.append((off, nbytes, inner))
-    spans.sort()
-    for (a_off, a_len, a_idx), (b_off, _, b_idx) in zip(spans, spans[1:]):
-        if a_off + a_len > b_off:
-            add(Finding("chunk.overlap", f"inner chunks {list(a_idx)} and {list(b_idx)} overlap", file, leaf))
-            return
-    if deep:
-        for off, nbytes, inner in spans:
-            data = storage.read_bytes(loc, name, slice(off, off + nbytes)) or b""
-            report.bytes_checked += len(data)
-            if len(data) != nbytes or google_crc32c.value(data[:-4]) != int.from_bytes(data[-4:], "little"):
-                add(Finding("chunk.crc32c", f"inner chunk {list(inner)} crc32c does not match", file, leaf))
-                return
+    try:
+        size = blob.size if blob.size is not None else geom.max_nbytes
+        tail = blob.read_tail(min(geom.index_nbytes, blob.size)) if blob.size is not None else \
+            blob.read_tail(geom.index_nbytes)
+        index = shard.parse_index(geom, tail, size, valid, file=file, leaf=leaf)
+        if deep:
+            for k, _, _ in geom.inner_chunks(valid):
+                off, nbytes = int(index[k, 0]), int(index[k, 1])
+                data = np.empty(nbytes, dtype=np.uint8)
+                blob.read_into(off, data)
+                report.bytes_checked += nbytes
+                shard.open_inner(geom, data, file=file, leaf=leaf)
+    except XckptError as exc:
+        add(Finding(exc.code, exc.message, exc.file or file, exc.leaf or leaf))
+    finally:
+        blob.close()
 
 
-def _check_orbax(loc: Location, m: Manifest, vals: dict[int, Any] | None, report: Report, deep: bool) -> None:
+def _read_file(loc: Location, store: Store, name: str, report: Report) -> bytes | None:
+    try:
+        return store.read(name)
+    except XckptError as exc:
+        report.findings.append(Finding(exc.code, exc.message, exc.file or str(loc.child(name))))
+        return b""
+
+
+def _check_orbax(loc: Location, store: Store, m: Manifest, vals: dict[int, Any] | None, report: Report,
+                 deep: bool) -> None:
     """The Orbax view: _METADATA, _strings.json and the 0-d mirrors agree with the manifest and values."""
     add = report.findings.append
     file = str(loc.child(naming.ORBAX_METADATA))
-    raw = storage.read_bytes(loc, naming.ORBAX_METADATA)
+    raw = _read_file(loc, store, naming.ORBAX_METADATA, report)
     if raw is None:
         add(Finding("orbax.missing", "_METADATA is missing; Orbax cannot restore this checkpoint", file))
         return
@@ -315,16 +286,16 @@ def _check_orbax(loc: Location, m: Manifest, vals: dict[int, Any] | None, report
     if vals is None:
         return  # values unreadable (already reported): nothing to compare the strings and mirrors with
     if strings:
-        _check_strings(loc, {".".join(str(p) for p in e.key): vals[i] for i, e in enumerate(m.leaves)
-                             if isinstance(e, ValueEntry) and e.type == "str"}, report)
+        _check_strings(loc, store, {".".join(str(p) for p in e.key): vals[i] for i, e in enumerate(m.leaves)
+                                    if isinstance(e, ValueEntry) and e.type == "str"}, report)
     for i, e in enumerate(m.leaves):
         if isinstance(e, ValueEntry):
-            _check_mirror(loc, e, vals[i], deep, report)
+            _check_mirror(loc, store, e, vals[i], deep, report)
 
 
-def _check_strings(loc: Location, expected: dict[str, str], report: Report) -> None:
+def _check_strings(loc: Location, store: Store, expected: dict[str, str], report: Report) -> None:
     file = str(loc.child("_strings.json"))
-    raw = storage.read_bytes(loc, "_strings.json")
+    raw = _read_file(loc, store, "_strings.json", report)
     if raw is None:
         report.findings.append(Finding("orbax.strings_missing", "_strings.json is missing; Orbax cannot restore "
                                        "the string values", file))
@@ -338,7 +309,7 @@ def _check_strings(loc: Location, expected: dict[str, str], report: Report) -> N
         report.findings.append(Finding("orbax.mismatch", "_strings.json does not hold the string values", file))
 
 
-def _check_mirror(loc: Location, e: ValueEntry, value: Any, deep: bool, report: Report) -> None:
+def _check_mirror(loc: Location, store: Store, e: ValueEntry, value: Any, deep: bool, report: Report) -> None:
     """A numeric value that fits Orbax's scalar must have a 0-d mirror array holding exactly it."""
     add = report.findings.append
     leaf = key_str(e.key)
@@ -350,16 +321,16 @@ def _check_mirror(loc: Location, e: ValueEntry, value: Any, deep: bool, report: 
         return
     dtype = _MIRROR_DTYPES[e.type]
     before = len(report.findings)
-    _check_array(loc, ArrayEntry(e.key, e.orbax_path, (), dtype, dtype, (), ()), deep, report)
+    entry = ArrayEntry(e.key, e.orbax_path, (), dtype, dtype, (), ())
+    _check_array(loc, store, entry, entry.arrays()[0], deep, report)
     if len(report.findings) > before:
         return
     file = str(loc.child(e.orbax_path))
+    got = np.empty((), dtype=dtype)
     try:
-        spec = arrays.spec(loc, e.orbax_path)
-        spec["fill_missing_data_reads"] = False
-        got = ts.open(spec, open=True, read=True, context=arrays.context()).result().read().result()
-    except Exception as exc:  # noqa: BLE001 - any failure to read is a finding
-        add(Finding("orbax.mismatch", f"scalar mirror cannot be read: {str(exc)[:300]}", file, leaf))
+        read_regions(store, [ReadRequest(entry, Region((), ()), got)], lambda n: str(loc.child(n)))
+    except XckptError as exc:
+        add(Finding("orbax.mismatch", f"scalar mirror cannot be read: {exc.message}", file, leaf))
         return
     want = np.asarray(value, dtype=dtype)
     if got.shape != () or got.dtype != want.dtype or got.tobytes() != want.tobytes():

@@ -23,9 +23,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 
+from xckpt.engine.layout import Mesh, MeshLayout, mesh, mesh_layout
 from xckpt.format import dtypes
 from xckpt.errors import SaveError, ShapeError, UnsupportedError
-from xckpt.engine.regions import Region
+from xckpt.format.regions import Region
 from xckpt.registry import ArraySource, ArrayTarget, Shard
 
 
@@ -70,10 +71,45 @@ def _fetch(data: jax.Array) -> np.ndarray:
     return np.asarray(data)
 
 
+def _mesh(m: Any) -> Mesh:
+    key = id(m)
+    hit = _meshes.get(key)
+    if hit is None or hit[0] is not m:
+        devices = np.asarray(m.devices)
+        hit = _meshes[key] = (m, mesh(tuple(int(n) for n in devices.shape),
+                                      tuple(int(d.process_index) for d in devices.flat)))
+    return hit[1]
+
+
+_meshes: dict[int, tuple[Any, Mesh]] = {}
+
+
+def layout_of(sharding: Sharding, shape: tuple[int, ...]) -> MeshLayout | None:
+    """The layout of a ``NamedSharding`` over the processes (None for other shardings).
+
+    Mesh axes that split one dimension together split it in mesh-axis order, as
+    nested ``torch.chunk`` splits do; the caller checks the result against the array's shards.
+    """
+    if not isinstance(sharding, NamedSharding):
+        return None
+    names = list(sharding.mesh.axis_names)
+    placements: list[tuple[Any, ...]] = [("R",)] * len(names)
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    for d, p in enumerate(spec):
+        axes = [] if p is None else [p] if isinstance(p, str) else list(p)
+        if [names.index(a) for a in axes] != sorted(names.index(a) for a in axes):
+            return None
+        for a in axes:
+            placements[names.index(a)] = ("S", d)
+    return mesh_layout(shape, _mesh(sharding.mesh), tuple(placements))
+
+
 def array_source(arr: jax.Array) -> ArraySource:
     """This process's part of a ``jax.Array``: one shard per distinct region its devices hold.
 
-    Each shard's ``prefetch`` starts its device-to-host copy asynchronously.
+    Each shard's ``prefetch`` starts its device-to-host copy asynchronously. A
+    ``NamedSharding`` also gives the array's layout over the processes, once checked
+    against the shards this process holds.
     """
     if arr.is_deleted():
         raise SaveError("cannot save a deleted (donated) jax.Array")
@@ -89,7 +125,11 @@ def array_source(arr: jax.Array) -> ArraySource:
     for region, shard in chosen.items():
         data = shard.data
         shards.append(Shard(region, functools.partial(_fetch, data), data.copy_to_host_async))
-    return ArraySource(shape, dtype, shards, sharding_info(arr.sharding, len(shape)))
+    layout = layout_of(arr.sharding, shape)
+    if layout is not None and {r for r, _ in layout.pieces_of(jax.process_index())} != \
+            {r for r in chosen if not r.is_empty()}:
+        layout = None  # the mesh does not say what this process holds: describe its regions instead
+    return ArraySource(shape, dtype, shards, sharding_info(arr.sharding, len(shape)), layout)
 
 
 def sharded_target(shape: Sequence[int], dtype: Any, sharding: Sharding) -> ArrayTarget:

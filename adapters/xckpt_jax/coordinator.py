@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 
@@ -71,11 +71,11 @@ class JaxCoordinator:
             raise CoordinationError(f"process {self._rank} timed out or failed waiting for {key!r} "
                                     f"from another process: {exc}") from exc
 
-    def _forget_older(self, keep: str | None = None) -> None:
-        """Delete this process's keys of earlier operations: every process is past them."""
+    def _forget_older(self, keep: str | None = None, only: str | None = None) -> None:
+        """Delete this process's keys of earlier operations (of kind ``only``): every process is past them."""
         with _sequence_lock:
-            stale = [k for k in _own_keys if k != keep]
-            _own_keys[:] = [keep] if keep is not None else []
+            stale = [k for k in _own_keys if k != keep and (only is None or k.startswith(f"xckpt/{only}/"))]
+            _own_keys[:] = [k for k in _own_keys if k not in stale]
         for key in stale:
             try:
                 self._client.key_value_delete(key)
@@ -96,6 +96,33 @@ class JaxCoordinator:
         self._forget_older(keep=own)
         return out
 
+    def gather_bytes(self, data: bytes, root: int = 0) -> list[bytes] | None:
+        """Every process's ``data`` on process ``root`` (None elsewhere)."""
+        base = self._op("gather1")
+        own = f"{base}/{self._rank}"
+        if self._rank != root:
+            self._client.key_value_set_bytes(own, bytes(data))
+            self._remember(own)
+            return None
+        out = [bytes(data) if r == root else self._get(f"{base}/{r}") for r in range(self._world)]
+        self._forget_older()  # every process has reached this gather: past all earlier operations
+        return out
+
+    def scatter_bytes(self, items: Sequence[bytes] | None, root: int = 0) -> bytes:
+        """``items[rank]`` of process ``root``, on each process."""
+        base = self._op("scatter")
+        if self._rank == root:
+            assert items is not None
+            for r, b in enumerate(items):
+                if r != root:
+                    self._client.key_value_set_bytes(f"{base}/{r}", bytes(b))
+                    self._remember(f"{base}/{r}")
+            return bytes(items[root])
+        out = self._get(f"{base}/{self._rank}")
+        if root == 0:
+            self._forget_older(only="gather1")  # the root read this process's earlier keys before it answered
+        return out
+
     def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
         """``data`` of process ``root``, on every process."""
         key = f"{self._op('bcast')}/{root}"
@@ -105,7 +132,10 @@ class JaxCoordinator:
             self._client.key_value_set_bytes(key, bytes(data))
             self._remember(key)
             return bytes(data)
-        return self._get(key)
+        out = self._get(key)
+        if root == 0:
+            self._forget_older(only="gather1")  # the root read this process's earlier keys before it sent this
+        return out
 
     def barrier(self) -> None:
         """Return once every process has called it."""

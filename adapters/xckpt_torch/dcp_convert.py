@@ -28,18 +28,17 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, WriteItem
 
-from xckpt.format import dtypes as xdtypes
-from xckpt.engine import storage
-from xckpt.convert import LazySource, register_converter
 from xckpt.engine.collective import LocalCoordinator
+from xckpt.engine.commit import SaveOptions, publish, temporary_sibling
+from xckpt.engine.copy import LazySource, read_region
+from xckpt.engine.protocol import save
+from xckpt.engine.storage import Location
 from xckpt.errors import SaveError, UnsupportedError, XckptError
 from xckpt.format.manifest import ArrayEntry
-from xckpt.sources.native import open_checkpoint
-from xckpt.engine.regions import Region
-from xckpt.registry import Shard
-from xckpt.save import save
-from xckpt.engine.storage import Location
+from xckpt.format.regions import Region
 from xckpt.format.tree import unflatten
+from xckpt.registry import Shard
+from xckpt.sources.detect import open_checkpoint
 
 from .dcp_tree import as_leaf, insert, key_of, listify
 from .tensors import from_numpy, logical_dtype, to_host, torch_dtype
@@ -110,8 +109,8 @@ def dcp_to_xckpt(src: str, dst: str, *, overwrite: bool = False) -> None:
         else:
             raise UnsupportedError(f"unknown DCP storage metadata {type(smd).__name__}", leaf=fqn)
         insert(tree, key_of(fqn, mappings), leaf)
-    save(listify(tree), dst, coordinator=LocalCoordinator(), overwrite=overwrite,
-         metadata={"converted_from": "torch.distributed.checkpoint"})
+    save(listify(tree), dst, coordinator=LocalCoordinator(),
+         options=SaveOptions(overwrite=overwrite, metadata={"converted_from": "torch.distributed.checkpoint"}))
 
 
 class _LazyXckptPlanner(DefaultSavePlanner):
@@ -133,6 +132,13 @@ class _LazyXckptPlanner(DefaultSavePlanner):
 def xckpt_to_dcp(src: str, dst: str, *, overwrite: bool = False) -> None:
     """Convert the xckpt (or Orbax) checkpoint at ``src`` into a DCP checkpoint directory ``dst``."""
     ckpt = open_checkpoint(src)
+    try:
+        _to_dcp(ckpt, dst, overwrite)
+    finally:
+        ckpt.close()
+
+
+def _to_dcp(ckpt: Any, dst: str, overwrite: bool) -> None:
     m = ckpt.manifest
     final = Location.of(dst)
     if not final.is_local:
@@ -155,19 +161,17 @@ def xckpt_to_dcp(src: str, dst: str, *, overwrite: bool = False) -> None:
         state = {"state": state}
 
     def read(e: ArrayEntry) -> torch.Tensor:
-        arr = ckpt.open_array(e).result().read().result()
-        arr = arr.view(xdtypes.numpy_dtype(e.dtype)) if xdtypes.is_raw(e.dtype) else arr
-        return from_numpy(arr, e.dtype)
+        return from_numpy(read_region(ckpt, e, Region.full(e.shape)), e.dtype)
 
-    tmp = storage.temporary_sibling(final)
+    tmp = temporary_sibling(final)
     try:
         dcp.save(state, storage_writer=FileSystemWriter(tmp.local_path, single_file_per_rank=False),
                  planner=_LazyXckptPlanner(entries, read), no_dist=True)
-        storage.publish(tmp, final, overwrite=overwrite)
+        publish(tmp, final, overwrite=overwrite)
     except BaseException:
         shutil.rmtree(tmp.local_path, ignore_errors=True)
         raise
 
 
-register_converter("dcp", "xckpt", dcp_to_xckpt)
-register_converter("xckpt", "dcp", xckpt_to_dcp)
+#: The converters this module offers (entry point ``xckpt.converters``: ``dcp``).
+CONVERTERS = {("dcp", "xckpt"): dcp_to_xckpt, ("xckpt", "dcp"): xckpt_to_dcp}

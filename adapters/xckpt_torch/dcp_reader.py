@@ -9,7 +9,6 @@ it needs, read through TensorStore's inner chunks; containers of values only
 from __future__ import annotations
 
 import os
-from collections import deque
 from typing import Any, Iterable
 
 import numpy as np
@@ -26,17 +25,19 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from xckpt.format import dtypes as xdtypes
+from xckpt.engine.read import ReadRequest
+from xckpt.engine.write import MAX_INFLIGHT_BYTES
 from xckpt.errors import KeyMismatchError, ShapeError, UnsupportedError, XckptError
+from xckpt.format import dtypes as xdtypes
 from xckpt.format.manifest import ArrayEntry, ValueEntry
-from xckpt.sources.native import Checkpoint, open_checkpoint, translate
-from xckpt.engine.regions import Region
-from xckpt.save import MAX_INFLIGHT_BYTES
+from xckpt.format.regions import Region
 from xckpt.format.tree import iter_nodes, key_str, unflatten
+from xckpt.sources.base import Source
+from xckpt.sources.detect import open_checkpoint
 
 from .dcp_planners import deliver_value
 from .dcp_tree import fqn_of
-from .tensors import copy_into, torch_dtype
+from .tensors import copy_into, cpu_view, logical_dtype, torch_dtype
 
 
 class XckptStorageReader(StorageReader):
@@ -50,7 +51,7 @@ class XckptStorageReader(StorageReader):
                  max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> None:
         self.path = path
         self.max_inflight_bytes = max_inflight_bytes
-        self._ckpt: Checkpoint | None = None
+        self._ckpt: Source | None = None
         self._fqns: dict[str, tuple[Any, ...]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -60,7 +61,7 @@ class XckptStorageReader(StorageReader):
         self._ckpt = None
         self._fqns = {}
 
-    def _open(self) -> Checkpoint:
+    def _open(self) -> Source:
         if self._ckpt is None:
             if self.path is None:
                 raise XckptError("XckptStorageReader has no path: pass one or a checkpoint_id")
@@ -146,43 +147,41 @@ class XckptStorageReader(StorageReader):
         done.set_result(None)
         return done
 
-    def _read_tensors(self, ckpt: Checkpoint, items: Iterable[tuple[ReadItem, ArrayEntry]],
+    def _read_tensors(self, ckpt: Source, items: Iterable[tuple[ReadItem, ArrayEntry]],
                       planner: LoadPlanner) -> None:
-        opened: dict[str, Any] = {}
-        pending: deque[tuple[ReadItem, ArrayEntry, Region, Any]] = deque()
+        """Read each item's box straight into its CPU tensor; others through host buffers, a bounded
+        number of bytes at a time."""
+        batch: list[tuple[ReadItem, ArrayEntry, Region, torch.Tensor, np.ndarray, bool]] = []
         held = 0
 
-        def complete(item: ReadItem, e: ArrayEntry, region: Region, fut: Any) -> None:
-            try:
-                raw = np.empty(region.sizes, xdtypes.numpy_dtype(e.storage_dtype)) if fut is None else fut.result()
-            except Exception as exc:  # noqa: BLE001 - translated to a specific xckpt error
-                raise translate(exc, e, str(ckpt.loc.child(e.path))) from exc
-            arr = raw.view(xdtypes.numpy_dtype(e.dtype)) if xdtypes.is_raw(e.dtype) else raw
-            target = planner.resolve_tensor(item).detach()
-            copy_into(target, arr)
-            planner.commit_tensor(item, target)
+        def flush() -> None:
+            ckpt.read([ReadRequest(e, r, out) for _, e, r, _, out, _ in batch])
+            for item, e, _, target, out, direct in batch:
+                if not direct:
+                    arr = out.view(xdtypes.numpy_dtype(e.dtype)) if xdtypes.is_raw(e.dtype) else out
+                    copy_into(target, arr)
+                planner.commit_tensor(item, target)
+            batch.clear()
 
         for item, e in items:
             region = Region(tuple(int(o) for o in item.storage_offsets), tuple(int(n) for n in item.lengths))
             if not region.within(e.shape):
                 raise ShapeError(f"read of {region.offsets}+{region.sizes} lies outside shape {list(e.shape)}",
                                  leaf=key_str(e.key))
-            fut = None
-            if not region.is_empty():
-                try:
-                    if e.path not in opened:
-                        opened[e.path] = ckpt.open_array(e).result()
-                    fut = opened[e.path][region.slices()].read()
-                except Exception as exc:  # noqa: BLE001
-                    raise translate(exc, e, str(ckpt.loc.child(e.path))) from exc
-            pending.append((item, e, region, fut))
-            held += region.numel * xdtypes.itemsize(e.dtype)
-            while held > self.max_inflight_bytes and len(pending) > 1:
-                done = pending.popleft()
-                held -= done[2].numel * xdtypes.itemsize(done[1].dtype)
-                complete(*done)
-        for done in pending:
-            complete(*done)
+            target = planner.resolve_tensor(item).detach()
+            direct = target.device.type == "cpu" and tuple(target.shape) == region.sizes and \
+                logical_dtype(target.dtype) == e.dtype
+            if direct:
+                view = cpu_view(target)
+                out = view.view(xdtypes.numpy_dtype(e.storage_dtype)) if xdtypes.is_raw(e.dtype) else view
+            else:
+                out = np.empty(region.sizes, dtype=xdtypes.numpy_dtype(e.storage_dtype))
+                held += out.nbytes
+            batch.append((item, e, region, target, out, direct))
+            if held > self.max_inflight_bytes:
+                flush()
+                held = 0
+        flush()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -1,97 +1,93 @@
 """Plain tensors and DTensors as xckpt sources (what to save) and targets (what to load into).
 
-A DTensor's local tensor is described as one or more boxes of the global tensor:
-each ``Shard``-like placement narrows the list of global indices a rank holds
-along one tensor dimension (``torch.chunk`` splits, several mesh dimensions on one
-tensor dimension, ``_StridedShard`` of FSDP2 + TP); every maximal run of
-consecutive indices becomes a box. The usual placements give one box, the local
-tensor itself, fetched zero-copy. Replicas are listed by every rank that holds
-them; the core planner keeps one writer per distinct box. Nothing is gathered.
+A DTensor is described by its :class:`~xckpt.engine.layout.MeshLayout`: the device
+mesh's ranks and one placement per mesh dimension (``torch.chunk`` splits, several mesh
+dimensions on one tensor dimension, ``_StridedShard`` of FSDP2 + TP). From it every
+rank knows what every rank holds, so planning a save sends no per-shard messages; its
+local tensor is one or more boxes of the global tensor (the usual placements give one
+box, the local tensor itself, fetched zero-copy). Of each box's holders one writes it.
+Loads read each box straight into the local tensor. Nothing is gathered.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard as TShard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from xckpt.engine.layout import Mesh, MeshLayout, mesh, mesh_layout
 from xckpt.errors import UnsupportedError, XckptError
-from xckpt.engine.regions import Region
+from xckpt.format.regions import Region
 from xckpt.registry import ArraySource, ArrayTarget, Shard
 
-from .tensors import copy_into, from_numpy, logical_dtype, to_host, torch_dtype
+from .tensors import copy_into, cpu_view, from_numpy, logical_dtype, to_host, torch_dtype
 
 
-@dataclass(frozen=True)
-class Piece:
-    """One box of the global tensor held locally: where it is globally and locally."""
-
-    region: Region
-    local: tuple[slice, ...]
+_meshes: dict[int, tuple[Any, Mesh]] = {}
 
 
-def _runs(indices: np.ndarray) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive indices: ``(global_start, local_start, length)``."""
-    if indices.size == 0:
-        return []
-    breaks = np.nonzero(np.diff(indices) != 1)[0] + 1
-    starts = np.concatenate([[0], breaks])
-    ends = np.concatenate([breaks, [indices.size]])
-    return [(int(indices[s]), int(s), int(e - s)) for s, e in zip(starts, ends)]
+def _mesh(device_mesh: Any) -> Mesh:
+    """The engine's mesh of a DeviceMesh (global ranks), built once per DeviceMesh."""
+    hit = _meshes.get(id(device_mesh))
+    if hit is None or hit[0] is not device_mesh:
+        ranks = device_mesh.mesh
+        hit = _meshes[id(device_mesh)] = (device_mesh, mesh(tuple(int(n) for n in ranks.shape),
+                                                            tuple(int(r) for r in ranks.reshape(-1).tolist())))
+    return hit[1]
 
 
-def local_indices(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
-                  placements: Sequence[Any]) -> list[np.ndarray | None]:
-    """Per tensor dimension, the global indices this mesh coordinate holds (None: all of them)."""
-    idx: list[np.ndarray | None] = [None] * len(shape)
-    for mesh_dim, p in enumerate(placements):
-        if isinstance(p, Replicate):
-            continue
-        if isinstance(p, _StridedShard):
-            d = p.dim
-            current = idx[d] if idx[d] is not None else np.arange(shape[d])
-            from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
-            size, offs = p.local_shard_size_and_offset(len(current), mesh_shape[mesh_dim], coord[mesh_dim],
-                                                        _StridedShardOffsetMode.ALL)
-            local = np.asarray(offs if size else [], dtype=np.int64)
-        elif isinstance(p, TShard):
-            d = p.dim
-            current = idx[d] if idx[d] is not None else np.arange(shape[d])
-            size, off = TShard.local_shard_size_and_offset(len(current), mesh_shape[mesh_dim], coord[mesh_dim])
-            local = np.arange(int(off), int(off) + int(size), dtype=np.int64) if size else np.zeros(0, np.int64)
-        else:
-            raise UnsupportedError(f"cannot save a DTensor with placement {p} (reduce Partial placements "
-                                   "first, e.g. redistribute to Replicate or Shard)", code="dtensor.placement")
-        idx[d] = current[local]
-    return idx
+def placement(p: Any) -> tuple[Any, ...]:
+    """The engine's form of a DTensor placement."""
+    if isinstance(p, Replicate):
+        return ("R",)
+    if isinstance(p, _StridedShard):
+        return ("SS", int(p.dim), int(p.split_factor))
+    if isinstance(p, TShard):
+        return ("S", int(p.dim))
+    raise UnsupportedError(f"cannot save a DTensor with placement {p} (reduce Partial placements "
+                           "first, e.g. redistribute to Replicate or Shard)", code="dtensor.placement")
 
 
-def local_pieces(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int] | None,
-                 placements: Sequence[Any]) -> list[Piece]:
-    """The boxes of the global tensor held at ``coord`` (none when this rank is outside the mesh)."""
-    shape = tuple(int(s) for s in shape)
+def layout_of(d: DTensor) -> tuple[MeshLayout, tuple[int, ...] | None]:
+    """How a DTensor lies over the ranks, and this rank's position in its mesh (None: outside it)."""
+    coord = d.device_mesh.get_coordinate()
+    lay = mesh_layout(tuple(int(n) for n in d.shape), _mesh(d.device_mesh),
+                      tuple(placement(p) for p in d.placements))
+    return lay, None if coord is None else tuple(int(c) for c in coord)
+
+
+def dtensor_pieces(d: DTensor) -> tuple[MeshLayout, list[tuple[Region, tuple[slice, ...]]], torch.Tensor]:
+    """A DTensor's layout, its local boxes and its local tensor (detached), checked against each other."""
+    lay, coord = layout_of(d)
+    local = d.to_local().detach()
     if coord is None:
-        return []
-    per_dim: list[list[tuple[int, int, int]]] = []
-    for d, ind in enumerate(local_indices(shape, mesh_shape, coord, placements)):
-        runs = [(0, 0, shape[d])] if ind is None else _runs(ind)
-        if not runs or runs == [(0, 0, 0)]:
-            runs = [(0, 0, 0)]
-        per_dim.append(runs)
-    pieces = []
-    for combo in itertools.product(*per_dim):
-        region = Region(tuple(g for g, _, _ in combo), tuple(n for _, _, n in combo))
-        pieces.append(Piece(region, tuple(slice(lo, lo + n) for _, lo, n in combo)))
-    return pieces
+        return lay, [], local
+    pieces = lay.pieces(coord)
+    expect = lay.local_shape(coord)
+    if expect != tuple(local.shape) and pieces:
+        raise UnsupportedError(f"DTensor local tensor has shape {tuple(local.shape)} but placements "
+                               f"{list(d.placements)} give {expect} (padded local tensors are not supported)",
+                               code="dtensor.local_shape")
+    return lay, pieces, local
+
+
+_infos: dict[tuple[int, tuple[Any, ...], int], tuple[Any, dict[str, Any]]] = {}
 
 
 def _mesh_info(d: DTensor) -> dict[str, Any]:
+    """What the manifest records of a DTensor's sharding (one shared dict per mesh and placements)."""
+    key = (id(d.device_mesh), tuple(d.placements), d.ndim)
+    hit = _infos.get(key)
+    if hit is None or hit[0] is not d.device_mesh:
+        hit = _infos[key] = (d.device_mesh, _describe(d))
+    return hit[1]
+
+
+def _describe(d: DTensor) -> dict[str, Any]:
     mesh = d.device_mesh
     names = list(mesh.mesh_dim_names) if mesh.mesh_dim_names else [f"dim{i}" for i in range(mesh.ndim)]
     dim_axes: list[list[str]] = [[] for _ in range(d.ndim)]
@@ -101,20 +97,6 @@ def _mesh_info(d: DTensor) -> dict[str, Any]:
     return {"framework": "torch", "framework_version": torch.__version__, "mesh_shape": list(mesh.shape), "axis_names": names,
             "dim_axes": dim_axes, "placements": [repr(p) for p in d.placements],
             "device_type": mesh.device_type}
-
-
-def dtensor_pieces(d: DTensor) -> tuple[list[Piece], torch.Tensor]:
-    """The local boxes of a DTensor and its local tensor (detached), checked against each other."""
-    mesh = d.device_mesh
-    local = d.to_local().detach()
-    pieces = local_pieces(tuple(d.shape), tuple(mesh.shape), mesh.get_coordinate(), d.placements)
-    if pieces:
-        expect = tuple(max(s.stop for s in col) if col else 0 for col in zip(*[p.local for p in pieces]))
-        if expect != tuple(local.shape):
-            raise UnsupportedError(f"DTensor local tensor has shape {tuple(local.shape)} but placements "
-                                   f"{list(d.placements)} give {expect} (padded local tensors are not supported)",
-                                   code="dtensor.local_shape")
-    return pieces, local
 
 
 def _check_device(t: torch.Tensor) -> None:
@@ -138,11 +120,11 @@ def _xckpt_errors(fn: Any) -> Any:
 
 @_xckpt_errors
 def dtensor_source(d: DTensor) -> ArraySource:
-    """Save a DTensor: this rank's boxes of it, replicas included (the planner picks one writer)."""
+    """Save a DTensor: this rank's boxes of it and its layout (each box is written by one of its holders)."""
     _check_device(d)
-    pieces, local = dtensor_pieces(d)
-    shards = [Shard(p.region, lambda sl=p.local: to_host(local[sl])) for p in pieces]
-    return ArraySource(tuple(int(s) for s in d.shape), logical_dtype(d.dtype), shards, _mesh_info(d))
+    lay, pieces, local = dtensor_pieces(d)
+    shards = [Shard(region, lambda sl=sl: to_host(local[sl])) for region, sl in pieces]
+    return ArraySource(tuple(int(s) for s in d.shape), logical_dtype(d.dtype), shards, _mesh_info(d), lay)
 
 
 @_xckpt_errors
@@ -156,30 +138,38 @@ def tensor_source(t: torch.Tensor) -> ArraySource:
 
 
 def dtensor_target(like: DTensor, entry: Any) -> ArrayTarget:
-    """Load into a DTensor in place: read exactly this rank's boxes, copy them into its local tensor."""
-    pieces, local = dtensor_pieces(like)
+    """Load into a DTensor in place: read exactly this rank's boxes, straight into its local tensor
+    (on the CPU; other devices get a copy from the host)."""
+    _, pieces, local = dtensor_pieces(like)
+    on_host = local.device.type == "cpu"
 
     def build(parts: list[np.ndarray]) -> DTensor:
-        for p, arr in zip(pieces, parts):
-            copy_into(local[p.local], arr)
+        if not on_host:
+            for (_, sl), arr in zip(pieces, parts):
+                copy_into(local[sl], arr)
         return like
 
     return ArrayTarget(tuple(int(s) for s in like.shape), logical_dtype(like.dtype),
-                       [p.region for p in pieces], build)
+                       [region for region, _ in pieces], build,
+                       (lambda k: cpu_view(local[pieces[k][1]])) if on_host else None)
 
 
 def tensor_target(like: torch.Tensor, entry: Any) -> ArrayTarget:
-    """Load a whole array into a plain tensor in place (a new CPU tensor for a ``meta`` target)."""
+    """Load a whole array into a plain tensor in place (straight into it on the CPU; a new CPU
+    tensor for a ``meta`` target)."""
     shape = tuple(int(s) for s in like.shape)
     name = logical_dtype(like.dtype)
+    on_host = like.device.type == "cpu"
 
     def build(parts: list[np.ndarray]) -> torch.Tensor:
         if like.device.type == "meta":
             return from_numpy(parts[0], name).clone().requires_grad_(like.requires_grad)
-        copy_into(like, parts[0])
+        if not on_host:
+            copy_into(like, parts[0])
         return like
 
-    return ArrayTarget(shape, name, [Region.full(shape)], build)
+    return ArrayTarget(shape, name, [Region.full(shape)], build,
+                       (lambda k: cpu_view(like.detach())) if on_host else None)
 
 
 def is_dtensor(x: Any) -> bool:
@@ -192,5 +182,5 @@ def is_plain_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
 
 
-__all__ = ["Piece", "local_indices", "local_pieces", "dtensor_source", "tensor_source", "dtensor_target",
+__all__ = ["layout_of", "placement", "dtensor_pieces", "dtensor_source", "tensor_source", "dtensor_target",
            "tensor_target", "is_dtensor", "is_plain_tensor", "torch_dtype"]

@@ -18,8 +18,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from xckpt.engine.layout import mesh, mesh_layout
 from xckpt.errors import ShapeError
-from xckpt.engine.regions import Region
+from xckpt.format.regions import Region
 from xckpt.registry import ArraySource, ArrayTarget, Shard
 
 
@@ -39,12 +40,14 @@ class RankRow:
 
 
 def rank_row_source(row: RankRow) -> ArraySource:
-    """A ``(world, n)`` uint8 array of which this rank holds and writes row ``rank``."""
+    """A ``(world, n)`` uint8 array of which this rank holds and writes row ``rank``: one row per rank
+    of a 1-d mesh of every rank, so every rank describes it alike."""
     assert row.data is not None
     data = np.ascontiguousarray(row.data, dtype=np.uint8).reshape(1, -1)
     n = data.shape[1]
+    layout = mesh_layout((row.world, n), mesh((row.world,), tuple(range(row.world))), (("S", 0),))
     return ArraySource((row.world, n), "uint8", [Shard(Region((row.rank, 0), (1, n)), lambda: data)],
-                       {"framework": "torch", "per_rank": True})
+                       {"framework": "torch", "per_rank": True}, layout)
 
 
 def rank_row_target(row: RankRow, entry: Any) -> ArrayTarget:

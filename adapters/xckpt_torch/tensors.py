@@ -59,6 +59,16 @@ def cpu_to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.view(raw).numpy().view(xdtypes.numpy_dtype(name))
 
 
+def cpu_view(t: torch.Tensor) -> np.ndarray:
+    """A writable numpy view of a CPU tensor's memory, strides kept (nothing is copied)."""
+    t = t.detach()
+    name = logical_dtype(t.dtype)
+    raw = _RAW_VIEW.get(name)
+    if raw is None:
+        return t.numpy()
+    return t.view(raw).numpy().view(xdtypes.numpy_dtype(name))
+
+
 def to_host(t: torch.Tensor) -> np.ndarray:
     """The data of a tensor on any device as host numpy (zero-copy on CPU, staged on CUDA)."""
     if t.device.type == "cpu":

@@ -35,16 +35,19 @@ import threading
 from collections import namedtuple
 from typing import Any, Callable
 
-import google_crc32c
+import crc32c
 import ml_dtypes
 import numpy as np
 
-from xckpt.format import zarr as arrays, names as naming, values as xvalues
-from xckpt.save import SaveOptions, commit, prepare, write_local
-from xckpt.format.tree import Value
-from xckpt.engine.collective import LocalCoordinator
+from xckpt.engine.collective import LocalCoordinator, ThreadGroup
+from xckpt.engine.commit import SaveOptions
+from xckpt.engine import protocol
+from xckpt.engine.storage import Location
+from xckpt.engine.write import ChunkWriter
+from xckpt.format import names as naming, values as xvalues, zarr as arrays
 from xckpt.format.dtypes import logical_name
-from xckpt.engine.regions import Region
+from xckpt.format.regions import Region
+from xckpt.format.tree import Value
 from xckpt.registry import ArraySource, Shard, register_source
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -79,45 +82,8 @@ def _host_shards_source(x: HostShards) -> ArraySource:
 register_source(lambda x: isinstance(x, HostShards), _host_shards_source)
 
 
-class ThreadCoordinator:
-    """One rank of a group of threads that save together, as processes of a job would."""
-
-    def __init__(self, rank: int, group: "ThreadGroup") -> None:
-        self.rank, self.world_size, self._g = rank, group.size, group
-
-    def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        """Every rank's bytes, on every rank."""
-        g = self._g
-        g.slots[self.rank] = data
-        g.barrier.wait()
-        out = list(g.slots)
-        g.barrier.wait()
-        return out
-
-    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
-        """``root``'s bytes, on every rank."""
-        out = self.all_gather_bytes(data if self.rank == root else b"")
-        return out[root]
-
-    def barrier(self) -> None:
-        """Wait for every rank."""
-        self._g.barrier.wait()
-
-
-class ThreadGroup:
-    """Shared state of a :class:`ThreadCoordinator` group."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.slots: list[bytes] = [b""] * size
-        self.barrier = threading.Barrier(size)
-
-
 def _save_one(tree: Any, path: str, coord: Any, **options: Any) -> None:
-    opts = SaveOptions(producer=dict(PRODUCER), **options)
-    p = prepare(tree, path, coordinator=coord, options=opts)
-    write_local(p)
-    commit(p)
+    protocol.save(tree, path, coordinator=coord, options=SaveOptions(producer=dict(PRODUCER), **options))
 
 
 def _normalise(path: str) -> None:
@@ -142,7 +108,7 @@ def save_ranks(trees: list[Any], path: str, **options: Any) -> None:
 
     def run(rank: int) -> None:
         try:
-            _save_one(trees[rank], path, ThreadCoordinator(rank, group), **options)
+            _save_one(trees[rank], path, group.coordinator(rank), **options)
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
             group.barrier.abort()
@@ -327,9 +293,22 @@ def valid_zstd(path: str) -> tuple[Any, str]:
     return _plain(tree), "compression 'zstd': inner codecs bytes, zstd, crc32c; 2 shards of 2 inner chunks each"
 
 
+def valid_segmented(path: str) -> tuple[Any, str]:
+    """Format 1.1: a leaf split unevenly twice over (a (2, 2) mesh on one dimension) stored as segments."""
+    e = (np.arange(26 * 3, dtype=np.float32) - 10).reshape(26, 3)
+    rows = [(0, 7), (7, 6), (13, 7), (20, 6)]  # torch.chunk(26, 2), then each half torch.chunk(13, 2)
+    trees = [{"emb": HostShards(e, [Region((o, 0), (n, 3))], {"framework": "conformance",
+                                                             "placements": ["Shard(0)", "Shard(0)"]})}
+             for o, n in rows]
+    save_ranks(trees, path)
+    return _plain(trees[0]), ("saved by 4 ranks holding 7, 6, 7 and 6 rows of 'emb' (26 x 3): the common grid "
+                              "would be 26 one-row objects, so the leaf is a Zarr group of two segment arrays "
+                              "(rows 0-12 and 13-25, chunks of 7 rows), one object per shard")
+
+
 VALID: dict[str, Callable[[str], tuple[Any, str]]] = {
     "dtypes": valid_dtypes, "nested_values": valid_nested_values, "empty_and_scalar": valid_empty_and_scalar,
-    "sharded": valid_sharded, "zstd": valid_zstd,
+    "sharded": valid_sharded, "zstd": valid_zstd, "segmented": valid_segmented,
 }
 
 
@@ -376,7 +355,7 @@ def edit_index(path: str, name: str, n_inner: int, fn: Callable[[list[list[int]]
     pairs = np.frombuffer(bytes(data[start:-4]), dtype="<u8").reshape(-1, 2).tolist()
     fn(pairs)
     body = np.array(pairs, dtype="<u8").tobytes()
-    crc = google_crc32c.value(body) if fix_crc else int.from_bytes(data[-4:], "little")
+    crc = crc32c.crc32c(body) if fix_crc else int.from_bytes(data[-4:], "little")
     data[start:] = body + crc.to_bytes(4, "little")
     write(path, name, bytes(data))
 
@@ -387,7 +366,7 @@ def rewrite_values(path: str, fn: Callable[[dict[int, Any]], None]) -> None:
     fn(vals)
     blob = xvalues.encode(vals)
     write(path, naming.VALUES, blob)
-    edit_manifest(path, lambda m: m["values"].update(size=len(blob), crc32c=google_crc32c.value(blob)))
+    edit_manifest(path, lambda m: m["values"].update(size=len(blob), crc32c=crc32c.crc32c(blob)))
 
 
 def flip(path: str, name: str, offset: int) -> None:
@@ -417,6 +396,12 @@ def _zarr_json(p: str, array: str, fn: Callable[[dict[str, Any]], None]) -> None
 
 def _swap_keys(m: dict[str, Any]) -> None:
     m["leaves"][0]["key"], m["leaves"][1]["key"] = m["leaves"][1]["key"], m["leaves"][0]["key"]
+
+
+def _half_segment(m: dict[str, Any]) -> None:
+    w = leaf(m, ["w"])
+    w["segments"] = [{"path": "0", "offset": [0, 0], "shape": [2, 4], "chunk_shape": w.pop("chunk_shape"),
+                      "inner_chunk_shape": w.pop("inner_chunk_shape")}]
 
 
 def _second_leaf_shares_path(m: dict[str, Any]) -> None:
@@ -466,7 +451,7 @@ INVALID: dict[str, Invalid] = {
                             lambda p: write(p, naming.MANIFEST, b"[]\n")),
     "wrong_format": ("manifest.format", False, True, "format is 'zarr', not 'xckpt'",
                      lambda p: edit_manifest(p, lambda m: m.update(format="zarr"))),
-    "unknown_version": ("manifest.version", False, True, "version '2.0', which a 1.0 reader must refuse",
+    "unknown_version": ("manifest.version", False, True, "version '2.0', which a 1.0/1.1 reader must refuse",
                         lambda p: edit_manifest(p, lambda m: m.update(version="2.0"))),
     "schema_unknown_field": ("manifest.schema", False, True, "a leaf entry has a field the schema does not allow",
                              lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(order="F"))),
@@ -474,6 +459,10 @@ INVALID: dict[str, Invalid] = {
                            lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(compression="lz4"))),
     "schema_missing_leaves": ("manifest.schema", False, True, "the required 'leaves' field is missing",
                               lambda p: edit_manifest(p, lambda m: m.pop("leaves"))),
+    "schema_float_integer": ("manifest.schema", False, True, "a shape of [4.0, 4]: 4.0 is a JSON number, not an "
+                             "integer", lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(shape=[4.0, 4]))),
+    "segments_gap": ("shape.segments", False, True, "format 1.1 segments that cover only half of the leaf",
+                     lambda p: edit_manifest(p, _half_segment)),
     "shape_2e60_elements": ("shape.too_large", False, True,
                             "shape [2**30, 2**30]: 2**60 elements, beyond the 2**53 limit; a reader must refuse "
                             "it before allocating anything",
@@ -531,7 +520,7 @@ INVALID: dict[str, Invalid] = {
     "values_undecodable": ("values.invalid", False, True, "values.msgpack is not msgpack (size and crc updated)",
                            lambda p: (write(p, naming.VALUES, b"\xc1"),
                                       edit_manifest(p, lambda m: m["values"].update(
-                                          size=1, crc32c=google_crc32c.value(b"\xc1"))))),
+                                          size=1, crc32c=crc32c.crc32c(b"\xc1"))))),
     "values_leaf_missing": ("values.missing", False, True, "values.msgpack lacks the value of one leaf",
                             lambda p: rewrite_values(p, lambda v: v.pop(2))),
     "chunk_missing": ("chunk.missing", False, True, "shard object w/c/1/0 removed",
@@ -544,12 +533,12 @@ INVALID: dict[str, Invalid] = {
     "index_out_of_bounds": ("chunk.truncated", False, True,
                             "the shard index (crc32c valid) points past the end of the object",
                             lambda p: edit_index(p, "w/c/0/0", 2, _index_past_end)),
-    "index_overlap": ("chunk.overlap", False, False, "two entries of a shard index point at the same bytes",
+    "index_overlap": ("chunk.overlap", False, True, "two entries of a shard index point at the same bytes",
                       lambda p: edit_index(p, "w/c/0/0", 2, _index_overlap)),
     "inner_chunk_short": ("chunk.truncated", False, True,
                           "an uncompressed inner chunk 4 bytes shorter than its element count times itemsize + 4",
                           lambda p: edit_index(p, "w/c/0/0", 2, _index_short)),
-    "inner_chunk_long": ("chunk.size", False, False,
+    "inner_chunk_long": ("chunk.size", False, True,
                          "an uncompressed inner chunk 4 bytes longer than its element count times itemsize + 4 "
                          "(TensorStore decodes its first bytes and ignores the rest)",
                          lambda p: edit_index(p, "w/c/1/0", 2, _index_long)),
@@ -593,9 +582,10 @@ INVALID: dict[str, Invalid] = {
 
 
 def _rewrite_mirror(p: str, name: str, value: np.generic) -> None:
-    from xckpt.engine.storage import Location
     meta = arrays.zarr_metadata([], str(value.dtype), [], [])
-    arrays.open_for_write(Location.of(p), name, meta).write(np.asarray(value)).result()
+    with ChunkWriter(Location.of(p).store()) as w:
+        w.file(f"{name}/zarr.json", arrays.encode_metadata(meta))
+        w.chunk(f"{name}/c", arrays.geometry(str(value.dtype), (), (), "none"), np.asarray(value), name)
 
 
 # --------------------------------------------------------------------------- driver

@@ -1,20 +1,33 @@
-"""How processes taking part in one save or load talk to each other.
+"""How the processes of one save talk: a :class:`Coordinator`, and one helper per kind of collective step.
 
-The engine never starts a distributed runtime. Adapters implement
-:class:`Coordinator` with theirs (``torch.distributed``, ``jax.distributed``);
-everything exchanged is msgpack bytes, so nothing is ever unpickled.
+The engine never starts a distributed runtime. Adapters implement :class:`Coordinator`
+with theirs (``torch.distributed``, ``jax.distributed``); everything exchanged is msgpack
+bytes, so nothing is ever unpickled.
+
+A collective step runs a function on every process and always reaches the exchange,
+whatever the function raised: :func:`gather_step` brings every process's result to the
+coordinating process, :func:`answer_step` sends each process the coordinating process's
+answer, :func:`agree_step` tells every process whether all succeeded. When any process
+failed, every process raises one :class:`~xckpt.errors.CollectiveError` that lists every
+failing rank with its error, so no process waits forever and no failure is hidden.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+import threading
+from typing import Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
 
 import msgpack
+
+from xckpt.errors import CollectiveError, XckptError
+
+T = TypeVar("T")
+ROOT = 0
 
 
 @runtime_checkable
 class Coordinator(Protocol):
-    """Collective operations over the processes of one job."""
+    """Collective operations over the processes of one job (every process calls each one)."""
 
     @property
     def rank(self) -> int:
@@ -29,6 +42,12 @@ class Coordinator(Protocol):
 
     def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
         """``data`` of process ``root``, on every process."""
+
+    def gather_bytes(self, data: bytes, root: int = 0) -> list[bytes] | None:
+        """Every process's ``data``, indexed by rank, on ``root`` (None elsewhere)."""
+
+    def scatter_bytes(self, items: Sequence[bytes] | None, root: int = 0) -> bytes:
+        """``items[rank]`` of process ``root``, on each process."""
 
     def barrier(self) -> None:
         """Return once every process has called it."""
@@ -49,8 +68,72 @@ class LocalCoordinator:
         assert data is not None
         return data
 
+    def gather_bytes(self, data: bytes, root: int = 0) -> list[bytes] | None:
+        """One process: a list of its own data."""
+        return [data]
+
+    def scatter_bytes(self, items: Sequence[bytes] | None, root: int = 0) -> bytes:
+        """One process: its own item."""
+        assert items is not None
+        return items[0]
+
     def barrier(self) -> None:
         """One process: nothing to wait for."""
+
+
+class ThreadGroup:
+    """Processes simulated by threads of one process: ``coordinator(rank)`` is one of them.
+
+    For running the collective protocol in one process (tests, the conformance vectors);
+    every exchange goes through shared slots and a barrier, as bytes.
+    """
+
+    def __init__(self, size: int, timeout: float = 120.0) -> None:
+        self.size = size
+        self.slots: list[Any] = [None] * size
+        self.barrier = threading.Barrier(size, timeout=timeout)
+
+    def coordinator(self, rank: int) -> "ThreadCoordinator":
+        """The coordinator of simulated process ``rank``."""
+        return ThreadCoordinator(self, rank)
+
+
+class ThreadCoordinator:
+    """One simulated process of a :class:`ThreadGroup`."""
+
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        self._g = group
+        self.rank = rank
+        self.world_size = group.size
+
+    def _exchange(self, data: Any) -> list[Any]:
+        self._g.barrier.wait()
+        self._g.slots[self.rank] = data
+        self._g.barrier.wait()
+        out = list(self._g.slots)
+        self._g.barrier.wait()
+        return out
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every thread's data."""
+        return self._exchange(bytes(data))
+
+    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
+        """Root's data."""
+        return self._exchange(data if self.rank == root else None)[root]
+
+    def gather_bytes(self, data: bytes, root: int = 0) -> list[bytes] | None:
+        """Every thread's data, on ``root``."""
+        out = self._exchange(bytes(data))
+        return out if self.rank == root else None
+
+    def scatter_bytes(self, items: Sequence[bytes] | None, root: int = 0) -> bytes:
+        """``items[rank]`` of ``root``."""
+        return self._exchange(list(items) if self.rank == root else None)[root][self.rank]
+
+    def barrier(self) -> None:
+        """Wait for every thread."""
+        self._g.barrier.wait()
 
 
 def pack(obj: Any) -> bytes:
@@ -64,10 +147,105 @@ def unpack(data: bytes) -> Any:
 
 
 def all_gather(coord: Coordinator, obj: Any) -> list[Any]:
-    """Gather a plain object from every process."""
+    """Gather a plain object from every process, on every process."""
     return [unpack(b) for b in coord.all_gather_bytes(pack(obj))]
 
 
-def broadcast(coord: Coordinator, obj: Any, root: int = 0) -> Any:
+def broadcast(coord: Coordinator, obj: Any, root: int = ROOT) -> Any:
     """Broadcast a plain object from ``root``."""
     return unpack(coord.broadcast_bytes(pack(obj) if coord.rank == root else None, root))
+
+
+def describe(exc: BaseException) -> dict[str, Any]:
+    """A msgpack-able account of an exception: its type, code, message, file and leaf."""
+    if isinstance(exc, CollectiveError):
+        return {"type": type(exc).__name__, "code": exc.code, "message": exc.message, "file": exc.file,
+                "leaf": exc.leaf, "failures": {str(r): f for r, f in exc.failures.items()}}
+    if isinstance(exc, XckptError):
+        return {"type": type(exc).__name__, "code": exc.code, "message": exc.message, "file": exc.file,
+                "leaf": exc.leaf}
+    return {"type": type(exc).__name__, "code": "error", "message": str(exc) or type(exc).__name__,
+            "file": None, "leaf": None}
+
+
+def _raise(what: str, failures: dict[int, dict[str, Any]], local: BaseException | None, world: int) -> None:
+    if world == 1 and local is not None:
+        if isinstance(local, XckptError):
+            raise local
+        raise CollectiveError(what, failures) from local
+    raise CollectiveError(what, failures) from local
+
+
+def _run(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - every process must reach the exchange
+        return None, exc
+
+
+def gather_step(coord: Coordinator, what: str, fn: Callable[[], Any]) -> list[Any] | None:
+    """Run ``fn`` everywhere; the coordinating process gets every result (others get None).
+
+    Raises :class:`~xckpt.errors.CollectiveError` on every process when ``fn`` failed anywhere.
+    """
+    result, local = _run(fn)
+    sent = {"ok": result} if local is None else {"error": describe(local)}
+    got = coord.gather_bytes(pack(sent), ROOT)
+    failures: dict[int, dict[str, Any]] = {}
+    results: list[Any] | None = None
+    if got is not None:
+        items = [unpack(b) for b in got]
+        failures = {r: x["error"] for r, x in enumerate(items) if "error" in x}
+        results = [x.get("ok") for x in items]
+    failures = {int(r): f for r, f in broadcast(coord, {str(r): f for r, f in failures.items()}).items()}
+    if failures:
+        _raise(what, failures, local, coord.world_size)
+    return results
+
+
+def answer_step(coord: Coordinator, what: str, fn: Callable[[], Sequence[Any]] | None) -> Any:
+    """The coordinating process runs ``fn`` (one answer per rank, the same object packed once
+    where ranks share it); each process gets its own answer.
+
+    When ``fn`` raises, every process raises a :class:`~xckpt.errors.CollectiveError` naming it.
+    """
+    items: list[bytes] | None = None
+    local = None
+    if coord.rank == ROOT:
+        assert fn is not None
+        answers, local = _run(fn)
+        if local is None:
+            packed: dict[int, bytes] = {}
+            items = [packed.setdefault(id(a), pack({"ok": a})) for a in answers]  # type: ignore[union-attr]
+        else:
+            items = [pack({"error": describe(local)})] * coord.world_size
+    got = unpack(coord.scatter_bytes(items, ROOT))
+    if "error" in got:
+        _raise(what, {ROOT: got["error"]}, local, coord.world_size)
+    return got["ok"]
+
+
+def decide_step(coord: Coordinator, what: str, fn: Callable[[], Any] | None) -> Any:
+    """The coordinating process runs ``fn``; every process gets its result (or raises its error)."""
+    local = None
+    sent = None
+    if coord.rank == ROOT:
+        assert fn is not None
+        result, local = _run(fn)
+        sent = {"ok": result} if local is None else {"error": describe(local)}
+    got = broadcast(coord, sent, ROOT)
+    if "error" in got:
+        _raise(what, {ROOT: got["error"]}, local, coord.world_size)
+    return got["ok"]
+
+
+def agree_step(coord: Coordinator, what: str, fn: Callable[[], T]) -> T | None:
+    """Run ``fn`` everywhere; every process learns whether all succeeded (raising if not)."""
+    result, local = _run(fn)
+    gather_step(coord, what, lambda: _reraise(local))
+    return result
+
+
+def _reraise(exc: BaseException | None) -> None:
+    if exc is not None:
+        raise exc

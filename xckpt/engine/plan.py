@@ -1,26 +1,51 @@
-"""Planning: who writes which region on save, which regions to read on load.
+"""Planning a save: pure functions from what each process holds to who writes which chunk object.
 
-Pure functions over plain descriptors, kept apart from storage (how bytes move),
-so every process computes the same plan from the same gathered inputs.
+Each process describes its leaves (:class:`Descriptors`): keys, shapes, dtypes, and how
+each array lies over the processes. A :class:`~xckpt.engine.layout.MeshLayout` (DTensor,
+jax ``NamedSharding``) is the same on every process that holds the leaf, so processes
+of one pipeline stage send identical descriptors: only one of them (per distinct
+digest) sends its descriptors to the coordinating process, whose work grows with the
+number of distinct leaves and layouts, not with processes times leaves. Arrays without
+a mesh (numpy, plain tensors) list the regions they hold, and the coordinator picks a
+writer for each.
+
+:func:`plan_save` (coordinating process) merges the groups' trees (pipeline stages hold
+different keys), checks that they agree, chooses every array's chunk layout, and
+answers each group. :func:`local_plan` (every process) turns its group's answer into
+the chunk objects it writes: of the holders of each box, one writes it, chosen from a
+hash of the key so replicated work spreads over the replicas.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from xckpt.format import dtypes
+import msgpack
+
+from xckpt.engine.layout import Mesh, MeshLayout, Segment, chunk_layout, mesh, mesh_layout, parse_placement, \
+    region_boundaries
 from xckpt.errors import CoordinationError, ShapeError
-from xckpt.engine.regions import Region, check_tiling, chunk_shape_for, inner_chunk_shape_for
-from xckpt.format.tree import Key, key_str
+from xckpt.format import dtypes, names
+from xckpt.format.zarr import chunk_key
+from xckpt.format.regions import Region, check_tiling, chunks_of, inner_chunk_shape_for, intersect
+from xckpt.format.tree import Key, Node, iter_nodes, key_str
 
 #: Default upper bound on inner chunk bytes: the unit a reader on another mesh fetches.
 INNER_CHUNK_BYTES = 4 << 20
 
 
-@dataclass(frozen=True)
+@dataclass
 class LeafDesc:
-    """What one process holds of one leaf: its kind, and for arrays the regions it holds."""
+    """What one process holds of one leaf.
+
+    Arrays give their global ``shape`` and logical ``dtype`` and either a ``layout`` over a
+    mesh of processes (every holder describes it identically) or the ``regions`` this
+    process holds (replicas are listed by every process holding them).
+    """
 
     key: Key
     kind: str  # "array" | "value"
@@ -29,97 +54,359 @@ class LeafDesc:
     regions: tuple[Region, ...] = ()
     value_type: str = ""
     sharding: dict[str, Any] | None = None
-
-    def to_wire(self) -> list[Any]:
-        """A msgpack-able form."""
-        return [list(self.key), self.kind, list(self.shape), self.dtype,
-                [r.to_json() for r in self.regions], self.value_type, self.sharding]
-
-    @classmethod
-    def from_wire(cls, w: Sequence[Any]) -> "LeafDesc":
-        """Inverse of :meth:`to_wire`."""
-        return cls(tuple(w[0]), w[1], tuple(w[2]), w[3], tuple(Region.from_json(r) for r in w[4]), w[5], w[6])
+    layout: MeshLayout | None = None
 
 
 @dataclass
-class LeafPlan:
-    """The plan of one array leaf."""
+class Descriptors:
+    """Everything one process says about its part of a save."""
+
+    tree: Node
+    leaves: list[LeafDesc]
+
+    def to_wire(self) -> bytes:
+        """msgpack bytes; meshes and sharding descriptions are listed once and referred to by number."""
+        meshes: dict[Mesh, int] = {}
+        infos: dict[bytes, int] = {}
+        info_list: list[Any] = []
+        leaves = []
+        for d in self.leaves:
+            if d.kind != "array":
+                leaves.append([list(d.key), d.kind, d.value_type])
+                continue
+            if d.layout is not None:
+                layout: list[Any] = d.layout.to_wire(meshes.setdefault(d.layout.mesh, len(meshes)))
+            else:
+                layout = ["local", [r.to_json() for r in d.regions]]
+            packed = msgpack.packb(d.sharding, use_bin_type=True)
+            if packed not in infos:
+                infos[packed] = len(info_list)
+                info_list.append(d.sharding)
+            leaves.append([list(d.key), d.kind, list(d.shape), d.dtype, layout, infos[packed]])
+        return msgpack.packb({"tree": self.tree, "meshes": [m.to_wire() for m in meshes], "infos": info_list,
+                              "leaves": leaves}, use_bin_type=True)
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "Descriptors":
+        """Inverse of :meth:`to_wire`."""
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        meshes = [mesh(tuple(int(s) for s in w[0]), tuple(int(r) for r in w[1])) for w in obj["meshes"]]
+        leaves = []
+        for w in obj["leaves"]:
+            key = tuple(w[0])
+            if w[1] != "array":
+                leaves.append(LeafDesc(key, w[1], value_type=w[2]))
+                continue
+            shape = tuple(int(s) for s in w[2])
+            if w[4][0] == "mesh":
+                placements = tuple(parse_placement(p, len(shape)) for p in w[4][2])
+                leaves.append(LeafDesc(key, "array", shape, w[3], sharding=obj["infos"][w[5]],
+                                       layout=mesh_layout(shape, meshes[w[4][1]], placements)))
+            else:
+                leaves.append(LeafDesc(key, "array", shape, w[3], tuple(Region.from_json(r) for r in w[4][1]),
+                                       sharding=obj["infos"][w[5]]))
+        return cls(obj["tree"], leaves)
+
+
+def digest(data: bytes) -> bytes:
+    """A short digest of a process's descriptors: processes with equal digests form one group."""
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def seed_of(key: Key) -> int:
+    """The number that picks, among a box's holders, the one that writes it (stable across processes)."""
+    return zlib.crc32(key_str(key).encode("utf-8", "surrogatepass"))
+
+
+@dataclass
+class ArrayPlan:
+    """How one array leaf is stored: its segments (each a regular Zarr array) and who writes what."""
 
     key: Key
     shape: tuple[int, ...]
     dtype: str
-    chunk_shape: tuple[int, ...]
-    inner_chunk_shape: tuple[int, ...]
-    writers: dict[Region, int]  # each distinct region -> the rank that writes it
+    name: str
+    segments: tuple[tuple[Segment, tuple[int, ...]], ...]  # (segment, inner chunk shape)
+    n_pieces: int
     sharding: dict[str, Any] | None
+    layout: MeshLayout | None = None
+    writers: dict[Region, int] = field(default_factory=dict)  # boxes without a mesh -> writer
+    chunks_id: int = -1  # its entry in the answers' table of chunk layouts
+
+    @property
+    def segmented(self) -> bool:
+        """Whether the leaf is stored as several segment arrays (a Zarr group)."""
+        return len(self.segments) > 1
 
 
 @dataclass
-class SavePlan:
-    """Everything every process needs to know to write its part."""
+class GlobalPlan:
+    """The coordinating process's view of a save: the merged tree and every leaf, in manifest order."""
 
-    leaves: list[LeafPlan | None]  # None for value leaves
-    bytes_per_rank: list[int] = field(default_factory=list)
+    tree: Node
+    keys: list[Key]
+    kinds: list[str]  # "array" or the value type
+    arrays: dict[int, ArrayPlan]  # by global leaf index
+    groups: list[list[int]]  # the processes of each group
+    positions: list[list[int]]  # per group: global index of each of its leaves, in its order
 
-    def assigned(self, rank: int) -> list[tuple[int, Region]]:
-        """``(leaf index, region)`` pairs that ``rank`` writes."""
-        return [(i, r) for i, lp in enumerate(self.leaves) if lp is not None
-                for r, w in lp.writers.items() if w == rank]
+
+# -- coordinating process ----------------------------------------------------------------------
 
 
-def plan_save(per_rank: Sequence[Sequence[LeafDesc]], *,
-              inner_chunk_bytes: int = INNER_CHUNK_BYTES) -> SavePlan:
-    """Plan a save from every rank's leaf descriptors (all ranks get the same plan).
+def _merge(a: Node, b: Node, where: Key) -> Node:
+    """The union of two trees of the same kinds; leaves are placeholders (merged by key later)."""
+    if a["kind"] == "leaf" and b["kind"] == "leaf":
+        return a
+    if a["kind"] != b["kind"]:
+        raise CoordinationError(f"processes hold a {a['kind']} and a {b['kind']} at the same place",
+                                leaf=key_str(where))
+    if a["kind"] == "dict":
+        items = {k: n for k, n in a["items"]}
+        out = list(a["items"])
+        for k, n in b["items"]:
+            if k in items:
+                merged = _merge(items[k], n, where + (k,))
+                out = [[kk, merged if kk == k else nn] for kk, nn in out]
+            else:
+                out.append([k, n])
+        return {"kind": "dict", "items": out}
+    if len(a["items"]) != len(b["items"]) or a.get("fields") != b.get("fields"):
+        raise CoordinationError(f"processes hold {a['kind']}s of different lengths or fields",
+                                leaf=key_str(where))
+    out_node = dict(a)
+    key_of = (lambda i: a["fields"][i]) if a["kind"] == "namedtuple" else (lambda i: i)
+    out_node["items"] = [_merge(x, y, where + (key_of(i),)) for i, (x, y) in enumerate(zip(a["items"], b["items"]))]
+    return out_node
 
-    Checks that ranks agree on keys, kinds, shapes and dtypes, that the distinct
-    regions of each array tile it exactly, picks the chunk grid, and assigns each
-    distinct region to one of the ranks holding it so bytes per rank stay balanced
-    (largest regions first, each to the least-loaded holder).
-    """
-    world = len(per_rank)
-    first = per_rank[0]
-    for rank, descs in enumerate(per_rank[1:], start=1):
-        _check_agree(first, descs, rank)
-    holders: list[dict[Region, list[int]]] = [dict() for _ in first]
-    for rank, descs in enumerate(per_rank):
-        for i, d in enumerate(descs):
-            for r in d.regions:
-                holders[i].setdefault(r, []).append(rank)
-    leaves: list[LeafPlan | None] = []
-    work: list[tuple[int, int, Region]] = []
-    for i, d in enumerate(first):
-        if d.kind != "array":
-            leaves.append(None)
-            continue
-        regions = sorted(holders[i])
-        why = check_tiling(d.shape, regions)
-        if why is not None:
-            raise ShapeError(f"the shards of this array do not tile it: {why}", code="shape.tiling",
-                             leaf=key_str(d.key))
-        chunk = chunk_shape_for(d.shape, regions)
-        inner = inner_chunk_shape_for(chunk, dtypes.itemsize(d.dtype), inner_chunk_bytes)
-        leaves.append(LeafPlan(d.key, d.shape, d.dtype, chunk, inner, {}, d.sharding))
-        item = dtypes.itemsize(d.dtype)
-        for r in regions:
-            if not r.is_empty():
-                work.append((r.numel * item, i, r))
+
+def _renumber(tree: Node) -> tuple[Node, list[Key]]:
+    """The tree with leaves numbered in depth-first order, and their keys."""
+    keys: list[Key] = []
+
+    def walk(n: Node, key: Key) -> Node:
+        if n["kind"] == "leaf":
+            keys.append(key)
+            return {"kind": "leaf", "index": len(keys) - 1}
+        if n["kind"] == "dict":
+            return {"kind": "dict", "items": [[k, walk(c, key + (k,))] for k, c in n["items"]]}
+        fields = n.get("fields")
+        items = [walk(c, key + ((fields[i] if fields else i),)) for i, c in enumerate(n["items"])]
+        return {**n, "items": items}
+
+    return walk(tree, ()), keys
+
+
+def _agree(a: LeafDesc, b: LeafDesc, ranks: tuple[int, int]) -> None:
+    if (a.kind, a.shape, a.dtype) != (b.kind, b.shape, b.dtype):
+        what = [f"{d.kind} {list(d.shape)} {d.dtype}".strip() if d.kind == "array" else f"value {d.value_type}"
+                for d in (a, b)]
+        raise CoordinationError(f"rank {ranks[0]} has {what[0]}, rank {ranks[1]} has {what[1]}", leaf=key_str(a.key))
+
+
+def _holders_of(lay: MeshLayout) -> dict[Region, list[int]]:
+    """Every box of a mesh layout and the processes holding it."""
+    out: dict[Region, list[int]] = {}
+    for rank in sorted(set(lay.mesh.ranks)):
+        for region, _ in lay.pieces_of(rank):
+            out.setdefault(region, []).append(rank)
+    return out
+
+
+def _balance(items: list[tuple[int, int, Region, list[int]]], world: int) -> dict[tuple[int, Region], int]:
+    """Writers of boxes without a mesh: largest first, each to its least-loaded holder."""
     load = [0] * world
-    for nbytes, i, r in sorted(work, key=lambda w: (-w[0], w[1], w[2])):
-        rank = min(holders[i][r], key=lambda k: (load[k], k))
+    out: dict[tuple[int, Region], int] = {}
+    for nbytes, leaf, region, holders in sorted(items, key=lambda w: (-w[0], w[1], w[2])):
+        rank = min(holders, key=lambda k: (load[k], k))
         load[rank] += nbytes
-        leaves[i].writers[r] = rank  # type: ignore[union-attr]
-    return SavePlan(leaves, load)
+        out[(leaf, region)] = rank
+    return out
 
 
-def _check_agree(a: Sequence[LeafDesc], b: Sequence[LeafDesc], rank: int) -> None:
-    if [d.key for d in a] != [d.key for d in b]:
-        only_a = sorted({key_str(d.key) for d in a} - {key_str(d.key) for d in b})
-        only_b = sorted({key_str(d.key) for d in b} - {key_str(d.key) for d in a})
-        raise CoordinationError(
-            f"rank 0 and rank {rank} save different trees: only on rank 0: {only_a[:10]}, "
-            f"only on rank {rank}: {only_b[:10]}" + ("" if only_a or only_b else " (same keys, other order)"))
-    for x, y in zip(a, b):
-        if (x.kind, x.shape, x.dtype) != (y.kind, y.shape, y.dtype):
-            raise CoordinationError(
-                f"rank 0 has {x.kind} {list(x.shape)} {x.dtype}, rank {rank} has {y.kind} {list(y.shape)} {y.dtype}",
-                leaf=key_str(x.key))
+def plan_save(groups: Sequence[tuple[Sequence[int], Descriptors]], world: int, *,
+              inner_chunk_bytes: int = INNER_CHUNK_BYTES) -> tuple[GlobalPlan, list[dict[str, Any]]]:
+    """Plan a save from each group's descriptors (``groups``: the processes sharing them, and them).
+
+    Returns the global plan and, per group, the answer its processes need (msgpack-able).
+    Raises :class:`~xckpt.errors.CoordinationError` when processes disagree about a leaf, and
+    :class:`~xckpt.errors.ShapeError` when an array's shards do not tile it.
+    """
+    order = sorted(range(len(groups)), key=lambda g: min(groups[g][0]))
+    tree = groups[order[0]][1].tree
+    for g in order[1:]:
+        tree = _merge(tree, groups[g][1].tree, ())
+    tree, keys = _renumber(tree)
+    index = {k: i for i, k in enumerate(keys)}
+    first: list[tuple[int, LeafDesc] | None] = [None] * len(keys)
+    positions: list[list[int]] = [[] for _ in groups]
+    holders: list[set[int]] = [set() for _ in keys]
+    local_regions: dict[int, dict[Region, list[int]]] = {}
+    layouts: dict[int, list[MeshLayout]] = {}  # the distinct layouts groups give a leaf, first group first
+    for g in order:
+        ranks, descs = groups[g]
+        for d in descs.leaves:
+            i = index.get(d.key)
+            if i is None:
+                raise CoordinationError("a leaf is missing from the merged tree", leaf=key_str(d.key))
+            positions[g].append(i)
+            seen = first[i]
+            if seen is None:
+                first[i] = (min(ranks), d)
+            else:
+                _agree(seen[1], d, (seen[0], min(ranks)))
+            holders[i].update(ranks)
+            if d.kind != "array":
+                continue
+            if d.layout is None:
+                per = local_regions.setdefault(i, {})
+                for r in d.regions:
+                    per.setdefault(r, []).extend(ranks)
+            elif d.layout not in layouts.setdefault(i, []):
+                layouts[i].append(d.layout)
+    # A leaf described by one mesh layout is planned from it; one described in several ways (each
+    # pipeline stage's submesh, or a mesh here and plain regions there) from the boxes they all hold.
+    for i, lays in layouts.items():
+        if len(lays) > 1 or i in local_regions:
+            per = local_regions.setdefault(i, {})
+            for lay in lays:
+                for region, ranks in _holders_of(lay).items():
+                    per.setdefault(region, []).extend(ranks)
+    kinds: list[str] = []
+    arrays: dict[int, ArrayPlan] = {}
+    chunk_table: dict[Any, int] = {}
+    chunk_list: list[Any] = []
+    balance_items: list[tuple[int, int, Region, list[int]]] = []
+    for i, key in enumerate(keys):
+        entry = first[i]
+        assert entry is not None
+        d = entry[1]
+        if d.kind != "array":
+            kinds.append(d.value_type)
+            continue
+        kinds.append("array")
+        item = dtypes.itemsize(d.dtype)
+        lay = layouts[i][0] if i in layouts and i not in local_regions else None
+        if lay is not None:
+            missing = set(lay.mesh.ranks) - holders[i]
+            if max(lay.mesh.ranks) >= world or missing:
+                why = f"ranks {sorted(missing)[:8]} do not hold it" if missing else "it names ranks beyond the job"
+                raise CoordinationError(f"the mesh of this array does not match the job: {why}", leaf=key_str(key))
+            boundaries, n_pieces = lay.boundaries, lay.n_pieces
+        else:
+            regions = sorted(local_regions.get(i, {}))
+            why = check_tiling(d.shape, regions)
+            if why is not None:
+                raise ShapeError(f"the shards of this array do not tile it: {why}", code="shape.tiling",
+                                 leaf=key_str(key))
+            nonempty = [r for r in regions if not r.is_empty()]
+            boundaries, n_pieces = region_boundaries(d.shape, nonempty), len(nonempty)
+            for r in nonempty:
+                balance_items.append((r.numel * item, i, r, sorted(set(local_regions[i][r]))))
+        segments = tuple((s, inner_chunk_shape_for(s.chunk, item, inner_chunk_bytes))
+                         for s in chunk_layout(d.shape, boundaries, n_pieces))
+        wire = tuple((s.offset, s.shape, s.chunk, inner) for s, inner in segments)
+        if wire not in chunk_table:
+            chunk_table[wire] = len(chunk_list)
+            chunk_list.append([[list(s.offset), list(s.shape), list(s.chunk), list(inner)] for s, inner in segments])
+        arrays[i] = ArrayPlan(key, d.shape, d.dtype, names.storage_name(key), segments, n_pieces, d.sharding,
+                              lay, chunks_id=chunk_table[wire])
+    # Orbax names arrays, mirrored scalars and strings alike by their keys joined with '.'
+    names.check_unique(k for k, kind in zip(keys, kinds) if kind in ("array", "bool", "int", "float", "str"))
+    for (i, r), rank in _balance(balance_items, world).items():
+        arrays[i].writers[r] = rank
+    plan = GlobalPlan(tree, keys, kinds, arrays, [sorted(r) for r, _ in groups], positions)
+    answers = []
+    for g, (ranks, descs) in enumerate(groups):
+        leaves = []
+        for pos, i in enumerate(positions[g]):
+            a = arrays.get(i)
+            if a is None:
+                leaves.append([i])
+                continue
+            mine = None if a.layout is not None else \
+                [[r.to_json(), w] for r, w in a.writers.items() if set(ranks) & set(local_regions[i][r])]
+            leaves.append([i, a.chunks_id, mine])
+        answers.append({"chunks": chunk_list, "leaves": leaves})
+    return plan, answers
+
+
+# -- every process ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChunkTask:
+    """One chunk object this process writes."""
+
+    leaf: int  # position in this process's descriptors
+    piece: Region  # the box it holds that contains the chunk
+    segment: int
+    index: tuple[int, ...]  # chunk grid index within the segment
+    box: Region  # the chunk's box in the leaf, clipped to its segment
+
+
+@dataclass
+class LeafLayout:
+    """How this process stores one of its array leaves."""
+
+    name: str
+    segments: tuple[tuple[Segment, tuple[int, ...]], ...]
+    global_index: int
+
+    def object_name(self, segment: int, index: tuple[int, ...]) -> str:
+        """The stored name of a chunk object (segments of a segmented leaf live in its group)."""
+        base = self.name if len(self.segments) == 1 else f"{self.name}/{segment}"
+        return f"{base}/{chunk_key(index)}"
+
+
+@dataclass
+class LocalPlan:
+    """This process's part of a save: its array leaves' layouts, its chunk objects, its zarr.json files."""
+
+    leaves: dict[int, LeafLayout]  # by position in this process's descriptors
+    tasks: list[ChunkTask]
+    metadata: list[tuple[int, int]]  # (leaf position, segment; -1: the group of a segmented leaf)
+    global_index: list[int]
+
+
+def local_plan(descs: Descriptors, answer: dict[str, Any], rank: int) -> LocalPlan:
+    """The chunk objects ``rank`` writes, from its descriptors and its group's answer."""
+    chunks = [tuple((Segment(tuple(o), tuple(s), tuple(c)), tuple(inner)) for o, s, c, inner in entry)
+              for entry in answer["chunks"]]
+    leaves: dict[int, LeafLayout] = {}
+    tasks: list[ChunkTask] = []
+    metadata: list[tuple[int, int]] = []
+    global_index = []
+    for pos, (d, ans) in enumerate(zip(descs.leaves, answer["leaves"])):
+        global_index.append(int(ans[0]))
+        if d.kind != "array":
+            continue
+        segments = chunks[int(ans[1])]
+        leaves[pos] = LeafLayout(names.storage_name(d.key), segments, int(ans[0]))
+        if ans[2] is None:  # planned from its mesh layout: every holder knows who writes what
+            assert d.layout is not None
+            mine = [region for region, _ in d.layout.writes(rank, seed_of(d.key))]
+        else:
+            mine = [r for r, w in ((Region.from_json(r), int(w)) for r, w in ans[2]) if w == rank]
+        for piece in mine:
+            for s, (seg, _) in enumerate(segments):
+                part = intersect(piece, seg.region)
+                if part is None:
+                    continue
+                local = part.relative_to(seg.region)
+                for idx in chunks_of(local, seg.chunk) if seg.shape else [()]:
+                    box = Region(tuple(o + i * c for o, i, c in zip(seg.offset, idx, seg.chunk)),
+                                 tuple(min(c, n - i * c) for i, c, n in zip(idx, seg.chunk, seg.shape)))
+                    if intersect(box, piece) != box:
+                        raise ShapeError(f"chunk {list(idx)} of segment {s} straddles shards", leaf=key_str(d.key))
+                    tasks.append(ChunkTask(pos, piece, s, tuple(idx), box))
+                    if not any(idx):
+                        metadata.append((pos, s))
+                        if s == 0 and len(segments) > 1:
+                            metadata.append((pos, -1))
+    return LocalPlan(leaves, tasks, metadata, global_index)
+
+
+def empty_arrays(plan: GlobalPlan) -> list[int]:
+    """Array leaves with no element (no chunk object, so no writer): the coordinator writes their metadata."""
+    return [i for i, a in plan.arrays.items() if math.prod(a.shape) == 0]

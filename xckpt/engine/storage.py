@@ -1,23 +1,34 @@
-"""Where a checkpoint's bytes live, and how small files move: one job per function.
+"""Where a checkpoint's bytes live: a local directory or an object-store prefix, behind one :class:`Store`.
 
-Every byte goes through a TensorStore key-value store, so the same code serves a
-local directory and (through TensorStore's kvstore drivers) an object store. The
-directory-level commit (write under a temporary name, then rename) applies to
-local file systems only; elsewhere the manifest written last is the commit.
+:class:`LocalStore` uses plain system calls: it opens every path component relative to
+the checkpoint root without following symbolic links, opens files without blocking and
+refuses anything but a regular file (a link or a FIFO in a checkpoint is an error, never
+followed or waited on), reads straight into the caller's buffer, and fsyncs what it wrote.
+:class:`KvStore` serves every other URL through a TensorStore key-value store (``s3://``
+among them), so the same engine code writes and reads both.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import shutil
-import uuid
+import stat
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Protocol
 
+import numpy as np
 import tensorstore as ts
 
-from xckpt.errors import XckptError
+from xckpt.errors import DataError, UnsafePathError, XckptError
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Directory descriptors one LocalStore keeps open.
+_DIR_CACHE = 128
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,10 @@ class Location:
         """The location of ``name`` under this one."""
         return Location(self.url.rstrip("/") + "/" + name)
 
+    def store(self, *, create: bool = False) -> "Store":
+        """A store over this location (``create``: make a missing local root directory)."""
+        return LocalStore(self.local_path, create=create) if self.is_local else KvStore(self)
+
     def __str__(self) -> str:
         return self.url
 
@@ -82,103 +97,352 @@ def s3_spec(url: str, tail: str = "") -> dict[str, Any]:
     return spec
 
 
-_open_cache: dict[str, ts.KvStore] = {}
+class Blob(Protocol):
+    """One stored object opened for reading."""
+
+    name: str
+    #: Its size in bytes (None where the store cannot tell without reading it all).
+    size: int | None
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        """Fill ``out`` (uint8, contiguous) with the bytes at ``offset``; a short object is an error."""
+
+    def read_tail(self, n: int) -> np.ndarray:
+        """The last ``n`` bytes."""
+
+    def close(self) -> None:
+        """Release the object."""
 
 
-def _kv(loc: Location) -> ts.KvStore:
-    key = json.dumps(loc.kvstore(), sort_keys=True)
-    kv = _open_cache.get(key)
+class Store(Protocol):
+    """The objects under one checkpoint root (names are '/'-separated, relative to the root)."""
+
+    location: Location
+
+    def open(self, name: str) -> Blob | None:
+        """Open an object for reading; None when it does not exist."""
+
+    def read(self, name: str) -> bytes | None:
+        """A whole (small) object, None when missing."""
+
+    def write(self, name: str, data: Any) -> None:
+        """Create or replace an object with ``data`` (a bytes-like object, or an iterable of them
+        written in order, each consumed before the next is asked for), durably once :meth:`sync` returns."""
+
+    def exists(self, name: str) -> bool:
+        """Whether an object exists."""
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every object name under ``prefix``, sorted (links and special files included, as names)."""
+
+    def sync(self) -> None:
+        """Make everything written so far durable (directories included)."""
+
+    def close(self) -> None:
+        """Release what the store holds open."""
+
+
+def _file(root: str, name: str) -> str:
+    return os.path.join(root, *name.split("/"))
+
+
+def _parts(data: Any) -> Iterable[Any]:
+    """The parts of what :meth:`Store.write` takes: one bytes-like object, or an iterable of them."""
+    if isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):
+        return (data,)
+    return data
+
+
+class LocalBlob:
+    """A regular file opened through :class:`LocalStore`."""
+
+    def __init__(self, name: str, path: str, fd: int, size: int) -> None:
+        self.name = name
+        self.path = path
+        self.size: int | None = size
+        self._fd = fd
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        """Fill ``out`` from ``offset`` (preadv straight into the buffer)."""
+        view = memoryview(out).cast("B")
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise DataError(f"object ends at byte {offset + done}, {len(view) - done} bytes short",
+                                code="chunk.truncated", file=self.path)
+            done += n
+
+    def read_tail(self, n: int) -> np.ndarray:
+        """The last ``n`` bytes."""
+        assert self.size is not None
+        out = np.empty(n, dtype=np.uint8)
+        self.read_into(self.size - n, out)
+        return out
+
+    def close(self) -> None:
+        """Close the file."""
+        os.close(self._fd)
+
+
+class LocalStore:
+    """A local checkpoint directory; no path component below the root is followed if it is a link."""
+
+    def __init__(self, root: str, *, create: bool = False) -> None:
+        self.location = Location(root)
+        self.root = root
+        if create:
+            os.makedirs(root, exist_ok=True)
+        self._dirs: OrderedDict[tuple[str, ...], int] = OrderedDict()
+        self._lock = threading.Lock()
+        self._made: set[str] = set()  # directories this store wrote into (made, or found)
+
+    # -- directories -----------------------------------------------------------------------------
+
+    def _refuse(self, exc: OSError, parts: Iterable[str]) -> XckptError:
+        path = _file(self.root, "/".join(parts))
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) or os.path.islink(path):
+            return UnsafePathError(f"{path} is a symbolic link or not a directory; a checkpoint holds plain "
+                                   "files only", code="path.link", file=path)
+        return XckptError(f"cannot open {path}: {exc.strerror}", code="io.read", file=path)
+
+    def _dir(self, parts: tuple[str, ...]) -> int | None:
+        """A descriptor of the directory ``parts`` below the root (None when missing).
+
+        Called with the lock held; the descriptor stays valid until the lock is released.
+        """
+        fd = self._dirs.get(parts)
+        if fd is not None:
+            self._dirs.move_to_end(parts)
+            return fd
+        if not parts:
+            try:
+                fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                raise XckptError(f"cannot open {self.root}: {exc.strerror}", code="io.read", file=self.root)
+        else:
+            parent = self._dir(parts[:-1])
+            if parent is None:
+                return None
+            try:
+                fd = os.open(parts[-1], _DIR_FLAGS, dir_fd=parent)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                raise self._refuse(exc, parts) from None
+        self._dirs[parts] = fd
+        while len(self._dirs) > _DIR_CACHE:
+            old_parts = next(p for p in self._dirs if p and p != parts and p != parts[:len(p)])
+            os.close(self._dirs.pop(old_parts))
+        return fd
+
+    # -- objects ---------------------------------------------------------------------------------
+
+    def open(self, name: str) -> LocalBlob | None:
+        """Open a regular file without following links or blocking; None when missing."""
+        parts = tuple(name.split("/"))
+        path = _file(self.root, name)
+        try:
+            with self._lock:
+                d = self._dir(parts[:-1])
+                if d is None:
+                    return None
+                fd = os.open(parts[-1], _READ_FLAGS, dir_fd=d)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafePathError(f"{path} is a symbolic link; a checkpoint holds plain files only",
+                                      code="path.link", file=path) from None
+            raise XckptError(f"cannot open {path}: {exc.strerror}", code="io.read", file=path) from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise UnsafePathError(f"{path} is not a regular file", code="path.special", file=path)
+        return LocalBlob(name, path, fd, st.st_size)
+
+    def read(self, name: str) -> bytes | None:
+        """A whole file, None when missing."""
+        blob = self.open(name)
+        if blob is None:
+            return None
+        try:
+            out = np.empty(blob.size or 0, dtype=np.uint8)
+            blob.read_into(0, out)
+            return out.tobytes()
+        finally:
+            blob.close()
+
+    def write(self, name: str, data: Any) -> None:
+        """Write a file (parents created) from one or several parts, fsynced; :meth:`sync` later syncs
+        its directory. Writing is into a directory the save made itself, so paths are used directly."""
+        path = _file(self.root, name)
+        parent = os.path.dirname(path)
+        if parent not in self._made:
+            os.makedirs(parent, exist_ok=True)
+            with self._lock:
+                self._made.add(parent)
+        fd = os.open(path, _WRITE_FLAGS, 0o644)
+        try:
+            for part in _parts(data):
+                view = memoryview(part).cast("B")
+                done = 0
+                while done < len(view):
+                    done += os.write(fd, view[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def exists(self, name: str) -> bool:
+        """Whether a regular file is there (links are not followed)."""
+        try:
+            st = os.stat(_file(self.root, name), follow_symlinks=False)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode)
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every non-directory entry below ``prefix`` (a directory name ending in '/', or ''), not following links."""
+        out: list[str] = []
+        start = _file(self.root, prefix.rstrip("/")) if prefix else self.root
+        stack = [(start, prefix.rstrip("/"))]
+        while stack:
+            path, rel = stack.pop()
+            try:
+                entries = list(os.scandir(path))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                name = f"{rel}/{entry.name}" if rel else entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append((entry.path, name))
+                else:
+                    out.append(name)
+        return sorted(out)
+
+    def sync(self) -> None:
+        """fsync every directory this store wrote into, and their parents up to the root."""
+        with self._lock:
+            dirs = set()
+            for d in self._made:
+                while d.startswith(self.root) and d not in dirs:
+                    dirs.add(d)
+                    d = os.path.dirname(d)
+        for d in sorted(dirs, reverse=True):
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        """Close the cached directory descriptors."""
+        with self._lock:
+            for fd in self._dirs.values():
+                os.close(fd)
+            self._dirs.clear()
+
+
+class KvBlob:
+    """An object of a TensorStore key-value store, read by byte ranges."""
+
+    def __init__(self, kv: ts.KvStore, name: str, file: str) -> None:
+        self.name = name
+        self.path = file
+        self.size: int | None = None
+        self._kv = kv
+
+    def _range(self, byte_range: slice) -> bytes:
+        try:
+            res = self._kv.read(self.name, byte_range=byte_range).result()
+        except ValueError as exc:
+            code = "chunk.truncated" if "OUT_OF_RANGE" in str(exc) else "io.read"
+            raise DataError(f"cannot read bytes {byte_range.start}..{byte_range.stop}: {exc}", code=code,
+                            file=self.path) from None
+        if res.state != "value":
+            raise DataError("object disappeared while being read", code="chunk.missing", file=self.path)
+        return bytes(res.value)
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        """Fill ``out`` with the bytes at ``offset`` (one ranged read)."""
+        data = self._range(slice(offset, offset + out.nbytes))
+        if len(data) != out.nbytes:
+            raise DataError("object is shorter than its index says", code="chunk.truncated", file=self.path)
+        out.reshape(-1).view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
+
+    def read_tail(self, n: int) -> np.ndarray:
+        """The last ``n`` bytes."""
+        data = self._range(slice(-n, None))
+        if len(data) != n:
+            raise DataError(f"object has fewer than {n} bytes", code="chunk.truncated", file=self.path)
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+_kv_cache: dict[str, ts.KvStore] = {}
+_kv_lock = threading.Lock()
+
+
+def open_kvstore(spec: dict[str, Any]) -> ts.KvStore:
+    """A TensorStore key-value store of ``spec``, opened once per process."""
+    key = json.dumps(spec, sort_keys=True)
+    with _kv_lock:
+        kv = _kv_cache.get(key)
     if kv is None:
-        kv = ts.KvStore.open(loc.kvstore()).result()
-        if len(_open_cache) > 64:
-            _open_cache.clear()
-        _open_cache[key] = kv
+        kv = ts.KvStore.open(spec).result()
+        with _kv_lock:
+            if len(_kv_cache) > 64:
+                _kv_cache.clear()
+            _kv_cache[key] = kv
     return kv
 
 
-def read_bytes(loc: Location, name: str, byte_range: slice | None = None) -> bytes | None:
-    """The bytes of ``name`` under ``loc`` (or of a byte range), None when missing."""
-    try:
-        res = _kv(loc).read(name, byte_range=byte_range).result()
-    except ValueError as exc:
-        raise XckptError(f"cannot read: {exc}", code="io.read", file=name) from exc
-    return bytes(res.value) if res.state == "value" else None
+class KvStore:
+    """A checkpoint root in a TensorStore key-value store (object stores)."""
 
+    def __init__(self, location: Location) -> None:
+        self.location = location
+        self._kv = open_kvstore(location.kvstore())
 
-def write_bytes(loc: Location, name: str, data: bytes) -> None:
-    """Write ``name`` under ``loc`` (atomic on file systems and object stores alike)."""
-    _kv(loc).write(name, data).result()
+    def _file(self, name: str) -> str:
+        return str(self.location.child(name))
 
+    def open(self, name: str) -> KvBlob | None:
+        """An object read by ranges; None when it does not exist."""
+        return KvBlob(self._kv, name, self._file(name)) if self.exists(name) else None
 
-def exists(loc: Location, name: str) -> bool:
-    """Whether ``name`` exists under ``loc``."""
-    if loc.is_local:
-        return os.path.isfile(os.path.join(loc.local_path, name))
-    return read_bytes(loc, name, slice(0, 0)) is not None
-
-
-def list_names(loc: Location, prefix: str = "") -> list[str]:
-    """Every stored name under ``loc`` (below ``prefix``), sorted."""
-    kv = _kv(loc)
-    if prefix:
-        rng = ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
-        keys = kv.list(rng).result()
-    else:
-        keys = kv.list().result()
-    return sorted(k.decode() for k in keys)
-
-
-def size_of(loc: Location, name: str) -> int | None:
-    """The byte size of ``name`` under ``loc``, None when missing."""
-    if loc.is_local:
+    def read(self, name: str) -> bytes | None:
+        """A whole object, None when missing."""
         try:
-            return os.stat(os.path.join(loc.local_path, name)).st_size
-        except FileNotFoundError:
-            return None
-    data = read_bytes(loc, name)
-    return None if data is None else len(data)
+            res = self._kv.read(name).result()
+        except ValueError as exc:
+            raise XckptError(f"cannot read: {exc}", code="io.read", file=self._file(name)) from exc
+        return bytes(res.value) if res.state == "value" else None
 
+    def write(self, name: str, data: Any) -> None:
+        """Write an object from one or several parts (atomic per object on object stores)."""
+        blob = b"".join(bytes(memoryview(p).cast("B")) for p in _parts(data))
+        self._kv.write(name, blob).result()
 
-def temporary_sibling(loc: Location) -> Location:
-    """A fresh temporary location beside ``loc`` to write into before the commit rename."""
-    if not loc.is_local:
-        return loc
-    parent, name = os.path.split(loc.local_path.rstrip("/"))
-    return Location(os.path.join(parent, f".{name}.xckpt-tmp-{uuid.uuid4().hex[:12]}"))
+    def exists(self, name: str) -> bool:
+        """Whether an object exists."""
+        return self._kv.read(name, byte_range=slice(0, 0)).result().state == "value"
 
+    def list(self, prefix: str = "") -> list[str]:
+        """Every object name under ``prefix``, sorted."""
+        if prefix:
+            rng = ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
+            keys = self._kv.list(rng).result()
+        else:
+            keys = self._kv.list().result()
+        return sorted(k.decode() for k in keys)
 
-def publish(tmp: Location, final: Location, *, overwrite: bool) -> None:
-    """Move a completely written checkpoint from ``tmp`` to ``final`` (local file systems).
+    def sync(self) -> None:
+        """Object writes are durable once they return."""
 
-    With ``overwrite``, an existing checkpoint at ``final`` is moved aside first and
-    removed only after the new one is in place, so a crash leaves one of them whole.
-    """
-    if tmp == final:
-        return
-    target = final.local_path
-    old = None
-    if os.path.lexists(target):
-        if not overwrite:
-            raise XckptError(f"{target} already exists; pass overwrite=True to replace it",
-                             code="save.exists", file=target)
-        old = tmp.local_path + ".old"
-        os.rename(target, old)
-    try:
-        os.rename(tmp.local_path, target)
-    except OSError:
-        if old is not None:
-            os.rename(old, target)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def remove(loc: Location) -> None:
-    """Delete everything under ``loc`` (best effort; used to clean up a failed save)."""
-    if loc.is_local:
-        shutil.rmtree(loc.local_path, ignore_errors=True)
-        return
-    try:
-        ts.KvStore.open(loc.kvstore()).result().delete_range(ts.KvStore.KeyRange()).result()
-    except Exception:  # noqa: BLE001 - cleanup is best effort
-        pass
+    def close(self) -> None:
+        """Nothing to release."""

@@ -1,82 +1,158 @@
-"""How bytes move on save: region writes into Zarr arrays, many in flight, bounded in host memory."""
+"""How bytes move on save: chunk objects encoded and written by a few threads, streaming.
+
+A :class:`ChunkWriter` takes a chunk's data (a view of the caller's shard, in the storage
+dtype) and, on one of its threads, streams its object into the store: each inner chunk is
+copied into a small per-thread buffer, checksummed while it is in the cache, and written
+(:func:`xckpt.format.shard.encode_parts`), so a save holds no copy of the data beyond
+one inner chunk per thread. The chunks queued but not yet written are bounded by
+``max_inflight_bytes`` (their data stays referenced until written: for device arrays, the
+staged host copies).
+"""
 
 from __future__ import annotations
 
+import os
+import threading
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from xckpt.format import zarr as arrays, dtypes
-from xckpt.errors import SaveError
-from xckpt.engine.regions import Region
-from xckpt.engine.storage import Location
+from xckpt.engine.storage import Store
+from xckpt.errors import SaveError, XckptError
+from xckpt.format import shard
+
+#: Default bound on bytes of chunk data queued for writing, per process.
+MAX_INFLIGHT_BYTES = 256 << 20
+#: Writes smaller than this run on the caller's thread: their cost is Python, which threads only contend for.
+SMALL_BYTES = 64 << 10
 
 
-def host_data(data: Any, region: Region, dtype: str, leaf: str) -> np.ndarray:
-    """Check fetched shard data against its region and logical dtype; give C-contiguous storage bytes."""
-    data = np.asarray(data)
-    if tuple(data.shape) != region.sizes or dtypes.logical_name(data.dtype) != dtype:
-        raise SaveError(f"shard data has shape {data.shape} and dtype {data.dtype}, expected "
-                        f"{region.sizes} {dtype}", leaf=leaf)
-    if not data.flags.c_contiguous:
-        data = data.copy(order="C")
-    return data.view(np.uint8) if dtypes.is_raw(dtype) else data
+def io_threads() -> int:
+    """Threads that encode and write (or read and decode) per process: ``XCKPT_IO_THREADS``, else up to 4."""
+    env = os.environ.get("XCKPT_IO_THREADS")
+    return max(1, int(env)) if env else max(1, min(4, os.cpu_count() or 1))
 
 
-class RegionWriter:
-    """Writes regions of the arrays under ``root`` with at most ``max_inflight_bytes`` pending.
+class _Room:
+    """A byte budget: ``take`` waits while more than ``limit`` bytes are out (one item always fits)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._out = 0
+        self._cond = threading.Condition()
+
+    def take(self, n: int) -> None:
+        """Take ``n`` bytes, waiting while the budget is spent."""
+        with self._cond:
+            while self._out and self._out + n > self.limit:
+                self._cond.wait()
+            self._out += n
+
+    def give(self, n: int) -> None:
+        with self._cond:
+            self._out -= n
+            self._cond.notify_all()
+
+
+class _Scratch(threading.local):
+    """One encoding buffer per writer thread, grown as needed and reused."""
+
+    buf: np.ndarray | None = None
+
+    def get(self, n: int) -> np.ndarray:
+        if self.buf is None or self.buf.size < n:
+            self.buf = np.empty(n, dtype=np.uint8)
+        return self.buf
+
+
+_scratch = _Scratch()
+
+
+class ChunkWriter:
+    """Writes chunk objects and small files into one store, on a few threads.
 
     Used as a context manager: leaving it normally waits for every write and raises the
-    first error; leaving it on an exception still waits for every write already started,
-    so nothing writes into a directory that is about to be cleaned up.
+    first error; leaving it on an exception still waits for every write already started, so
+    nothing writes into a directory that is about to be cleaned up.
     """
 
-    def __init__(self, root: Location, max_inflight_bytes: int) -> None:
-        self.root = root
-        self.max_inflight_bytes = max_inflight_bytes
-        self.bytes_written = 0
-        self._opened: dict[str, Any] = {}
-        self._inflight: deque[tuple[int, Any]] = deque()
-        self._held = 0
+    def __init__(self, store: Store, max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+                 threads: int | None = None) -> None:
+        self.store = store
+        self.bytes_written = 0  # array bytes (chunk payloads), not counting indexes and metadata
+        self._room = _Room(max_inflight_bytes)
+        self._exec = ThreadPoolExecutor(threads or io_threads(), thread_name_prefix="xckpt-write")
+        self._pending: deque[Future[None]] = deque()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
 
-    def write(self, name: str, metadata: dict[str, Any], region: Region, data: Any, dtype: str,
-              leaf: str) -> int:
-        """Start writing ``data`` (logical ``dtype``) to ``region`` of array ``name``; returns its bytes."""
-        raw = host_data(data, region, dtype, leaf)
-        store = self._opened.get(name)
-        if store is None:
-            store = self._opened[name] = arrays.open_for_write(self.root, name, metadata)
-        fut = store[region.slices()].write(raw, can_reference_source_data_indefinitely=True)
-        self._inflight.append((raw.nbytes, fut))
-        self._held += raw.nbytes
-        self.bytes_written += raw.nbytes
-        while self._held > self.max_inflight_bytes and len(self._inflight) > 1:
-            n, f = self._inflight.popleft()
-            f.result()
-            self._held -= n
-        return raw.nbytes
+    def _submit(self, fn: Callable[[], None], nbytes: int) -> None:
+        if nbytes < SMALL_BYTES:
+            if self._error is None:
+                try:
+                    fn()
+                except BaseException as exc:  # noqa: BLE001 - raised by wait(), after the threads' writes
+                    self._error = exc
+            return
+        self._pending.append(self._exec.submit(fn))
+        while len(self._pending) > 64 and self._pending[0].done():
+            self._pending.popleft().result()
 
-    def __enter__(self) -> "RegionWriter":
+    def chunk(self, name: str, geom: shard.Geometry, data: np.ndarray, leaf: str) -> None:
+        """Encode and write one chunk object (``data``: the chunk clipped to the array, storage dtype)."""
+        self._room.take(data.nbytes)
+
+        def run() -> None:
+            try:
+                parts = shard.encode_parts(geom, data, _scratch.get(geom.scratch_nbytes))
+                self._put(name, parts, leaf, data.nbytes)
+            finally:
+                self._room.give(data.nbytes)
+
+        self._submit(run, data.nbytes)
+
+    def file(self, name: str, data: bytes) -> None:
+        """Write a small file (a ``zarr.json``)."""
+        self._submit(lambda: self._put(name, data, None, 0), len(data))
+
+    def _put(self, name: str, data: Any, leaf: str | None, payload: int) -> None:
+        """Write one object; count ``payload`` bytes of array data."""
+        try:
+            self.store.write(name, data)
+        except XckptError as exc:
+            raise exc.at(leaf=leaf) from None
+        except OSError as exc:
+            raise SaveError(f"cannot write: {exc.strerror or exc}", code="io.write",
+                            file=str(self.store.location.child(name)), leaf=leaf) from exc
+        with self._lock:
+            self.bytes_written += payload
+
+    def wait(self) -> None:
+        """Wait for every write; raise the first error."""
+        first: BaseException | None = self._error
+        while self._pending:
+            try:
+                self._pending.popleft().result()
+            except BaseException as exc:  # noqa: BLE001 - the first is raised once all are done
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def __enter__(self) -> "ChunkWriter":
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         try:
-            while self._inflight:
-                n, f = self._inflight.popleft()
-                self._held -= n
-                if kind is None:
-                    f.result()
-                else:
-                    try:
-                        f.result()
-                    except Exception:  # noqa: BLE001 - the first error is already propagating
-                        pass
-        finally:
-            for _, f in self._inflight:
+            if kind is None:
+                self.wait()
+            else:
                 try:
-                    f.result()
-                except Exception:  # noqa: BLE001 - only reached when another write already failed
+                    self.wait()
+                except BaseException:  # noqa: BLE001 - the first error is already propagating
                     pass
+        finally:
+            self._exec.shutdown(wait=True)

@@ -1,8 +1,11 @@
 """The manifest ``xckpt.json``: the single source of truth of a checkpoint.
 
-Parsing is strict, in the spirit of safetensors: every field is checked against
-the JSON Schema, then against each other (tree and leaves agree, paths stay
-inside the checkpoint, shapes are sane) before anything else is trusted.
+Parsing is strict, in the spirit of safetensors: one ``parse_*`` function per part of
+the document checks every field (JSON integers only where the spec says integer, no
+member the format does not define, bounds before any arithmetic), then the parts are
+checked against each other (tree and leaves agree, paths stay inside the checkpoint,
+segments tile their leaf) before anything else is trusted. The same rules are published
+as a JSON Schema (``spec/manifest-1.1.schema.json``); the test suite holds the two to agreeing.
 """
 
 from __future__ import annotations
@@ -10,29 +13,50 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
-from importlib import resources
-from typing import Any, Union
+from typing import Any, NoReturn, Union
 
-import jsonschema
-
-from xckpt.format import dtypes, names as naming
+from xckpt.format.regions import Region, check_tiling, grid_shape
 from xckpt.errors import ManifestError, ShapeError, UnsafePathError, VersionError, XckptError
-from xckpt.engine.regions import grid_shape
+from xckpt.format import dtypes, names
 from xckpt.format.tree import MAX_DEPTH, Key, Node, iter_nodes, key_str
 
 FORMAT = "xckpt"
-VERSION = "1.0"
-SUPPORTED_VERSIONS = ("1.0",)
+#: The version this writer writes.
+VERSION = "1.1"
+#: Versions this reader reads (1.1 added segmented arrays).
+SUPPORTED_VERSIONS = ("1.0", "1.1")
 #: Largest number of elements (and of bytes) a leaf may declare: 2**53, JSON's exact-integer range.
 MAX_ELEMENTS = 2**53
 #: Largest number of chunk objects one array may declare.
 MAX_CHUNKS = 2**24
+#: Most dimensions an array may have.
+MAX_RANK = 64
+_VALUE_TYPES = ("none", "bool", "int", "float", "complex", "str", "bytes", "list", "tuple", "dict")
+
+
+@dataclass(frozen=True)
+class StoredArray:
+    """One regular Zarr array holding the box ``[offset, offset + shape)`` of a leaf."""
+
+    path: str
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    inner_chunk_shape: tuple[int, ...]
+
+    @property
+    def region(self) -> Region:
+        """The box of the leaf it holds."""
+        return Region(self.offset, self.shape)
 
 
 @dataclass
 class ArrayEntry:
-    """An array leaf as the manifest records it."""
+    """An array leaf as the manifest records it.
+
+    A leaf is one Zarr array at ``path`` with ``chunk_shape`` and ``inner_chunk_shape``, or
+    (format 1.1) a Zarr group at ``path`` whose ``segments`` are arrays tiling the leaf.
+    """
 
     key: Key
     path: str
@@ -43,6 +67,7 @@ class ArrayEntry:
     inner_chunk_shape: tuple[int, ...]
     compression: str = "none"
     sharding: dict[str, Any] | None = None
+    segments: tuple[StoredArray, ...] | None = None
 
     kind = "array"
 
@@ -51,12 +76,28 @@ class ArrayEntry:
         """Logical bytes of the whole array."""
         return math.prod(self.shape) * dtypes.itemsize(self.dtype)
 
+    def arrays(self) -> tuple[StoredArray, ...]:
+        """The Zarr arrays holding this leaf (one, or its segments), with paths from the checkpoint root."""
+        if self.segments is None:
+            return (StoredArray(self.path, (0,) * len(self.shape), self.shape, self.chunk_shape,
+                                self.inner_chunk_shape),)
+        return tuple(StoredArray(f"{self.path}/{s.path}", s.offset, s.shape, s.chunk_shape, s.inner_chunk_shape)
+                     for s in self.segments)
+
     def to_json(self) -> dict[str, Any]:
         """The manifest form."""
-        return {"key": list(self.key), "kind": "array", "path": self.path, "shape": list(self.shape),
-                "dtype": self.dtype, "storage_dtype": self.storage_dtype,
-                "chunk_shape": list(self.chunk_shape), "inner_chunk_shape": list(self.inner_chunk_shape),
-                "compression": self.compression, "sharding": self.sharding}
+        out: dict[str, Any] = {"key": list(self.key), "kind": "array", "path": self.path, "shape": list(self.shape),
+                               "dtype": self.dtype, "storage_dtype": self.storage_dtype}
+        if self.segments is None:
+            out["chunk_shape"] = list(self.chunk_shape)
+            out["inner_chunk_shape"] = list(self.inner_chunk_shape)
+        else:
+            out["segments"] = [{"path": s.path, "offset": list(s.offset), "shape": list(s.shape),
+                                "chunk_shape": list(s.chunk_shape), "inner_chunk_shape": list(s.inner_chunk_shape)}
+                               for s in self.segments]
+        out["compression"] = self.compression
+        out["sharding"] = self.sharding
+        return out
 
 
 @dataclass
@@ -102,8 +143,12 @@ class Manifest:
         return out
 
     def dumps(self) -> bytes:
-        """The manifest file's bytes."""
-        return (json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n").encode()
+        """The manifest file's bytes: compact JSON, one leaf per line."""
+        head = {k: v for k, v in self.to_json().items() if k != "leaves"}
+        leaves = ",\n  ".join(json.dumps(e.to_json(), separators=(",", ":")) for e in self.leaves)
+        body = json.dumps(head, separators=(",", ":"))
+        return (body[:-1] + ',\n "leaves": [\n  ' + leaves + "\n ]\n}\n").encode() if self.leaves else \
+            (body[:-1] + ',"leaves":[]}\n').encode()
 
     def arrays(self) -> list[ArrayEntry]:
         """The array leaves, in tree order."""
@@ -114,15 +159,165 @@ class Manifest:
         return {e.key: e for e in self.leaves}
 
 
-@lru_cache(maxsize=1)
-def schema() -> dict[str, Any]:
-    """The JSON Schema of manifest version 1.0."""
-    text = resources.files("xckpt").joinpath("schema/manifest-1.0.json").read_text()
-    return json.loads(text)
+# -- parsing ------------------------------------------------------------------------------------
 
 
-def parse(data: bytes, *, file: str = naming.MANIFEST) -> Manifest:
-    """Parse and check manifest bytes; raise a specific XckptError on any defect."""
+class _Parser:
+    """Checks one manifest document; every failure names the member where it happened."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.leaf: str | None = None
+
+    def fail(self, where: str, what: str, code: str = "manifest.schema") -> NoReturn:
+        error = ShapeError if code.startswith("shape.") else ManifestError
+        raise error(f"manifest does not match the schema at {where}: {what}", code=code, file=self.file,
+                    leaf=self.leaf)
+
+    def object(self, v: Any, where: str, required: tuple[str, ...], allowed: tuple[str, ...] | None) -> dict:
+        if not isinstance(v, dict):
+            self.fail(where, f"expected an object, got {type(v).__name__}")
+        missing = [k for k in required if k not in v]
+        if missing:
+            self.fail(where, f"{missing[0]!r} is a required property")
+        if allowed is not None:
+            extra = [k for k in v if k not in allowed]
+            if extra:
+                self.fail(where, f"additional property {extra[0]!r} is not allowed")
+        return v
+
+    def string(self, v: Any, where: str, *, nonempty: bool = False) -> str:
+        if not isinstance(v, str):
+            self.fail(where, f"expected a string, got {type(v).__name__}")
+        if nonempty and not v:
+            self.fail(where, "expected a non-empty string")
+        return v
+
+    def count(self, v: Any, where: str, *, minimum: int = 0, maximum: int = MAX_ELEMENTS - 1) -> int:
+        if not isinstance(v, int) or isinstance(v, bool):
+            self.fail(where, f"expected an integer, got {json.dumps(v)[:40]}")
+        if v < minimum:
+            self.fail(where, f"{v} is less than the minimum of {minimum}")
+        if v > maximum:
+            self.fail(where, f"{v} is greater than the maximum of {maximum}",
+                      "shape.too_large" if maximum == MAX_ELEMENTS - 1 else "manifest.schema")
+        return v
+
+    def shape(self, v: Any, where: str, *, minimum: int = 0) -> tuple[int, ...]:
+        if not isinstance(v, list):
+            self.fail(where, "expected an array of integers")
+        if len(v) > MAX_RANK:
+            self.fail(where, f"more than {MAX_RANK} dimensions")
+        return tuple(self.count(x, f"{where}/{i}", minimum=minimum) for i, x in enumerate(v))
+
+    def key_part(self, v: Any, where: str) -> str | int:
+        if isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)):
+            return v
+        self.fail(where, "a key part is a string or an integer")
+
+    def key(self, v: Any, where: str) -> Key:
+        if not isinstance(v, list):
+            self.fail(where, "expected an array of key parts")
+        return tuple(self.key_part(x, f"{where}/{i}") for i, x in enumerate(v))
+
+    def node(self, v: Any, where: str) -> None:
+        stack = [(v, where)]
+        while stack:
+            n, at = stack.pop()
+            self.object(n, at, ("kind",), None)
+            kind = n["kind"]
+            if kind == "dict":
+                self.object(n, at, ("items",), ("kind", "items"))
+                items = self.list_(n["items"], f"{at}/items")
+                for i, item in enumerate(items):
+                    if not isinstance(item, list) or len(item) != 2:
+                        self.fail(f"{at}/items/{i}", "a dict item is a [key, node] pair")
+                    self.key_part(item[0], f"{at}/items/{i}/0")
+                    stack.append((item[1], f"{at}/items/{i}/1"))
+            elif kind in ("list", "tuple"):
+                self.object(n, at, ("items",), ("kind", "items"))
+                stack.extend((x, f"{at}/items/{i}") for i, x in enumerate(self.list_(n["items"], f"{at}/items")))
+            elif kind == "namedtuple":
+                self.object(n, at, ("name", "fields", "items"), ("kind", "name", "fields", "items"))
+                self.string(n["name"], f"{at}/name")
+                for i, f in enumerate(self.list_(n["fields"], f"{at}/fields")):
+                    self.string(f, f"{at}/fields/{i}")
+                stack.extend((x, f"{at}/items/{i}") for i, x in enumerate(self.list_(n["items"], f"{at}/items")))
+            elif kind == "leaf":
+                self.object(n, at, ("index",), ("kind", "index"))
+                self.count(n["index"], f"{at}/index", maximum=2**53 - 1)
+            else:
+                self.fail(f"{at}/kind", f"unknown node kind {kind!r}")
+
+    def list_(self, v: Any, where: str) -> list:
+        if not isinstance(v, list):
+            self.fail(where, f"expected an array, got {type(v).__name__}")
+        return v
+
+    def segment(self, v: Any, where: str) -> StoredArray:
+        self.object(v, where, ("path", "offset", "shape", "chunk_shape", "inner_chunk_shape"),
+                    ("path", "offset", "shape", "chunk_shape", "inner_chunk_shape"))
+        return StoredArray(self.string(v["path"], f"{where}/path", nonempty=True),
+                           self.shape(v["offset"], f"{where}/offset"), self.shape(v["shape"], f"{where}/shape"),
+                           self.shape(v["chunk_shape"], f"{where}/chunk_shape", minimum=1),
+                           self.shape(v["inner_chunk_shape"], f"{where}/inner_chunk_shape", minimum=1))
+
+    def entry(self, raw: Any, where: str, version: str) -> Entry:
+        self.leaf = None
+        self.object(raw, where, ("key", "kind"), None)
+        key = self.key(raw["key"], f"{where}/key")
+        self.leaf = key_str(key)
+        if raw["kind"] == "value":
+            self.object(raw, where, ("type",), ("key", "kind", "type", "orbax_path"))
+            if raw["type"] not in _VALUE_TYPES:
+                self.fail(f"{where}/type", f"{raw['type']!r} is not one of {list(_VALUE_TYPES)}")
+            orbax = raw.get("orbax_path")
+            if orbax is not None:
+                self.string(orbax, f"{where}/orbax_path", nonempty=True)
+            return ValueEntry(key, raw["type"], orbax)
+        if raw["kind"] != "array":
+            self.fail(f"{where}/kind", f"{raw['kind']!r} is neither 'array' nor 'value'")
+        common = ("key", "kind", "path", "shape", "dtype", "storage_dtype", "compression", "sharding")
+        segmented = version != "1.0" and "segments" in raw
+        if segmented:
+            self.object(raw, where, ("path", "shape", "dtype", "storage_dtype", "segments", "compression"),
+                        common + ("segments",))
+        else:
+            self.object(raw, where, ("path", "shape", "dtype", "storage_dtype", "chunk_shape",
+                                     "inner_chunk_shape", "compression"), common + ("chunk_shape", "inner_chunk_shape"))
+        path = self.string(raw["path"], f"{where}/path", nonempty=True)
+        shape = self.shape(raw["shape"], f"{where}/shape")
+        dtype = self.string(raw["dtype"], f"{where}/dtype")
+        storage_dtype = self.string(raw["storage_dtype"], f"{where}/storage_dtype")
+        if raw["compression"] not in ("none", "zstd"):
+            self.fail(f"{where}/compression", f"{raw['compression']!r} is not one of ['none', 'zstd']")
+        sharding = raw.get("sharding")
+        if sharding is not None and not isinstance(sharding, dict):
+            self.fail(f"{where}/sharding", "expected an object or null")
+        try:
+            dtypes.numpy_dtype(dtype)
+        except XckptError as exc:
+            raise ManifestError(exc.message, code="dtype.unsupported", file=self.file, leaf=self.leaf) from None
+        if storage_dtype != dtypes.storage_name(dtype):
+            raise ManifestError(f"storage_dtype {storage_dtype!r} does not match dtype {dtype!r}",
+                                code="dtype.mismatch", file=self.file, leaf=self.leaf)
+        if segmented:
+            segs = self.list_(raw["segments"], f"{where}/segments")
+            if not segs:
+                self.fail(f"{where}/segments", "a segmented leaf has at least one segment")
+            segments = tuple(self.segment(s, f"{where}/segments/{i}") for i, s in enumerate(segs))
+            e = ArrayEntry(key, path, shape, dtype, storage_dtype, (), (), raw["compression"], sharding, segments)
+        else:
+            e = ArrayEntry(key, path, shape, dtype, storage_dtype,
+                           self.shape(raw["chunk_shape"], f"{where}/chunk_shape", minimum=1),
+                           self.shape(raw["inner_chunk_shape"], f"{where}/inner_chunk_shape", minimum=1),
+                           raw["compression"], sharding)
+        check_shape(e, self.file)
+        return e
+
+
+def parse(data: bytes, *, file: str = names.MANIFEST) -> Manifest:
+    """Parse and check manifest bytes; raise a specific :class:`~xckpt.errors.XckptError` on any defect."""
     try:
         obj = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -134,27 +329,40 @@ def parse(data: bytes, *, file: str = naming.MANIFEST) -> Manifest:
     if obj.get("format") != FORMAT:
         raise ManifestError(f"format is {obj.get('format')!r}, expected 'xckpt'", code="manifest.format",
                             file=file)
-    if obj.get("version") not in SUPPORTED_VERSIONS:
-        raise VersionError(f"format version {obj.get('version')!r} is not supported "
+    version = obj.get("version")
+    if version not in SUPPORTED_VERSIONS:
+        raise VersionError(f"format version {version!r} is not supported "
                            f"(this reader supports {', '.join(SUPPORTED_VERSIONS)})", file=file)
     if _depth(obj.get("tree")) > MAX_DEPTH:
         raise ManifestError(f"tree nests deeper than {MAX_DEPTH} levels", code="manifest.tree", file=file)
-    _check_schema(obj, file)
-    leaves: list[Entry] = []
-    for i, raw in enumerate(obj["leaves"]):
-        key = tuple(raw["key"])
-        if raw["kind"] == "array":
-            leaves.append(_array_entry(raw, key, file))
-        else:
-            leaves.append(ValueEntry(key, raw["type"], raw.get("orbax_path")))
-    m = Manifest(tree=obj["tree"], leaves=leaves, producer=obj["producer"], values=obj.get("values"),
-                 metadata=obj.get("metadata", {}), version=obj["version"])
+    p = _Parser(file)
+    p.object(obj, "<root>", ("format", "version", "producer", "tree", "leaves"),
+             ("format", "version", "producer", "tree", "leaves", "values", "metadata"))
+    producer = p.object(obj["producer"], "producer", ("library", "library_version"), None)
+    for k in ("library", "library_version", "framework", "framework_version"):
+        if k in producer:
+            p.string(producer[k], f"producer/{k}")
+    p.node(obj["tree"], "tree")
+    leaves = [p.entry(raw, f"leaves/{i}", version) for i, raw in enumerate(p.list_(obj["leaves"], "leaves"))]
+    p.leaf = None
+    values = obj.get("values")
+    if values is not None:
+        p.object(values, "values", ("path", "size", "crc32c"), ("path", "size", "crc32c"))
+        if values["path"] != names.VALUES:
+            p.fail("values/path", f"expected {names.VALUES!r}")
+        p.count(values["size"], "values/size")
+        p.count(values["crc32c"], "values/crc32c", maximum=2**32 - 1)
+    metadata = obj.get("metadata", {})
+    if not isinstance(metadata, dict):
+        p.fail("metadata", "expected an object")
+    m = Manifest(tree=obj["tree"], leaves=leaves, producer=producer, values=values, metadata=metadata,
+                 version=version)
     check_consistency(m, file)
     return m
 
 
 def _depth(node: Any) -> int:
-    """Longest key of any node of a tree, computed without recursion (checked before the schema)."""
+    """Longest key of any node of a tree, computed without recursion (checked before anything else)."""
     deepest, stack = 0, [(node, 0)]
     while stack and deepest <= MAX_DEPTH:
         n, d = stack.pop()
@@ -166,82 +374,44 @@ def _depth(node: Any) -> int:
     return deepest
 
 
-def _check_schema(obj: dict[str, Any], file: str) -> None:
-    validator = jsonschema.Draft202012Validator(schema())
-    errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path))
-    if errors:
-        err = _explain(max(errors, key=jsonschema.exceptions.relevance))
-        where = "/".join(str(p) for p in err.absolute_path) or "<root>"
-        leaf = None
-        path = list(err.absolute_path)
-        if len(path) >= 2 and path[0] == "leaves" and isinstance(path[1], int):
-            raw_key = obj["leaves"][path[1]].get("key") if isinstance(obj["leaves"][path[1]], dict) else None
-            leaf = key_str(tuple(raw_key)) if isinstance(raw_key, list) else None
-        code = "shape.too_large" if any(_is_size_error(e) for e in errors) else "manifest.schema"
-        raise (ShapeError if code == "shape.too_large" else ManifestError)(
-            f"manifest does not match the schema at {where}: {err.message[:300]}",
-            code=code, file=file, leaf=leaf)
-
-
-def _explain(err: jsonschema.ValidationError) -> jsonschema.ValidationError:
-    """Below a oneOf, the error of the branch whose ``kind`` matched, for a useful message."""
-    while err.context:
-        branches: dict[Any, list[jsonschema.ValidationError]] = {}
-        for e in err.context:
-            branches.setdefault(e.relative_schema_path[0] if e.relative_schema_path else None, []).append(e)
-        matching = [b for b in branches.values() if not any(list(e.relative_path) == ["kind"] for e in b)]
-        pool = matching[0] if len(matching) == 1 else list(err.context)
-        err = max(pool, key=jsonschema.exceptions.relevance)
-    return err
-
-
-def _is_size_error(err: jsonschema.ValidationError) -> bool:
-    """Whether the error (or one below a oneOf) is a dimension above 2**53 - 1."""
-    if err.validator == "maximum" and any(p in ("shape", "chunk_shape", "inner_chunk_shape")
-                                          for p in err.absolute_path):
-        return True
-    return any(_is_size_error(e) for e in err.context or ())
-
-
-def _array_entry(raw: dict[str, Any], key: Key, file: str) -> ArrayEntry:
-    leaf = key_str(key)
-    try:
-        dtypes.numpy_dtype(raw["dtype"])
-    except XckptError as exc:
-        raise ManifestError(exc.message, code="dtype.unsupported", file=file, leaf=leaf) from None
-    if raw["storage_dtype"] != dtypes.storage_name(raw["dtype"]):
-        raise ManifestError(f"storage_dtype {raw['storage_dtype']!r} does not match dtype {raw['dtype']!r}",
-                            code="dtype.mismatch", file=file, leaf=leaf)
-    entry = ArrayEntry(key=key, path=raw["path"], shape=tuple(raw["shape"]), dtype=raw["dtype"],
-                       storage_dtype=raw["storage_dtype"], chunk_shape=tuple(raw["chunk_shape"]),
-                       inner_chunk_shape=tuple(raw["inner_chunk_shape"]), compression=raw["compression"],
-                       sharding=raw.get("sharding"))
-    check_shape(entry, file)
-    return entry
-
-
-def check_shape(e: ArrayEntry, file: str = naming.MANIFEST) -> None:
+def check_shape(e: ArrayEntry, file: str = names.MANIFEST) -> None:
     """Sanity of an array entry's shape and chunking, before any byte is read or allocated."""
     leaf = key_str(e.key)
     rank = len(e.shape)
-    if len(e.chunk_shape) != rank or len(e.inner_chunk_shape) != rank:
-        raise ShapeError(f"shape {list(e.shape)}, chunk_shape {list(e.chunk_shape)} and inner_chunk_shape "
-                         f"{list(e.inner_chunk_shape)} differ in rank", code="shape.rank", file=file, leaf=leaf)
     numel = math.prod(e.shape)
     if numel > MAX_ELEMENTS or numel * dtypes.itemsize(e.dtype) > MAX_ELEMENTS:
         raise ShapeError(f"shape {list(e.shape)} has {numel} elements, more than the format allows (2**53 bytes)",
                          code="shape.too_large", file=file, leaf=leaf)
-    if any(c % i for c, i in zip(e.chunk_shape, e.inner_chunk_shape)):
-        raise ShapeError(f"inner_chunk_shape {list(e.inner_chunk_shape)} does not divide chunk_shape "
-                         f"{list(e.chunk_shape)}", code="shape.chunking", file=file, leaf=leaf)
-    if math.prod(grid_shape(e.shape, e.chunk_shape)) > MAX_CHUNKS:
-        raise ShapeError(f"chunk_shape {list(e.chunk_shape)} splits shape {list(e.shape)} into more than "
-                         f"{MAX_CHUNKS} objects", code="shape.too_many_chunks", file=file, leaf=leaf)
-    if math.prod(e.chunk_shape) * dtypes.itemsize(e.dtype) > MAX_ELEMENTS:
-        raise ShapeError("chunk is too large", code="shape.too_large", file=file, leaf=leaf)
+    seen: set[str] = set()
+    for a in e.arrays():
+        if len(a.chunk_shape) != rank or len(a.inner_chunk_shape) != rank or len(a.offset) != rank \
+                or len(a.shape) != rank:
+            raise ShapeError(f"shape {list(e.shape)}, chunk_shape {list(a.chunk_shape)} and inner_chunk_shape "
+                             f"{list(a.inner_chunk_shape)} differ in rank", code="shape.rank", file=file, leaf=leaf)
+        if any(c % i for c, i in zip(a.chunk_shape, a.inner_chunk_shape)):
+            raise ShapeError(f"inner_chunk_shape {list(a.inner_chunk_shape)} does not divide chunk_shape "
+                             f"{list(a.chunk_shape)}", code="shape.chunking", file=file, leaf=leaf)
+        if math.prod(grid_shape(a.shape, a.chunk_shape)) > MAX_CHUNKS:
+            raise ShapeError(f"chunk_shape {list(a.chunk_shape)} splits shape {list(a.shape)} into more than "
+                             f"{MAX_CHUNKS} objects", code="shape.too_many_chunks", file=file, leaf=leaf)
+        if math.prod(a.chunk_shape) * dtypes.itemsize(e.dtype) > MAX_ELEMENTS:
+            raise ShapeError("chunk is too large", code="shape.too_large", file=file, leaf=leaf)
+        if e.segments is not None:
+            name = a.path[len(e.path) + 1:]
+            if not name.isdigit() or name in seen:
+                raise UnsafePathError(f"segment path {name!r} must be a decimal number, once",
+                                      file=file, leaf=leaf)
+            seen.add(name)
+            if not a.region.within(e.shape):
+                raise ShapeError(f"segment {a.offset}+{a.shape} lies outside shape {list(e.shape)}",
+                                 code="shape.segments", file=file, leaf=leaf)
+    if e.segments is not None:
+        why = check_tiling(e.shape, [a.region for a in e.arrays()])
+        if why is not None:
+            raise ShapeError(f"segments do not tile the leaf: {why}", code="shape.segments", file=file, leaf=leaf)
 
 
-def check_consistency(m: Manifest, file: str = naming.MANIFEST) -> None:
+def check_consistency(m: Manifest, file: str = names.MANIFEST) -> None:
     """Check that tree, leaves and paths agree with each other."""
     keys_in_tree: dict[int, Key] = {}
     for key, node in iter_nodes(m.tree):
@@ -275,10 +445,11 @@ def check_consistency(m: Manifest, file: str = naming.MANIFEST) -> None:
 
 def _check_path(path: str, key: Key, paths: dict[str, Key], file: str) -> None:
     leaf = key_str(key)
-    naming.check_relative(path, file=file, leaf=leaf)
-    if "/" in path or path in naming.RESERVED:
+    names.check_relative(path, file=file, leaf=leaf)
+    if "/" in path or path in names.RESERVED:
         raise UnsafePathError(f"array path {path!r} must be one plain name, not reserved", file=file, leaf=leaf)
     if path in paths:
         raise ManifestError(f"path {path!r} is used by two leaves", code="manifest.path_collision",
                             file=file, leaf=leaf)
     paths[path] = key
+

@@ -2,9 +2,7 @@
 
 :meth:`Mapping.apply` resolves every rule against the stored manifest (no array
 data is read), checks shapes, conflicts and unmatched rules, and returns a
-:class:`MappedCheckpoint`: the same interface as :class:`xckpt.sources.native.Checkpoint`
-(``loc``, ``format``, ``manifest``, ``values()``, ``open_array(entry)``), whose
-manifest lists the target keys with their shapes and dtypes after the transforms
+:class:`MappedCheckpoint`, a :class:`~xckpt.sources.base.Source` whose manifest lists the target keys with their shapes and dtypes after the transforms
 and whose arrays are lazy TensorStore views of the stored ones.
 """
 
@@ -17,15 +15,18 @@ from typing import Any, Callable, Iterable, Sequence, Union
 
 import tensorstore as ts
 
+from xckpt.engine.read import ReadRequest
+from xckpt.engine.views import read_views
 from xckpt.format import dtypes
 from xckpt.format.manifest import ArrayEntry, Entry, Manifest, ValueEntry
-from xckpt.engine.regions import Region
+from xckpt.format.regions import Region
 from xckpt.format.tree import Key, Node, key_str
 from xckpt.mapping.errors import MappingError
 from xckpt.mapping.patterns import render
 from xckpt.mapping.rules import Rule
 from xckpt.mapping.transforms import Layout, Transform, TransformError
 from xckpt.mapping.virtual import same_view
+from xckpt.sources.detect import open_checkpoint
 
 
 class RuleSource:
@@ -92,15 +93,15 @@ class MappedCheckpoint:
 
         return _when_all(futures, build)
 
-    def refuse_links(self, entry: ArrayEntry, regions: Any) -> None:
-        """Refuse symbolic links in the stored arrays a target leaf is read from (all their chunks:
-        the regions are in target coordinates)."""
-        check = getattr(self.base, "refuse_links", None)
-        if check is None:
-            return
-        for i in self._plans[entry.key].sources:
-            src = self.base.manifest.leaves[i]
-            check(src, [Region.full(src.shape)])
+    def read(self, requests: Sequence[ReadRequest], *, precheck: bool = False) -> int:
+        """Fill each request's output from the transformed views (the stored arrays' objects are checked
+        to be plain files when each view is opened)."""
+        read_views(requests, self.open_array, lambda e: self.origin(e.key) or str(self.loc))
+        return sum(r.out.nbytes for r in requests)
+
+    def close(self) -> None:
+        """Close the stored checkpoint."""
+        self.base.close()
 
     def origin(self, key: Key) -> str:
         """Where a target leaf comes from (for messages); empty for an unknown key."""
@@ -193,7 +194,6 @@ class Mapping(RuleSource):
 
     def plan(self, path: Any) -> MappedCheckpoint:
         """Open the checkpoint at ``path`` and apply the mapping (to inspect it: ``.describe()``)."""
-        from xckpt.sources.native import open_checkpoint
         return self.apply(open_checkpoint(path))
 
 

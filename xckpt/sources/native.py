@@ -1,98 +1,137 @@
-"""Opening a stored checkpoint for reading: its manifest, its values, its arrays.
+"""A committed xckpt checkpoint, opened for reading: its manifest, its values, its arrays.
 
-:func:`open_checkpoint` returns a :class:`Checkpoint` whatever wrote it: xckpt, or
-Orbax (zarr v2, zarr v3, OCDBT; see :mod:`xckpt.interop.orbax`).
+Every byte is read through the checkpoint's :class:`~xckpt.engine.storage.Store`: no
+link is followed and nothing but a regular file is opened. Arrays are read by the engine
+(:func:`xckpt.engine.read.read_regions`), straight into the caller's buffers;
+:meth:`NativeCheckpoint.open_array` also offers each leaf as a TensorStore view, for
+mappings that transform arrays lazily.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
-import google_crc32c
+import crc32c
 import tensorstore as ts
 
-from xckpt.format import zarr as arrays, manifest as manifest_mod, names as naming, values as values_mod
-from xckpt.engine import storage
-from xckpt.errors import DataError, IntegrityError, ManifestError, NotACheckpointError, UnsafePathError, XckptError
+from xckpt.engine.read import ReadRequest, read_regions
+from xckpt.engine.storage import Location, Store
+from xckpt.errors import DataError, IntegrityError, ManifestError, NotACheckpointError, XckptError
+from xckpt.format import manifest as manifest_format, names, values as values_format, zarr
 from xckpt.format.manifest import ArrayEntry, Manifest, ValueEntry
-from xckpt.engine.regions import Region, chunks_of
-from xckpt.engine.storage import Location
+from xckpt.format.regions import chunk_indices
 from xckpt.format.tree import key_str
+from xckpt.engine.views import context
 
 
-class Checkpoint:
+class NativeCheckpoint:
     """A committed xckpt checkpoint, opened for reading."""
 
     format = "xckpt"
 
-    def __init__(self, loc: Location, manifest: Manifest) -> None:
+    def __init__(self, loc: Location, store: Store, manifest: Manifest) -> None:
         self.loc = loc
+        self.store = store
         self.manifest = manifest
         self._values: dict[int, Any] | None = None
 
     def values(self) -> dict[int, Any]:
         """Value leaves by leaf index, checked against the manifest's size and crc32c."""
         if self._values is None:
-            self._values = read_values(self.loc, self.manifest)
+            self._values = read_values(self.loc, self.store, self.manifest)
         return self._values
 
-    def array_spec(self, entry: ArrayEntry) -> dict[str, Any]:
-        """The TensorStore spec that opens ``entry``, checked against its ``zarr.json``."""
-        meta = arrays.zarr_metadata(entry.shape, entry.storage_dtype, entry.chunk_shape,
-                                    entry.inner_chunk_shape, entry.compression)
-        spec = arrays.spec(self.loc, entry.path, meta)
-        spec["fill_missing_data_reads"] = False
-        return spec
+    def read(self, requests: Sequence[ReadRequest], *, precheck: bool = False) -> int:
+        """Fill each request's output (storage dtype) from the stored arrays; returns the bytes read.
+
+        ``precheck`` opens every object and checks its index before any output is written.
+        """
+        return read_regions(self.store, requests, lambda name: str(self.loc.child(name)), precheck=precheck)
 
     def open_array(self, entry: ArrayEntry) -> "ts.Future[ts.TensorStore]":
-        """Start opening an array leaf."""
-        return ts.open(self.array_spec(entry), open=True, read=True, context=arrays.context())
+        """A TensorStore view of an array leaf (segments concatenated), after checking that every object
+        it may read is a regular file inside the checkpoint."""
+        parts = []
+        for a in entry.arrays():
+            for name in [f"{a.path}/{zarr.METADATA}"] + [f"{a.path}/{zarr.chunk_key(i)}"
+                                                         for i in chunk_indices(a.shape, a.chunk_shape)]:
+                try:
+                    blob = self.store.open(name)  # refuses links and special files
+                except XckptError as exc:
+                    raise exc.at(leaf=key_str(entry.key)) from None
+                if blob is not None:
+                    blob.close()
+            meta = zarr.zarr_metadata(a.shape, entry.storage_dtype, a.chunk_shape, a.inner_chunk_shape,
+                                      entry.compression)
+            spec = {"driver": "zarr3", "kvstore": self.loc.kvstore(a.path), "fill_missing_data_reads": False,
+                    "metadata": {k: v for k, v in meta.items() if k not in ("zarr_format", "node_type")}}
+            parts.append((a, ts.open(spec, open=True, read=True, context=context())))
+        if len(parts) == 1:
+            return parts[0][1]
+        return _concat(entry, parts)
 
-    def refuse_links(self, entry: ArrayEntry, regions: Sequence[Region]) -> None:
-        """A reader does not follow links: refuse one on the path to any chunk these regions read.
-
-        Only the objects the read touches are checked (xckpt layout on local file systems).
-        """
-        if not self.loc.is_local or self.format != "xckpt":
-            return
-        base = os.path.join(self.loc.local_path, entry.path)
-        paths = {base, os.path.join(base, "zarr.json"), os.path.join(base, "c")}
-        for region in regions:
-            for idx in chunks_of(region, entry.chunk_shape) if entry.shape else [()]:
-                parts = [str(i) for i in idx]
-                paths.update(os.path.join(base, "c", *parts[:n]) for n in range(1, len(parts) + 1))
-        for path in sorted(paths):
-            if os.path.islink(path):
-                raise UnsafePathError(f"{path} is a symbolic link; a checkpoint holds plain files only",
-                                      code="path.link", file=path, leaf=key_str(entry.key))
+    def close(self) -> None:
+        """Release the store's open directories."""
+        self.store.close()
 
 
-def read_manifest(loc: Location) -> Manifest:
+def _concat(entry: ArrayEntry, parts: list[tuple[Any, Any]]) -> "ts.Future[ts.TensorStore]":
+    """The segments of a leaf joined into one view (along each dimension in turn)."""
+    promise, future = ts.Promise.new()
+
+    def done() -> None:
+        try:
+            stores = {a.offset: f.result()[ts.d[:].translate_to[a.offset]] for a, f in parts}
+            promise.set_result(_join(stores, len(entry.shape)))
+        except Exception as exc:  # noqa: BLE001 - handed to the future
+            promise.set_exception(exc)
+
+    remaining = [len(parts)]
+    for _, f in parts:
+        def one(_: Any) -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                done()
+        f.add_done_callback(one)
+    return future
+
+
+def _join(stores: dict[tuple[int, ...], Any], rank: int, dim: int = 0) -> Any:
+    """Concatenate boxes that tile a grid: group by the offset along ``dim``, join the rest, then along ``dim``."""
+    if dim == rank or len(stores) == 1:
+        return next(iter(stores.values()))
+    rows: dict[int, dict[tuple[int, ...], Any]] = {}
+    for off, s in stores.items():
+        rows.setdefault(off[dim], {})[off] = s
+    joined = [_join(rows[o], rank, dim + 1) for o in sorted(rows)]
+    return joined[0] if len(joined) == 1 else ts.concat(joined, axis=dim)
+
+
+def read_manifest(loc: Location, store: Store) -> Manifest:
     """Read and check the manifest at ``loc``."""
-    data = storage.read_bytes(loc, naming.MANIFEST)
+    data = store.read(names.MANIFEST)
     if data is None:
-        raise NotACheckpointError(f"{loc} holds no committed xckpt checkpoint (no {naming.MANIFEST})",
-                                  file=str(loc.child(naming.MANIFEST)))
-    return manifest_mod.parse(data, file=str(loc.child(naming.MANIFEST)))
+        raise NotACheckpointError(f"{loc} holds no committed xckpt checkpoint (no {names.MANIFEST})",
+                                  file=str(loc.child(names.MANIFEST)))
+    return manifest_format.parse(data, file=str(loc.child(names.MANIFEST)))
 
 
-def read_values(loc: Location, m: Manifest) -> dict[int, Any]:
+def read_values(loc: Location, store: Store, m: Manifest) -> dict[int, Any]:
     """Read, verify and decode ``values.msgpack``."""
     if m.values is None:
         return {}
-    file = str(loc.child(naming.VALUES))
-    blob = storage.read_bytes(loc, naming.VALUES)
+    file = str(loc.child(names.VALUES))
+    blob = store.read(names.VALUES)
     if blob is None:
         raise DataError("values file is missing", code="values.missing", file=file)
     if len(blob) != m.values["size"]:
         raise DataError(f"values file has {len(blob)} bytes, the manifest says {m.values['size']}",
                         code="values.size", file=file)
-    if google_crc32c.value(blob) != m.values["crc32c"]:
+    if crc32c.crc32c(blob) != m.values["crc32c"]:
         raise IntegrityError("values file crc32c does not match the manifest", code="values.crc32c", file=file)
     try:
-        decoded = values_mod.decode(blob)
-    except (ValueError, XckptError, Exception) as exc:  # msgpack raises several types
+        decoded = values_format.decode(blob)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several types
         raise ManifestError(f"values file cannot be decoded: {exc}", code="values.invalid", file=file) from exc
     if not isinstance(decoded, dict):
         raise ManifestError("values file is not a map", code="values.invalid", file=file)
@@ -103,57 +142,13 @@ def read_values(loc: Location, m: Manifest) -> dict[int, Any]:
                 raise DataError("value is missing from the values file", code="values.missing", file=file,
                                 leaf=key_str(e.key))
             v = decoded[i]
-            if values_mod.value_type(v) != e.type:
-                raise ManifestError(f"value has type {values_mod.value_type(v)}, the manifest says {e.type}",
+            if values_format.value_type(v) != e.type:
+                raise ManifestError(f"value has type {values_format.value_type(v)}, the manifest says {e.type}",
                                     code="values.type", file=file, leaf=key_str(e.key))
             out[i] = v
     return out
 
 
-def _has(loc: Location, name: str) -> bool:
-    return storage.read_bytes(loc, name, slice(0, 0)) is not None
-
-
-def open_checkpoint(path: Any) -> Checkpoint:
-    """Open the checkpoint at ``path``: xckpt, or one written by Orbax.
-
-    An Orbax ``CheckpointManager`` step directory (``<root>/<step>/default/``) is
-    opened through its single ``default`` item.
-    """
-    loc = Location.of(path)
-    if not _has(loc, naming.MANIFEST) and not _has(loc, naming.ORBAX_METADATA):
-        item = loc.child("default")
-        if _has(item, naming.MANIFEST) or _has(item, naming.ORBAX_METADATA):
-            loc = item
-    if not _has(loc, naming.MANIFEST) and _has(loc, naming.ORBAX_METADATA):
-        from xckpt.interop.orbax.checkpoint import open_orbax
-        return open_orbax(loc)
-    return Checkpoint(loc, read_manifest(loc))
-
-
-def translate(exc: BaseException, entry: ArrayEntry, file: str) -> XckptError:
-    """Turn a TensorStore error about an array into a specific xckpt error (the validator's codes)."""
-    if isinstance(exc, XckptError):
-        return exc
-    text = str(exc)
-    leaf = key_str(entry.key)
-    if "Error opening" in text:  # the array's metadata (zarr.json), before any chunk is read
-        if "does not exist" in text or "NOT_FOUND" in text:
-            return DataError(f"array metadata is missing: {text[:400]}", code="array.metadata_missing",
-                             file=file, leaf=leaf)
-        if "Invalid JSON" in text or "JSON" in text and "DATA_LOSS" in text:
-            return DataError(f"array metadata is not valid JSON: {text[:400]}", code="array.metadata_json",
-                             file=file, leaf=leaf)
-        return DataError(f"array metadata does not match the manifest: {text[:400]}",
-                         code="array.metadata_mismatch", file=file, leaf=leaf)
-    if "Digest mismatch" in text or "checksum" in text.lower():
-        return IntegrityError(f"crc32c mismatch: {text[:400]}", code="chunk.crc32c", file=file, leaf=leaf)
-    if "is missing" in text or "NOT_FOUND" in text:
-        return DataError(f"array data is missing: {text[:400]}", code="chunk.missing", file=file, leaf=leaf)
-    if "size of" in text or "DATA_LOSS" in text or "OUT_OF_RANGE" in text:
-        return DataError(f"array data is truncated or corrupt: {text[:400]}", code="chunk.truncated",
-                         file=file, leaf=leaf)
-    if "FAILED_PRECONDITION" in text or "does not match" in text:
-        return DataError(f"array metadata does not match the manifest: {text[:400]}",
-                         code="array.metadata_mismatch", file=file, leaf=leaf)
-    return DataError(f"cannot read array: {text[:400]}", code="array.read", file=file, leaf=leaf)
+def open_native(loc: Location, store: Store) -> NativeCheckpoint:
+    """Open the xckpt checkpoint at ``loc``."""
+    return NativeCheckpoint(loc, store, read_manifest(loc, store))

@@ -12,10 +12,9 @@ import numpy as np
 import tensorstore as ts
 
 from xckpt.format import dtypes, names as naming
-from xckpt.engine import storage
+from xckpt.engine.storage import Location, Store
 from xckpt.errors import DataError, ManifestError, UnsupportedError, XckptWarning
 from xckpt.format.manifest import ArrayEntry, Entry, ValueEntry
-from xckpt.engine.storage import Location
 from xckpt.format.tree import key_str
 from xckpt.interop.orbax.metadata import NONE_TYPES, OCDBT_MANIFEST, Record
 
@@ -160,12 +159,12 @@ def entry_for(ckpt: OrbaxCheckpoint, rec: Record, info: ArrayInfo | None,
                            leaf=key_str(rec.key))
 
 
-def read_shardings(loc: Location) -> dict[str, dict[str, Any]]:
+def read_shardings(loc: Location, store: Store) -> dict[str, dict[str, Any]]:
     """Mesh shape, axis names and per-dimension axes of each array, from Orbax's ``_sharding`` (best effort).
 
     Orbax ignores ``_sharding`` when restoring onto a target, so a damaged file is not an error here.
     """
-    raw = storage.read_bytes(loc, naming.ORBAX_SHARDING)
+    raw = store.read(naming.ORBAX_SHARDING)
     if raw is None:
         return {}
     try:

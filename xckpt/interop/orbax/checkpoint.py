@@ -1,7 +1,7 @@
 """Reading checkpoints written by Orbax, without jax: zarr v2 or v3, with or without OCDBT.
 
 :func:`open_orbax` turns an Orbax checkpoint directory into a
-:class:`~xckpt.sources.native.Checkpoint` whose manifest is built from Orbax's ``_METADATA``:
+:class:`~xckpt.sources.base.Source` whose manifest is built from Orbax's ``_METADATA``:
 
 * the tree comes from each record's ``key_metadata`` (``key_type`` 1: sequence, 2: dict);
   tuples and namedtuples are recovered when the optional rich ``value_metadata_tree`` is there;
@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import json
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import tensorstore as ts
 
-from xckpt import convert as convert_mod
-from xckpt.format import manifest as manifest_mod, names as naming
-from xckpt.engine import storage
+from xckpt.engine.copy import copy_checkpoint
+from xckpt.engine.read import ReadRequest
+from xckpt.engine.storage import Location, Store
+from xckpt.engine.views import read_views, translate
 from xckpt.errors import DataError, ManifestError, NotACheckpointError, XckptWarning
+from xckpt.format import manifest as manifest_mod, names as naming
 from xckpt.format.manifest import ArrayEntry, Entry, Manifest, ValueEntry
-from xckpt.sources.native import Checkpoint, translate
-from xckpt.engine.storage import Location
 from xckpt.format.tree import key_str
 
 from xckpt.interop.orbax.arrays import ARRAY_TYPES, entry_for, read_array_infos, read_shardings
@@ -47,14 +47,17 @@ STRINGS = "_strings.json"
 _OCDBT_CACHE_BYTES = 32 << 20
 
 
-class OrbaxCheckpoint(Checkpoint):
-    """A checkpoint written by Orbax, opened for reading through the xckpt interface."""
+class OrbaxCheckpoint:
+    """A checkpoint written by Orbax, opened for reading as a :class:`~xckpt.sources.base.Source`."""
 
     format = "orbax"
 
-    def __init__(self, loc: Location, manifest: Manifest, *, zarr3: bool, ocdbt: bool,
+    def __init__(self, loc: Location, store: Store, manifest: Manifest, *, zarr3: bool, ocdbt: bool,
                  strict_fill: bool) -> None:
-        super().__init__(loc, manifest)
+        self.loc = loc
+        self.store = store
+        self.manifest = manifest
+        self._values: dict[int, Any] | None = None
         self.zarr3 = zarr3
         self.ocdbt = ocdbt
         self.strict_fill = strict_fill
@@ -92,6 +95,15 @@ class OrbaxCheckpoint(Checkpoint):
         """Start opening an array leaf (or the 0-d array of a scalar) for reading."""
         return ts.open(self.array_spec(entry), open=True, read=True, context=self._context)
 
+    def read(self, requests: Sequence[ReadRequest], *, precheck: bool = False) -> int:
+        """Fill each request's output through TensorStore, as Orbax itself reads."""
+        read_views(requests, self.open_array, lambda e: str(self.loc.child(e.path)))
+        return sum(r.out.nbytes for r in requests)
+
+    def close(self) -> None:
+        """Release the store."""
+        self.store.close()
+
     def metadata_file(self, name: str) -> str:
         """The display path of an array's zarr metadata file (inside OCDBT when it is used)."""
         meta = "zarr.json" if self.zarr3 else ".zarray"
@@ -101,16 +113,17 @@ class OrbaxCheckpoint(Checkpoint):
 def open_orbax(path: Any) -> OrbaxCheckpoint:
     """Open the Orbax checkpoint at ``path`` (a directory holding ``_METADATA``) for reading."""
     loc = Location.of(path)
+    store = loc.store()
     meta_file = str(loc.child(naming.ORBAX_METADATA))
-    raw = storage.read_bytes(loc, naming.ORBAX_METADATA)
+    raw = store.read(naming.ORBAX_METADATA)
     if raw is None:
         raise NotACheckpointError(f"{loc} holds no Orbax checkpoint (no {naming.ORBAX_METADATA})",
                                   code="orbax.missing", file=meta_file)
     meta = parse_metadata(raw, meta_file)
-    if storage.read_bytes(loc, naming.COMMIT, slice(0, 0)) is None:
+    if not store.exists(naming.COMMIT):
         warnings.warn(f"{loc}: {naming.COMMIT} is missing; Orbax treats this checkpoint as unfinished",
                       XckptWarning, stacklevel=3)
-    has_ocdbt = storage.read_bytes(loc, OCDBT_MANIFEST, slice(0, 0)) is not None
+    has_ocdbt = store.exists(OCDBT_MANIFEST)
     if meta.get("use_ocdbt") is True and not has_ocdbt:
         raise DataError(f"_METADATA says use_ocdbt but {OCDBT_MANIFEST} is missing (an unfinished or "
                         "unmerged multi-process save?)", code="orbax.ocdbt_missing",
@@ -127,12 +140,12 @@ def open_orbax(path: Any) -> OrbaxCheckpoint:
                       "store_array_data_equal_to_fill_value": bool(meta.get("store_array_data_equal_to_fill_value")),
                       "custom_metadata": meta.get("custom_metadata")}}
     placeholder = Manifest(tree=tree, leaves=[], producer=producer, metadata=info)
-    ckpt = OrbaxCheckpoint(loc, placeholder, zarr3=zarr3, ocdbt=has_ocdbt,
+    ckpt = OrbaxCheckpoint(loc, store, placeholder, zarr3=zarr3, ocdbt=has_ocdbt,
                            strict_fill=bool(meta.get("store_array_data_equal_to_fill_value")))
     stored = [r for r in ordered if r.value_type in ARRAY_TYPES + ("scalar",) and not r.skip]
     check_names(stored, meta_file)
     arrays = read_array_infos(ckpt, stored)
-    shardings = read_shardings(loc)
+    shardings = read_shardings(loc, store)
     leaves: list[Entry] = []
     for rec in ordered:
         leaves.append(entry_for(ckpt, rec, arrays.get(rec.name), shardings.get(rec.name)))
@@ -161,7 +174,7 @@ def read_values(ckpt: OrbaxCheckpoint) -> dict[int, Any]:
             scalars.append((i, e, entry, ckpt.open_array(entry)))
         elif e.type == "str":
             if strings is None:
-                strings = _strings(ckpt.loc)
+                strings = _strings(ckpt.loc, ckpt.store)
             out[i] = _string(ckpt.loc, strings, e)
         else:
             out[i] = None
@@ -180,9 +193,9 @@ def read_values(ckpt: OrbaxCheckpoint) -> dict[int, Any]:
     return out
 
 
-def _strings(loc: Location) -> dict[str, Any]:
+def _strings(loc: Location, store: Store) -> dict[str, Any]:
     file = str(loc.child(STRINGS))
-    raw = storage.read_bytes(loc, STRINGS)
+    raw = store.read(STRINGS)
     if raw is None:
         raise DataError(f"{STRINGS} is missing but _METADATA lists string leaves", code="orbax.strings_missing",
                         file=file)
@@ -211,7 +224,12 @@ def _string(loc: Location, strings: dict[str, Any], e: ValueEntry) -> str:
 
 def orbax_to_xckpt(src: str, dst: str, *, overwrite: bool = False) -> None:
     """Convert the Orbax checkpoint at ``src`` into an xckpt checkpoint at ``dst``, leaf by leaf."""
-    convert_mod.copy_checkpoint(open_orbax(src), dst, overwrite=overwrite)
+    ckpt = open_orbax(src)
+    try:
+        copy_checkpoint(ckpt, dst, overwrite=overwrite)
+    finally:
+        ckpt.close()
 
 
-convert_mod.register_converter("orbax", "xckpt", orbax_to_xckpt)
+#: The converters this module offers (entry point ``xckpt.converters``: ``orbax``).
+CONVERTERS = {("orbax", "xckpt"): orbax_to_xckpt}

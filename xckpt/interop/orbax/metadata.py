@@ -11,13 +11,13 @@ from typing import Any
 
 
 from xckpt.format import names as naming
+from xckpt.format.orbax_view import KEY_DICT, KEY_SEQUENCE
 from xckpt.errors import ManifestError, UnsafePathError, UnsupportedError
 from xckpt.format.tree import Key, Node, key_str
 
 
 OCDBT_MANIFEST = "manifest.ocdbt"
 #: Orbax's ``key_type`` of a sequence index and of a dict key.
-KEY_SEQUENCE, KEY_DICT = 1, 2
 
 
 EMPTY_TYPES = {"Dict": "dict", "List": "list", "Tuple": "tuple", "NamedTuple": "namedtuple"}

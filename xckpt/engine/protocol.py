@@ -1,0 +1,388 @@
+"""The collective save protocol: describe, plan, write, commit.
+
+1. :func:`prepare` (collective): flatten the tree, describe every leaf, agree on a plan.
+   Every process sends a 16-byte digest of its descriptors to the coordinating process,
+   which checks the target and either reuses the plan of an identical earlier save or asks
+   one process per distinct digest for its descriptors, plans, and answers each process.
+2. :func:`write` (no collective): this process writes its chunk objects and the
+   ``zarr.json`` of the arrays whose first chunk it writes.
+3. :func:`commit` (collective): every process reports how its writes went (and its
+   values); the coordinating process writes the values, the Orbax view, the manifest and
+   the commit marker, and moves the checkpoint into place.
+
+Every step that exchanges messages goes through :mod:`xckpt.engine.collective`, so a
+failure anywhere fails the save on every process with every failing rank's error.
+An asynchronous save runs step 2 and the coordinating process's part of step 3 in the
+background (:mod:`xckpt.engine.background`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from xckpt import registry
+from xckpt.engine import collective
+from xckpt.engine.collective import Coordinator
+from xckpt.engine.commit import (SaveOptions, array_metadata, check_target, commit_failed, publish, remove,
+                                 temporary_sibling, write_commit_files)
+from xckpt.engine.plan import Descriptors, GlobalPlan, LeafDesc, LocalPlan, digest, local_plan, plan_save
+from xckpt.engine.storage import Location
+from xckpt.engine.write import ChunkWriter
+from xckpt.errors import CoordinationError, SaveError, TreeError, XckptError
+from xckpt.format import dtypes, shard, values as values_format, zarr
+from xckpt.format.manifest import Manifest
+from xckpt.format.regions import Region
+from xckpt.format.tree import Value, flatten, key_str
+from xckpt.registry import ArraySource, Shard
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+#: Plans kept for reuse by later saves of the same structure (per process).
+_PLAN_CACHE = 4
+
+
+@dataclass
+class Prepared:
+    """One process's save after planning: what it holds, what it writes, where."""
+
+    final: Location
+    tmp: Location
+    coord: Coordinator
+    options: SaveOptions
+    descs: Descriptors
+    sources: list[Any]  # by leaf position: an ArraySource, or the value
+    local: LocalPlan
+    plan: GlobalPlan | None  # the coordinating process's global plan
+    representative: bool  # this process sends its group's values at the commit
+    stats: dict[str, Any] = field(default_factory=dict)
+    bytes_written: int = 0
+
+    @property
+    def what(self) -> str:
+        """How messages name this save."""
+        return f"save to {self.final}"
+
+
+# -- step 1: describe and plan -------------------------------------------------------------------
+
+
+def _source(key: Any, obj: Any) -> tuple[Any, LeafDesc]:
+    if isinstance(obj, Value):
+        return obj.value, LeafDesc(key, "value", value_type=values_format.value_type(obj.value))
+    if isinstance(obj, _SCALARS) and not isinstance(obj, np.generic):  # np.float64 subclasses float
+        return obj, LeafDesc(key, "value", value_type=values_format.value_type(obj))
+    make = registry.source_for(obj)
+    if make is None:
+        raise TreeError(f"cannot save a leaf of type {type(obj).__module__}.{type(obj).__qualname__}",
+                        code="tree.unsupported_leaf", leaf=key_str(key))
+    src: ArraySource = make(obj)
+    dtypes.numpy_dtype(src.dtype)
+    shape = tuple(int(s) for s in src.shape)
+    if src.layout is not None:
+        return src, LeafDesc(key, "array", shape, src.dtype, sharding=src.sharding, layout=src.layout)
+    return src, LeafDesc(key, "array", shape, src.dtype, tuple(s.region for s in src.shards), sharding=src.sharding)
+
+
+def describe(tree: Any) -> tuple[Descriptors, list[Any]]:
+    """Flatten ``tree`` and describe each leaf; returns the descriptors and each leaf's source or value."""
+    structure, leaves = flatten(tree, registry.save_view)
+    descs, sources = [], []
+    for key, obj in leaves:
+        src, desc = _source(key, obj)
+        sources.append(src)
+        descs.append(desc)
+    return Descriptors(structure, descs), sources
+
+
+class _Plans:
+    """Plans of earlier saves, for a save of the same structure (each process keeps its own part)."""
+
+    def __init__(self) -> None:
+        self.local: OrderedDict[bytes, tuple[dict[str, Any], LocalPlan]] = OrderedDict()
+        self.root: OrderedDict[tuple[bytes, ...], GlobalPlan] = OrderedDict()
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def _put(cache: OrderedDict, key: Any, value: Any) -> None:
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > _PLAN_CACHE:
+            cache.popitem(last=False)
+
+
+_plans = _Plans()
+
+
+def _digest(wire: bytes, coord: Coordinator, opts: SaveOptions) -> bytes:
+    salt = f"{coord.world_size}/{opts.inner_chunk_bytes}/".encode()
+    return digest(salt + wire)
+
+
+def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
+            options: SaveOptions | None = None) -> Prepared:
+    """Collective step 1: describe the tree and agree on a plan. Every process calls it."""
+    registry.autoload()
+    coord = coordinator or registry.default_coordinator() or collective.LocalCoordinator()
+    opts = options or SaveOptions()
+    final = Location.of(path)
+    what = f"save to {final}"
+    started = time.perf_counter()
+    described: dict[str, Any] = {}
+
+    def describe_local() -> dict[str, Any]:
+        opts.check()
+        descs, sources = describe(tree)
+        wire = descs.to_wire()
+        d = _digest(wire, coord, opts)
+        described.update(descs=descs, sources=sources, wire=wire, digest=d)
+        with _plans.lock:
+            cached = d in _plans.local
+        return {"digest": d, "cached": cached}
+
+    reports = collective.gather_step(coord, what, describe_local)
+    decided: dict[str, Any] = {}
+
+    def decide() -> dict[str, Any]:
+        assert reports is not None
+        check_target(final, opts)
+        digests = tuple(r["digest"] for r in reports)
+        with _plans.lock:
+            plan = _plans.root.get(digests) if all(r["cached"] for r in reports) else None
+        decided["plan"] = plan
+        reps: dict[bytes, int] = {}
+        for rank, d in enumerate(digests):
+            reps.setdefault(d, rank)
+        decided["digests"] = digests
+        return {"tmp": temporary_sibling(final).url, "reuse": plan is not None, "reps": sorted(reps.values())}
+
+    decision = collective.decide_step(coord, what, decide if coord.rank == collective.ROOT else None)
+    d = described["digest"]
+    representative = coord.rank in decision["reps"]
+    plan: GlobalPlan | None = decided.get("plan")
+    if decision["reuse"]:
+        with _plans.lock:
+            answer, local = _plans.local[d]
+    else:
+        sent = collective.gather_step(coord, what, lambda: described["wire"] if representative else None)
+
+        def make_plan() -> list[dict[str, Any]]:
+            assert sent is not None
+            digests = decided["digests"]
+            members: dict[bytes, list[int]] = {}
+            for rank, dg in enumerate(digests):
+                members.setdefault(dg, []).append(rank)
+            order = list(members)
+            groups = [(members[dg], Descriptors.from_wire(sent[members[dg][0]])) for dg in order]
+            global_plan, answers = plan_save(groups, coord.world_size, inner_chunk_bytes=opts.inner_chunk_bytes)
+            decided["plan"] = global_plan
+            with _plans.lock:
+                _plans._put(_plans.root, digests, global_plan)
+            by_digest = dict(zip(order, answers))
+            return [by_digest[dg] for dg in digests]
+
+        answer = collective.answer_step(coord, what, make_plan if coord.rank == collective.ROOT else None)
+        plan = decided.get("plan")
+        local = collective.agree_step(coord, what, lambda: local_plan(described["descs"], answer, coord.rank))
+        assert local is not None
+        with _plans.lock:
+            _plans._put(_plans.local, d, (answer, local))
+    p = Prepared(final, Location(decision["tmp"]), coord, opts, described["descs"], described["sources"], local,
+                 plan, representative)
+    p.stats["plan_s"] = time.perf_counter() - started
+    p.stats["plan_reused"] = bool(decision["reuse"])
+    return p
+
+
+# -- step 2: write -------------------------------------------------------------------------------
+
+
+def held_shards(p: Prepared) -> dict[tuple[int, Any], Shard]:
+    """The shard this process holds for each box it writes, its device-to-host copy started."""
+    out: dict[tuple[int, Any], Shard] = {}
+    for t in p.local.tasks:
+        if (t.leaf, t.piece) in out:
+            continue
+        src = p.sources[t.leaf]
+        shard = next((s for s in src.shards if s.region == t.piece), None)
+        if shard is None:
+            raise SaveError(f"the plan has this process write {t.piece.offsets}+{t.piece.sizes}, which it does "
+                            "not hold", leaf=key_str(p.descs.leaves[t.leaf].key))
+        out[(t.leaf, t.piece)] = shard
+    for shard in out.values():
+        if shard.prefetch is not None:
+            shard.prefetch()
+    return out
+
+
+def storage_view(data: Any, shape: tuple[int, ...], dtype: str, leaf: str) -> np.ndarray:
+    """Fetched shard data checked against its box and logical dtype, as its storage dtype."""
+    arr = np.asarray(data)
+    if tuple(arr.shape) != shape or dtypes.logical_name(arr.dtype) != dtype:
+        raise SaveError(f"shard data has shape {arr.shape} and dtype {arr.dtype}, expected {shape} {dtype}",
+                        leaf=leaf)
+    return arr.view(np.uint8) if dtypes.is_raw(dtype) else arr
+
+
+ChunkJob = tuple[str, shard.Geometry, np.ndarray, str]  # (object name, geometry, data, leaf)
+
+
+def plan_chunks(local: LocalPlan, descs: Descriptors, fetch: Callable[[int, Region], Any],
+                compression: str) -> Iterator[ChunkJob]:
+    """Every chunk a process writes, its data cut from what ``fetch(leaf position, box)`` gives.
+
+    A generator: each box is fetched when its first chunk is reached and dropped after its last
+    (the plan lists a box's chunks together), so a writer that waits for room bounds the memory.
+    """
+    current: tuple[int, Region] | None = None
+    data: np.ndarray | None = None
+    for t in local.tasks:
+        d = descs.leaves[t.leaf]
+        leaf = key_str(d.key)
+        if current != (t.leaf, t.piece):
+            current, data = (t.leaf, t.piece), None
+            data = storage_view(fetch(t.leaf, t.piece), t.piece.sizes, d.dtype, leaf)
+        assert data is not None
+        layout = local.leaves[t.leaf]
+        seg, inner = layout.segments[t.segment]
+        geom = zarr.geometry(dtypes.storage_name(d.dtype), seg.chunk, inner, compression)
+        yield layout.object_name(t.segment, t.index), geom, data[t.box.relative_to(t.piece).slices()], leaf
+
+
+def chunk_jobs(p: Prepared) -> Iterator[ChunkJob]:
+    """Every chunk this process writes, its data fetched to the host as the caller goes."""
+    shards = held_shards(p)
+    return plan_chunks(p.local, p.descs, lambda pos, piece: shards[(pos, piece)].fetch(), p.options.compression)
+
+
+def metadata_files(p: Prepared) -> list[tuple[str, bytes]]:
+    """The ``zarr.json`` files this process writes (of the arrays whose first chunk it writes)."""
+    return zarr_files(p.local, p.descs, p.options.compression)
+
+
+def zarr_files(local: LocalPlan, descs: Descriptors, compression: str) -> list[tuple[str, bytes]]:
+    """The ``zarr.json`` files a process writes: of the arrays whose first chunk it writes."""
+    return [array_metadata(local.leaves[pos], descs.leaves[pos].dtype, seg, compression)
+            for pos, seg in local.metadata]
+
+
+def write(p: Prepared) -> int:
+    """Step 2: write every chunk object and ``zarr.json`` assigned to this process; returns the array bytes."""
+    started = time.perf_counter()
+    store = p.tmp.store(create=True)
+    try:
+        with ChunkWriter(store, p.options.max_inflight_bytes) as w:
+            for name, data in metadata_files(p):
+                w.file(name, data)
+            for name, geom, data, leaf in chunk_jobs(p):
+                w.chunk(name, geom, data, leaf)
+        store.sync()
+    finally:
+        store.close()
+    p.bytes_written = w.bytes_written
+    p.stats["write_s"] = time.perf_counter() - started
+    return w.bytes_written
+
+
+# -- step 3: commit ------------------------------------------------------------------------------
+
+
+def local_values(p: Prepared) -> dict[int, Any]:
+    """This process's value leaves, by position in its descriptors."""
+    return {i: p.sources[i] for i, d in enumerate(p.descs.leaves) if d.kind == "value"}
+
+
+def report(p: Prepared, values: dict[int, Any]) -> dict[str, Any]:
+    """What this process reports at the commit: its bytes written, and its values (a representative of
+    its group) or their digest."""
+    blob = values_format.encode(values)
+    return {"bytes": p.bytes_written, "values": blob if p.representative else None,
+            "values_digest": hashlib.blake2b(blob, digest_size=16).digest()}
+
+
+def merge_values(plan: GlobalPlan, statuses: list[dict[str, Any]]) -> dict[int, Any]:
+    """Every value leaf by global index, from each group's representative; processes must agree."""
+    out: dict[int, Any] = {}
+    source: dict[int, int] = {}
+    for g, ranks in enumerate(plan.groups):
+        rep = statuses[ranks[0]]
+        digest_ = rep["values_digest"]
+        differ = [r for r in ranks if statuses[r]["values_digest"] != digest_]
+        if differ:
+            raise CoordinationError(f"ranks {ranks[0]} and {differ[0]} save different values under the same keys; "
+                                    "values must be equal on every process that holds them")
+        for pos, value in values_format.decode(rep["values"]).items():
+            i = plan.positions[g][pos]
+            if i in out:
+                if values_format.encode(out[i]) != values_format.encode(value):
+                    raise CoordinationError(f"ranks {source[i]} and {ranks[0]} save different values",
+                                            leaf=key_str(plan.keys[i]))
+                continue
+            out[i], source[i] = value, ranks[0]
+    return out
+
+
+def finish(p: Prepared, statuses: list[dict[str, Any]]) -> Manifest:
+    """The coordinating process's commit, from every process's :func:`report`: values, Orbax view,
+    manifest, marker, then the move into place."""
+    assert p.plan is not None
+    p.stats["bytes_per_rank"] = [s["bytes"] for s in statuses]
+    values = merge_values(p.plan, statuses)
+    store = p.tmp.store(create=True)
+    try:
+        manifest = write_commit_files(store, p.plan, values, p.options)
+    finally:
+        store.close()
+    publish(p.tmp, p.final, overwrite=p.options.overwrite)
+    return manifest
+
+
+def commit(p: Prepared, local_error: BaseException | None = None) -> Manifest | None:
+    """Collective step 3: agree that every write succeeded, then commit.
+
+    Returns the manifest on the coordinating process, None on the others. On failure nothing
+    is committed, the temporary data is removed, and every process raises the same error.
+    """
+    started = time.perf_counter()
+    values = local_values(p)
+    result: dict[str, Any] = {}
+
+    def root(statuses: list[dict[str, Any]]) -> None:
+        result["manifest"] = finish(p, statuses)
+
+    try:
+        try:
+            statuses = collective.gather_step(p.coord, p.what, lambda: _report_or_raise(p, values, local_error))
+            collective.decide_step(p.coord, p.what, (lambda: root(statuses))  # type: ignore[arg-type]
+                                   if p.coord.rank == collective.ROOT else None)
+        except BaseException:
+            if p.coord.rank == collective.ROOT:
+                remove(p.tmp)
+            raise
+    except XckptError as exc:
+        raise commit_failed(p.final, exc) from exc
+    p.stats["commit_s"] = time.perf_counter() - started
+    return result.get("manifest")
+
+
+def _report_or_raise(p: Prepared, values: dict[int, Any], error: BaseException | None) -> dict[str, Any]:
+    if error is not None:
+        raise error
+    return report(p, values)
+
+
+def save(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
+         options: SaveOptions | None = None) -> Manifest | None:
+    """Prepare, write and commit (see the module docstring)."""
+    p = prepare(tree, path, coordinator=coordinator, options=options)
+    error: BaseException | None = None
+    try:
+        write(p)
+    except Exception as exc:  # noqa: BLE001 - every process must reach the commit
+        error = exc
+    return commit(p, error)

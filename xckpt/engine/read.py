@@ -1,0 +1,260 @@
+"""How bytes move on load: regions of xckpt arrays read straight into the caller's buffers.
+
+A request names an array leaf, a region of it and an output array of the region's shape
+(any strides: a slice of a preallocated tensor is fine). :func:`read_regions` finds the
+chunk objects the regions touch, and on a few threads opens each object once, checks its
+index (:func:`xckpt.format.shard.parse_index`), reads only the inner chunks the requests
+need, checks each one's crc32c and copies the needed part into the outputs. An inner chunk
+that an output needs whole and contiguous is read straight into it. Host memory beyond the
+outputs is one inner chunk per thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from xckpt.engine.storage import Blob, Store
+from xckpt.engine.write import io_threads
+from xckpt.errors import DataError, IntegrityError, XckptError
+from xckpt.format import shard, zarr as zarr_format
+from xckpt.format.manifest import ArrayEntry, StoredArray
+from xckpt.format.regions import Region, chunks_of, intersect
+from xckpt.format.tree import key_str
+
+#: Objects at most this large are read with one request.
+SMALL_OBJECT = 64 << 10
+_CRC = 4
+
+
+@dataclass
+class ReadRequest:
+    """Read ``region`` of array leaf ``entry`` into ``out`` (the region's shape, the storage dtype)."""
+
+    entry: ArrayEntry
+    region: Region
+    out: np.ndarray
+
+
+@dataclass
+class _Part:
+    inner: int  # inner chunk number
+    src: tuple[slice, ...]  # in the inner chunk
+    out: np.ndarray  # the destination view
+    whole: bool  # the destination is exactly the whole inner chunk, contiguous
+
+
+@dataclass
+class _Object:
+    name: str
+    geom: shard.Geometry
+    valid: tuple[int, ...]
+    entry: ArrayEntry
+    parts: list[_Part]
+
+    @property
+    def leaf(self) -> str:
+        """The leaf it belongs to, for messages."""
+        return key_str(self.entry.key)
+
+
+@dataclass
+class _Array:
+    path: str
+    expected: dict
+    entry: ArrayEntry
+
+    @property
+    def leaf(self) -> str:
+        """The leaf it belongs to, for messages."""
+        return key_str(self.entry.key)
+
+
+def _whole(req: ReadRequest, geom: shard.Geometry, a: StoredArray) -> bool:
+    """Whether a request reads the whole of an array that is one object of one inner chunk."""
+    return (req.region.offsets == a.offset and req.region.sizes == a.shape == a.chunk_shape == a.inner_chunk_shape)
+
+
+def _plan(requests: Sequence[ReadRequest]) -> tuple[list[_Object], list[_Array]]:
+    """The objects to open and, for each, which inner chunk parts go where; the arrays they belong to."""
+    objects: dict[str, _Object] = {}
+    arrays: dict[str, _Array] = {}
+    for req in requests:
+        e = req.entry
+        if req.region.is_empty():
+            continue
+        for a in e.arrays():
+            if a.path not in arrays:
+                arrays[a.path] = _Array(a.path, zarr_format.zarr_metadata(
+                    a.shape, e.storage_dtype, a.chunk_shape, a.inner_chunk_shape, e.compression), e)
+            geom = zarr_format.geometry(e.storage_dtype, a.chunk_shape, a.inner_chunk_shape, e.compression)
+            if _whole(req, geom, a):  # the usual small leaf: one object, one inner chunk, all of it
+                dst = req.out[(Ellipsis,)]
+                name = f"{a.path}/{zarr_format.chunk_key((0,) * len(a.shape))}"
+                whole = dst.flags.c_contiguous and geom.compression == "none" and dst.dtype == geom.le_dtype
+                objects[name] = _Object(name, geom, a.shape, e, [_Part(0, (Ellipsis,), dst, whole)])
+                continue
+            part = intersect(req.region, a.region)
+            if part is None:
+                continue
+            local = part.relative_to(a.region)
+            for idx in chunks_of(local, a.chunk_shape):
+                start = tuple(i * c for i, c in zip(idx, a.chunk_shape))
+                valid = tuple(min(c, n - s) for c, n, s in zip(a.chunk_shape, a.shape, start))
+                name = f"{a.path}/{zarr_format.chunk_key(idx)}"
+                obj = objects.get(name)
+                if obj is None:
+                    obj = objects[name] = _Object(name, geom, valid, e, [])
+                want = intersect(local, Region(start, valid))
+                if want is None:
+                    continue
+                for k, inner_start, sl in geom.inner_chunks(valid):
+                    ibox = Region(tuple(s + i for s, i in zip(start, inner_start)),
+                                  tuple(x.stop - x.start for x in sl))
+                    got = intersect(want, ibox)
+                    if got is None:
+                        continue
+                    src = tuple(slice(g - i, g - i + n) for g, i, n in zip(got.offsets, ibox.offsets, got.sizes))
+                    at = tuple(slice(g + a.offset[d] - req.region.offsets[d], g + a.offset[d] - req.region.offsets[d] + n)
+                               for d, (g, n) in enumerate(zip(got.offsets, got.sizes)))
+                    dst = req.out[at + (Ellipsis,)]
+                    whole = (got.sizes == geom.inner_shape and dst.flags.c_contiguous
+                             and geom.compression == "none" and dst.dtype == geom.le_dtype)
+                    obj.parts.append(_Part(k, src, dst, whole))
+    return list(objects.values()), list(arrays.values())
+
+
+def _check_array(store: Store, a: _Array, file: Callable[[str], str]) -> int:
+    """The array's ``zarr.json`` must say what the manifest says (other readers go by it)."""
+    name = f"{a.path}/{zarr_format.METADATA}"
+    try:
+        raw = store.read(name)
+    except XckptError as exc:
+        raise exc.at(leaf=a.leaf) from None
+    if raw is None:
+        raise DataError("array metadata (zarr.json) is missing", code="array.metadata_missing", file=file(name),
+                        leaf=a.leaf)
+    why = zarr_format.check_metadata(raw, a.expected)
+    if why is not None:
+        code = "array.metadata_json" if "JSON" in why else "array.metadata_mismatch"
+        raise DataError(why, code=code, file=file(name), leaf=a.leaf)
+    return len(raw)
+
+
+class _Scratch(threading.local):
+    buf: np.ndarray | None = None
+
+    def get(self, n: int) -> np.ndarray:
+        if self.buf is None or self.buf.size < n:
+            self.buf = np.empty(n, dtype=np.uint8)
+        return self.buf[:n]
+
+
+def _read_object(store: Store, obj: _Object, scratch: _Scratch, file: Callable[[str], str],
+                 fill: bool = True) -> int:
+    """Open one object, check its index, fill every part (unless ``fill`` is False); returns the bytes read."""
+    where = file(obj.name)
+    try:
+        blob = store.open(obj.name)
+    except XckptError as exc:
+        raise exc.at(leaf=obj.leaf) from None
+    if blob is None:
+        raise DataError("chunk object is missing", code="chunk.missing", file=where, leaf=obj.leaf)
+    geom = obj.geom
+    try:
+        whole = None
+        if blob.size is not None and blob.size <= SMALL_OBJECT:
+            whole = np.empty(blob.size, dtype=np.uint8)
+            blob.read_into(0, whole)
+            tail = whole[blob.size - geom.index_nbytes:] if blob.size >= geom.index_nbytes else whole
+        else:
+            tail = blob.read_tail(geom.index_nbytes)
+        size = blob.size if blob.size is not None else _size_bound(geom)
+        index = shard.parse_index(geom, tail, size, obj.valid)
+        done = whole.size if whole is not None else tail.size
+        if not fill:
+            return done
+        by_inner: dict[int, list[_Part]] = {}
+        for p in obj.parts:
+            by_inner.setdefault(p.inner, []).append(p)
+        for k, parts in by_inner.items():
+            off, nbytes = int(index[k, 0]), int(index[k, 1])
+            if whole is not None:
+                encoded = whole[off:off + nbytes]
+            elif len(parts) == 1 and parts[0].whole:
+                _read_direct(blob, off, nbytes, parts[0].out, geom)
+                done += nbytes
+                continue
+            else:
+                encoded = scratch.get(nbytes)
+                blob.read_into(off, encoded)
+                done += nbytes
+            payload = shard.open_inner(geom, encoded)
+            data = np.ndarray(geom.inner_shape, dtype=geom.le_dtype, buffer=payload)
+            for p in parts:
+                np.copyto(p.out, data[p.src], casting="equiv")
+        return done
+    except XckptError as exc:
+        raise exc.at(file=where, leaf=obj.leaf) from None
+    except OSError as exc:
+        raise DataError(f"cannot read: {exc.strerror or exc}", code="io.read", file=where, leaf=obj.leaf) from exc
+    finally:
+        blob.close()
+
+
+def _size_bound(geom: shard.Geometry) -> int:
+    """Where a store cannot tell an object's size: the largest a valid object can be."""
+    return geom.max_nbytes if geom.compression == "none" else 2**63 - 1
+
+
+def _read_direct(blob: Blob, off: int, nbytes: int, out: np.ndarray, geom: shard.Geometry) -> None:
+    """Read an uncompressed inner chunk straight into ``out``, then check its crc32c."""
+    raw = out.reshape(-1).view(np.uint8)
+    if nbytes != raw.size + _CRC:
+        raise DataError("inner chunk has the wrong size", code="chunk.size")
+    blob.read_into(off, raw)
+    crc = np.empty(_CRC, dtype=np.uint8)
+    blob.read_into(off + raw.size, crc)
+    if shard.checksum(raw) != int.from_bytes(crc.tobytes(), "little"):
+        raise IntegrityError("inner chunk crc32c does not match", code="chunk.crc32c")
+
+
+def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[str], str], *,
+                 precheck: bool = False, threads: int | None = None) -> int:
+    """Fill every request's ``out`` from the arrays in ``store``; returns the bytes read.
+
+    Raises a specific :class:`~xckpt.errors.XckptError` (naming the object and the leaf) for
+    a missing, truncated or corrupt object; outputs are then partly written. With
+    ``precheck``, every object is opened and its index checked before any output is written,
+    so only a corrupt inner chunk can stop the reads half way.
+    """
+    objects, arrays = _plan(requests)
+    if not objects:
+        return 0
+    scratch = _Scratch()
+    n = max(1, min(threads or io_threads(), len(objects)))
+    total = 0
+    with ThreadPoolExecutor(n, thread_name_prefix="xckpt-read") as ex:
+        for fill in ((False, True) if precheck else (True,)):
+            big = [o for o in objects if o.geom.max_nbytes >= SMALL_OBJECT]
+            futures = [ex.submit(_read_object, store, o, scratch, file, fill) for o in big]
+            first = None
+            try:  # small objects and metadata on this thread: their cost is Python, threads only contend
+                if not fill or not precheck:
+                    total += sum(_check_array(store, a, file) for a in arrays)
+                total += sum(_read_object(store, o, scratch, file, fill) for o in objects
+                             if o.geom.max_nbytes < SMALL_OBJECT)
+            except XckptError as exc:
+                first = exc
+            for f in futures:
+                try:
+                    total += f.result()
+                except XckptError as exc:
+                    first = first or exc
+            if first is not None:
+                raise first
+    return total

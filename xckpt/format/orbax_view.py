@@ -1,0 +1,109 @@
+"""The files that let plain Orbax restore an xckpt checkpoint without conversion.
+
+Orbax sees every array leaf (except the float8 family, stored as raw bytes, and so
+left out rather than misread) as an ``np.ndarray`` leaf: restored with no target it
+gives numpy, restored with a target of sharded ``jax.ShapeDtypeStruct`` it gives
+``jax.Array`` on that sharding. Numeric scalar values are mirrored as 0-d arrays,
+strings go to ``_strings.json``, None and empty containers are recorded as Orbax
+records them. ``bytes`` and ``complex`` values have no Orbax form and are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from xckpt.format import dtypes, names as naming, zarr
+from xckpt.format.manifest import ArrayEntry, Manifest
+from xckpt.format.tree import Key, iter_nodes
+
+#: ``key_type`` of an Orbax key: a sequence index, a dict key.
+KEY_SEQUENCE, KEY_DICT = 1, 2
+HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
+_SCALAR_DTYPES = {"bool": "bool", "int": "int64", "float": "float64"}
+
+
+def _tree_key(key: Key) -> str:
+    return str(tuple(str(k) for k in key))
+
+
+def _key_metadata(kinds: dict[Key, str], key: Key) -> list[dict[str, Any]]:
+    out = []
+    for depth, part in enumerate(key):
+        parent = kinds.get(key[:depth], "dict")
+        out.append({"key": str(part), "key_type": KEY_SEQUENCE if parent in ("list", "tuple") else KEY_DICT})
+    return out
+
+
+def _record(kinds: dict[Key, str], key: Key, value_type: str, skip: bool = False, **extra: Any) -> tuple[str, Any]:
+    meta = {"value_type": value_type, "skip_deserialize": skip}
+    meta.update(extra)
+    return _tree_key(key), {"key_metadata": _key_metadata(kinds, key), "value_metadata": meta}
+
+
+def metadata_json(m: Manifest, kinds: dict[Key, str] | None = None) -> dict[str, Any]:
+    """Orbax's ``_METADATA`` for a manifest (string values are added by :func:`files`).
+
+    Leaves Orbax cannot read as one array (raw float8 bytes, segmented leaves) are left out.
+    """
+    kinds = kinds if kinds is not None else node_kinds(m)
+    tree: dict[str, Any] = {}
+    for e in m.leaves:
+        if isinstance(e, ArrayEntry):
+            if not dtypes.is_raw(e.dtype) and e.segments is None:
+                k, v = _record(kinds, e.key, "np.ndarray", write_shape=list(e.chunk_shape))
+                tree[k] = v
+        elif e.orbax_path:
+            k, v = _record(kinds, e.key, "scalar")
+            tree[k] = v
+        elif e.type == "none":
+            k, v = _record(kinds, e.key, "None", True)
+            tree[k] = v
+    for key, node in iter_nodes(m.tree):
+        if node["kind"] in ("dict", "namedtuple", "list", "tuple") and not node["items"] and key:
+            k, v = _record(kinds, key, "Dict" if node["kind"] in ("dict", "namedtuple") else "List", True)
+            tree[k] = v
+    return {"tree_metadata": tree, "use_zarr3": True, "use_ocdbt": False,
+            "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
+
+
+def node_kinds(m: Manifest) -> dict[Key, str]:
+    """The kind of every container node of the manifest's tree, by key."""
+    return {k: n["kind"] for k, n in iter_nodes(m.tree)}
+
+
+def files(m: Manifest, string_values: dict[Key, str] | None = None) -> dict[str, bytes]:
+    """Every Orbax file of a manifest: ``_METADATA``, ``_CHECKPOINT_METADATA``, ``_strings.json``."""
+    kinds = node_kinds(m)
+    meta = metadata_json(m, kinds)
+    strings = {}
+    for key, text in (string_values or {}).items():
+        k, v = _record(kinds, key, "string")
+        meta["tree_metadata"][k] = v
+        strings[".".join(str(p) for p in key)] = text
+    now = time.time_ns()
+    out = {
+        naming.ORBAX_METADATA: json.dumps(meta, separators=(",", ":")).encode(),
+        naming.ORBAX_CHECKPOINT_METADATA: json.dumps({
+            "item_handlers": HANDLER, "metrics": {}, "performance_metrics": {},
+            "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}}).encode(),
+    }
+    if strings:
+        out["_strings.json"] = json.dumps(strings).encode()
+    return out
+
+
+def mirrors(value: Any) -> bool:
+    """Whether a value leaf gets a 0-d mirror array that Orbax restores as a scalar."""
+    if isinstance(value, bool) or isinstance(value, float):
+        return True
+    return isinstance(value, int) and -(2**63) <= value < 2**63
+
+
+def scalar_array(value: Any) -> tuple[dict[str, Any], np.ndarray]:
+    """The ``zarr.json`` and data of the 0-d array that mirrors a numeric value leaf for Orbax."""
+    storage_dtype = _SCALAR_DTYPES[type(value).__name__]
+    return zarr.zarr_metadata([], storage_dtype, [], []), np.asarray(value, dtype=storage_dtype)

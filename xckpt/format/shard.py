@@ -1,0 +1,206 @@
+"""One stored chunk object: Zarr v3's ``sharding_indexed`` codec, encoded and checked without TensorStore.
+
+An array's chunk is one object. Its bytes, as Zarr v3 (``index_location: end``) lays them out::
+
+    [inner chunk 0][inner chunk 1]...[index: n x (offset u64 LE, nbytes u64 LE)][crc32c of the index, u32 LE]
+
+Inner chunks are numbered in C order of the inner grid. Each encoded inner chunk is its
+payload (the elements in C order, little-endian; compressed by zstd when the array says so)
+followed by the crc32c of the payload (u32 LE); ``nbytes`` counts both. An index entry of
+two ``2**64 - 1`` marks an inner chunk that is not stored (only allowed wholly outside the array).
+
+Writing streams: :func:`encode_parts` yields the object one inner chunk at a time, each
+copied into a small buffer and checksummed while it is in the cache, so a writer never
+holds a whole object. Reading checks before it trusts: :func:`parse_index` verifies the
+index's crc32c and every entry against the object's size (no overlap, exact sizes when
+uncompressed), :func:`open_inner` verifies an inner chunk's crc32c.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import product
+from typing import Iterator
+
+import crc32c
+import numpy as np
+
+from xckpt.errors import DataError, IntegrityError, XckptError
+
+#: Index entry of an inner chunk that is not stored.
+MISSING = 2**64 - 1
+_CRC = 4
+
+
+def checksum(data: np.ndarray) -> int:
+    """The crc32c of a contiguous uint8 array (the GIL is released while it runs)."""
+    return crc32c.crc32c(data)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The encoding of one array's chunk objects: chunk and inner chunk shapes, element type, codec."""
+
+    chunk_shape: tuple[int, ...]
+    inner_shape: tuple[int, ...]
+    dtype: np.dtype  # the storage dtype
+    compression: str = "none"
+
+    @cached_property
+    def inner_grid(self) -> tuple[int, ...]:
+        """Number of inner chunks along each dimension."""
+        return tuple(c // i for c, i in zip(self.chunk_shape, self.inner_shape))
+
+    @cached_property
+    def n_inner(self) -> int:
+        """Number of inner chunks in one object."""
+        return math.prod(self.inner_grid)
+
+    @cached_property
+    def inner_nbytes(self) -> int:
+        """Payload bytes of one uncompressed inner chunk."""
+        return math.prod(self.inner_shape) * self.dtype.itemsize
+
+    @cached_property
+    def index_nbytes(self) -> int:
+        """Bytes of the index, its crc32c included."""
+        return self.n_inner * 16 + _CRC
+
+    @cached_property
+    def max_nbytes(self) -> int:
+        """Bytes of an uncompressed object with every inner chunk stored."""
+        return self.n_inner * (self.inner_nbytes + _CRC) + self.index_nbytes
+
+    @cached_property
+    def scratch_nbytes(self) -> int:
+        """Bytes of the buffer :func:`encode_parts` needs: one inner chunk and its checksum."""
+        return self.inner_nbytes + _CRC
+
+    @cached_property
+    def le_dtype(self) -> np.dtype:
+        """The storage dtype, little-endian (the byte order on disk)."""
+        return self.dtype.newbyteorder("<") if self.dtype.itemsize > 1 else self.dtype
+
+    def inner_chunks(self, valid: tuple[int, ...]) -> Iterator[tuple[int, tuple[int, ...], tuple[slice, ...]]]:
+        """``(number, start, slices)`` of every inner chunk intersecting the ``valid`` part of the
+        chunk (the chunk clipped to the array), ``slices`` clipped to it, in chunk coordinates."""
+        for k, g in enumerate(product(*(range(n) for n in self.inner_grid))):
+            start = tuple(gi * i for gi, i in zip(g, self.inner_shape))
+            if all(s < v for s, v in zip(start, valid)):
+                yield k, start, tuple(slice(s, min(s + i, v)) for s, i, v in zip(start, self.inner_shape, valid))
+
+    def payload_view(self, buf: np.ndarray, offset: int) -> np.ndarray:
+        """The inner chunk payload at ``offset`` of ``buf`` (uint8) as an array of the inner shape."""
+        raw = buf[offset:offset + self.inner_nbytes]
+        return np.ndarray(self.inner_shape, dtype=self.le_dtype, buffer=raw)
+
+
+def encode_parts(geom: Geometry, data: np.ndarray, scratch: np.ndarray) -> Iterator[np.ndarray]:
+    """The bytes of one chunk's object, inner chunk by inner chunk, then the index.
+
+    ``data`` is the chunk clipped to the array (every dimension at most the chunk's), in the
+    storage dtype; parts of inner chunks outside it are zero-filled and inner chunks wholly
+    outside it are not stored. Each inner chunk is copied into ``scratch`` (uint8, at least
+    ``inner_nbytes + 4``) and checksummed there while it is still in the cache; a yielded part
+    is only valid until the next one is asked for, so a writer writes each part as it comes.
+    """
+    valid = tuple(int(n) for n in data.shape)
+    index = np.full((geom.n_inner, 2), MISSING, dtype="<u8")
+    offset = 0
+    for k, _, sl in geom.inner_chunks(valid):
+        view = geom.payload_view(scratch, 0)
+        part = data[tuple(slice(s.start, s.stop) for s in sl) + (Ellipsis,)]
+        if part.shape != geom.inner_shape:
+            view[...] = 0
+            view[tuple(slice(0, s.stop - s.start) for s in sl)] = part
+        else:
+            np.copyto(view, part, casting="equiv")
+        payload = scratch[:geom.inner_nbytes]
+        if geom.compression == "zstd":
+            from xckpt.format.codecs import zstd_compress
+            packed = np.frombuffer(zstd_compress(payload), dtype=np.uint8)
+            encoded = np.empty(packed.size + _CRC, dtype=np.uint8)
+            encoded[:packed.size] = packed
+            encoded[packed.size:] = _le32(checksum(packed))
+        else:
+            encoded = scratch[:geom.inner_nbytes + _CRC]
+            encoded[geom.inner_nbytes:] = _le32(checksum(payload))
+        index[k] = (offset, encoded.size)
+        offset += encoded.size
+        yield encoded
+    raw_index = index.reshape(-1).view(np.uint8)
+    tail = np.empty(geom.index_nbytes, dtype=np.uint8)
+    tail[:-_CRC] = raw_index
+    tail[-_CRC:] = _le32(checksum(raw_index))
+    yield tail
+
+
+def _le32(value: int) -> np.ndarray:
+    return np.frombuffer(value.to_bytes(4, "little"), dtype=np.uint8)
+
+
+def encode(geom: Geometry, data: np.ndarray) -> np.ndarray:
+    """The whole object of one chunk (see :func:`encode_parts` for ``data``)."""
+    scratch = np.empty(geom.inner_nbytes + _CRC, dtype=np.uint8)
+    return np.concatenate([np.array(part, copy=True) for part in encode_parts(geom, data, scratch)])
+
+
+def parse_index(geom: Geometry, tail: bytes | np.ndarray, size: int, valid: tuple[int, ...], *,
+                file: str | None = None, leaf: str | None = None) -> np.ndarray:
+    """The checked ``(n, 2)`` index of an object of ``size`` bytes, from its last ``index_nbytes`` bytes.
+
+    Raises a specific error when the index's crc32c fails, an entry points outside the data
+    part of the object, two entries overlap, an uncompressed entry has the wrong size, or an
+    inner chunk that intersects the array (``valid``: the chunk clipped to it) is not stored.
+    """
+    if size < geom.index_nbytes:
+        raise DataError(f"object has {size} bytes, less than its {geom.index_nbytes}-byte shard index",
+                        code="chunk.truncated", file=file, leaf=leaf)
+    raw = np.frombuffer(tail, dtype=np.uint8) if isinstance(tail, bytes) else tail
+    if raw.size != geom.index_nbytes:
+        raise DataError("shard index is truncated", code="chunk.truncated", file=file, leaf=leaf)
+    body = raw[:-_CRC]
+    if checksum(body) != int.from_bytes(raw[-_CRC:].tobytes(), "little"):
+        raise IntegrityError("shard index crc32c does not match", code="chunk.crc32c", file=file, leaf=leaf)
+    index = body.view("<u8").reshape(-1, 2).astype(np.uint64)
+    data_end = size - geom.index_nbytes
+    present = (index[:, 0] != MISSING) | (index[:, 1] != MISSING)
+    need = np.zeros(geom.n_inner, dtype=bool)
+    for k, _, _ in geom.inner_chunks(valid):
+        need[k] = True
+    lost = np.nonzero(need & ~present)[0]
+    if lost.size:
+        raise DataError(f"inner chunk {int(lost[0])} is missing from the shard", code="chunk.missing",
+                        file=file, leaf=leaf)
+    offs, lens = index[present, 0], index[present, 1]
+    if np.any(lens < _CRC) or np.any(offs > data_end) or np.any(lens > data_end - np.minimum(offs, data_end)):
+        raise DataError(f"an inner chunk lies outside the {data_end} data bytes of the object",
+                        code="chunk.truncated", file=file, leaf=leaf)
+    if geom.compression == "none" and np.any(lens != geom.inner_nbytes + _CRC):
+        short = bool(np.any(lens < geom.inner_nbytes + _CRC))
+        raise DataError(f"an inner chunk does not have the {geom.inner_nbytes + _CRC} bytes of an uncompressed one",
+                        code="chunk.truncated" if short else "chunk.size", file=file, leaf=leaf)
+    order = np.argsort(offs, kind="stable")
+    if offs.size > 1 and np.any(offs[order][1:] < offs[order][:-1] + lens[order][:-1]):
+        raise DataError("two inner chunks of the shard overlap", code="chunk.overlap", file=file, leaf=leaf)
+    return index
+
+
+def open_inner(geom: Geometry, encoded: np.ndarray, *, file: str | None = None,
+               leaf: str | None = None) -> np.ndarray:
+    """The payload of one encoded inner chunk (uint8), its crc32c checked (and zstd undone)."""
+    payload = encoded[:-_CRC]
+    if checksum(payload) != int.from_bytes(encoded[-_CRC:].tobytes(), "little"):
+        raise IntegrityError("inner chunk crc32c does not match", code="chunk.crc32c", file=file, leaf=leaf)
+    if geom.compression == "zstd":
+        from xckpt.format.codecs import zstd_decompress
+        try:
+            payload = np.frombuffer(zstd_decompress(payload, geom.inner_nbytes), dtype=np.uint8)
+        except XckptError as exc:
+            raise DataError(exc.message, code=exc.code, file=file, leaf=leaf) from None
+    if payload.size != geom.inner_nbytes:
+        raise DataError(f"inner chunk holds {payload.size} bytes, expected {geom.inner_nbytes}",
+                        code="chunk.truncated", file=file, leaf=leaf)
+    return payload

@@ -1,0 +1,37 @@
+"""Which kind of stored checkpoint a path holds: :func:`open_checkpoint` opens it as a source."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xckpt.engine.storage import Location
+from xckpt.format import names
+from xckpt.interop.orbax.checkpoint import open_orbax
+from xckpt.sources.base import Source
+from xckpt.sources.native import open_native
+
+
+def open_checkpoint(path: Any) -> Source:
+    """Open the checkpoint at ``path``: xckpt, or one written by Orbax.
+
+    An Orbax ``CheckpointManager`` step directory (``<root>/<step>/default/``) is
+    opened through its single ``default`` item.
+    """
+    loc = Location.of(path)
+    store = loc.store()
+    if not store.exists(names.MANIFEST) and not store.exists(names.ORBAX_METADATA):
+        item = loc.child("default")
+        inner = item.store()
+        if inner.exists(names.MANIFEST) or inner.exists(names.ORBAX_METADATA):
+            store.close()
+            loc, store = item, inner
+        else:
+            inner.close()
+    if not store.exists(names.MANIFEST) and store.exists(names.ORBAX_METADATA):
+        store.close()
+        return open_orbax(loc)
+    try:
+        return open_native(loc, store)
+    except BaseException:
+        store.close()
+        raise
