@@ -15,7 +15,7 @@ import numpy as np
 
 from xckpt import registry
 from xckpt.engine.gcpause import paused_gc
-from xckpt.engine.read import ReadRequest
+from xckpt.engine.read import ReadRequest, empty
 from xckpt.errors import KeyMismatchError, ResourceError, ShapeError, XckptWarning
 from xckpt.format import dtypes
 from xckpt.format.manifest import ArrayEntry, Entry, ValueEntry
@@ -260,7 +260,7 @@ def _read(ckpt: Source, jobs: list[tuple[int, ArrayTarget]], max_bytes: int | No
         for k, p in enumerate(ps):
             same = p.dtype == p.entry.dtype
             if p.out is None and same:
-                raw = np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype))
+                raw = empty(p.region.sizes, dtypes.numpy_dtype(p.entry.storage_dtype))
                 direct.append(ReadRequest(p.entry, p.region, raw))
                 results[i][k] = _logical(raw, p.entry, p.dtype)
             elif p.out is not None and atomic:

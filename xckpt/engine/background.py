@@ -1,9 +1,11 @@
 """An asynchronous save: copy to the host now, write and commit in the background.
 
-:func:`start` runs the collective planning step, then copies every chunk this process
-writes into object buffers of its own (the caller may change, donate or free its arrays
-as soon as it returns), agrees with the other processes that the copy succeeded, and
-starts a background thread that writes the chunks and commits.
+:func:`start` runs the collective planning step, then copies the inner chunks of every
+chunk this process writes into host buffers of its own, in the order of the stored object
+(the caller may change, donate or free its arrays as soon as it returns), and starts a
+background thread that checksums and writes them, then commits. Staging is not collective:
+a process that fails to copy its shards reports it through its status file, and every
+process raises it from :meth:`Pending.wait`.
 
 The background thread never runs a collective of the job's coordinator (a
 ``torch.distributed`` or XLA collective from a second thread could interleave with the
@@ -39,28 +41,29 @@ COMMIT_TIMEOUT_S = 3600.0
 #: How often the coordinating process looks for status files, in seconds.
 POLL_S = 0.005
 
-Staged = list[tuple[str, shard.Geometry, np.ndarray, str]]  # (object name, geometry, host copy, leaf)
+#: ``(object name, geometry, gathered inner chunks, chunk shape clipped to the array, leaf)``
+Staged = list[tuple[str, shard.Geometry, np.ndarray, tuple[int, ...], str]]
 
 
 class _Buffers:
-    """Host buffers of the last asynchronous save's chunks, kept for the next one (same shapes)."""
+    """Host buffers of the last asynchronous save's chunks, kept for the next one (same sizes)."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
+        self._free: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()
 
-    def take(self, like: np.ndarray) -> np.ndarray:
-        """A buffer of ``like``'s shape and dtype."""
+    def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of ``nbytes``."""
         with self._lock:
-            free = self._free.get((like.shape, like.dtype.str))
+            free = self._free.get(nbytes)
             if free:
                 return free.pop()
-        return np.empty(like.shape, dtype=like.dtype)
+        return np.empty(nbytes, dtype=np.uint8)
 
     def give(self, buf: np.ndarray) -> None:
         """Keep a buffer for later."""
         with self._lock:
-            self._free.setdefault((buf.shape, buf.dtype.str), []).append(buf)
+            self._free.setdefault(buf.nbytes, []).append(buf)
 
     def clear(self) -> None:
         """Drop every kept buffer."""
@@ -80,13 +83,14 @@ class Pending:
     """An asynchronous save in flight on this process."""
 
     def __init__(self, p: Prepared, staged: Staged, values: dict[int, Any], status: Location,
-                 timeout_s: float) -> None:
+                 timeout_s: float, failure: BaseException | None = None) -> None:
         self.p = p
         self.path = str(p.final)
         self._staged = staged
         self._values = values
         self._status = status
         self._timeout_s = timeout_s
+        self._failure = failure  # staging failed: nothing to write, only to report
         self._error: BaseException | None = None
         self._outcome: dict[str, Any] = {"error": None}
         self.manifest: Any = None
@@ -123,12 +127,12 @@ class Pending:
             with ChunkWriter(store, p.options.max_inflight_bytes) as w:
                 for name, data in protocol.metadata_files(p):
                     w.file(name, data)
-                for name, geom, buf, leaf in self._staged:
-                    w.chunk(name, geom, buf, leaf)
+                for name, geom, buf, valid, leaf in self._staged:
+                    w.staged(name, geom, buf, valid, leaf)
             store.sync()
         finally:
             store.close()
-            for _, _, buf, _ in self._staged:
+            for _, _, buf, _, _ in self._staged:
                 _staging.give(buf)
             self._staged = []
         p.bytes_written = w.bytes_written
@@ -137,6 +141,8 @@ class Pending:
         p = self.p
         status: dict[str, Any]
         try:
+            if self._failure is not None:
+                raise self._failure
             self._write()
             status = protocol.report(p, self._values)
         except BaseException as exc:  # noqa: BLE001 - reported through the status files and wait()
@@ -146,14 +152,22 @@ class Pending:
             self._commit([status])
             return
         try:
-            self._status.store(create=True).write(f"rank-{p.coord.rank}", collective.pack(status))
+            self._status.store(create=True).write(f"rank-{p.coord.rank}", collective.pack(status), atomic=True)
         except BaseException as exc:  # noqa: BLE001
             self._error = self._error or commit_failed(p.final, exc)
             if p.coord.rank == 0:
                 self._commit(None)
             return
         if p.coord.rank == 0:
-            self._commit(self._collect())
+            try:
+                statuses = self._collect()
+            except BaseException as exc:  # noqa: BLE001 - a status file that cannot be read
+                self._fail(exc)
+                statuses = None
+            if statuses is not None:
+                self._commit(statuses)
+            else:
+                remove(self._status)
 
     def _collect(self) -> list[dict[str, Any]] | None:
         world = self.p.coord.world_size
@@ -200,32 +214,32 @@ def stage(p: Prepared) -> tuple[Staged, dict[int, Any]]:
     staged: Staged = []
     try:
         for name, geom, data, leaf in protocol.chunk_jobs(p):
-            buf = _staging.take(data)
-            staged.append((name, geom, buf, leaf))
-            np.copyto(buf, data)
+            buf = _staging.take(geom.gathered_nbytes)
+            staged.append((name, geom, buf, tuple(int(n) for n in data.shape), leaf))
+            shard.gather(geom, data, buf)
         values = copy.deepcopy(protocol.local_values(p))
     except BaseException:
-        for _, _, buf, _ in staged:
+        for _, _, buf, _, _ in staged:
             _staging.give(buf)
         raise
     return staged, values
 
 
 def start(tree: Any, path: Any, *, coordinator: Any, options: Any, timeout_s: float) -> Pending:
-    """Plan, stage and start the background write and commit of one asynchronous save."""
+    """Plan, stage and start the background write and commit of one asynchronous save.
+
+    Planning is collective and raises on every process alike. A failure to stage (copy a
+    shard to the host) is not raised here, where the other processes would not learn of it:
+    it is reported through the status files and raised by :meth:`Pending.wait` everywhere.
+    """
     p = protocol.prepare(tree, path, coordinator=coordinator, options=options)
-    box: dict[str, Any] = {}
-
-    def stage_here() -> None:
-        box["staged"], box["values"] = stage(p)
-
+    started = time.perf_counter()
     try:
-        collective.agree_step(p.coord, p.what, stage_here)
-    except XckptError as exc:
-        for _, _, buf, _ in box.get("staged", []):
-            _staging.give(buf)
-        raise commit_failed(p.final, exc) from exc
-    staged, values = box["staged"], box["values"]
-    pending = Pending(p, staged, values, Location(f"{p.tmp.url}.status"), timeout_s)
+        staged, values = stage(p)
+        p.stats["stage_s"] = time.perf_counter() - started
+        failure: BaseException | None = None
+    except Exception as exc:  # noqa: BLE001 - reported by wait(), on every process alike
+        staged, values, failure = [], {}, exc
+    pending = Pending(p, staged, values, Location(f"{p.tmp.url}.status"), timeout_s, failure)
     pending.thread.start()
     return pending

@@ -31,6 +31,23 @@ SMALL_OBJECT = 64 << 10
 _CRC = 4
 
 
+#: Byte alignment of the arrays :func:`empty` makes (what XLA's CPU client needs to adopt host memory).
+ALIGNMENT = 64
+
+
+def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A new uninitialised array whose data starts on a :data:`ALIGNMENT`-byte boundary.
+
+    Loaded arrays are made this way, so a framework can adopt them without a copy (``jax.device_put``
+    on a CPU device does, for such arrays).
+    """
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + ALIGNMENT, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + n].view(dtype).reshape(shape)
+
+
 @dataclass
 class ReadRequest:
     """Read ``region`` of array leaf ``entry`` into ``out`` (the region's shape, the storage dtype)."""

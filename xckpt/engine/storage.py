@@ -125,9 +125,12 @@ class Store(Protocol):
     def read(self, name: str) -> bytes | None:
         """A whole (small) object, None when missing."""
 
-    def write(self, name: str, data: Any) -> None:
+    def write(self, name: str, data: Any, *, atomic: bool = False) -> None:
         """Create or replace an object with ``data`` (a bytes-like object, or an iterable of them
-        written in order, each consumed before the next is asked for), durably once :meth:`sync` returns."""
+        written in order, each consumed before the next is asked for), durably once :meth:`sync` returns.
+
+        ``atomic``: a concurrent reader sees the old object or the whole new one, never a part.
+        """
 
     def exists(self, name: str) -> bool:
         """Whether an object exists."""
@@ -275,16 +278,18 @@ class LocalStore:
         finally:
             blob.close()
 
-    def write(self, name: str, data: Any) -> None:
+    def write(self, name: str, data: Any, *, atomic: bool = False) -> None:
         """Write a file (parents created) from one or several parts, fsynced; :meth:`sync` later syncs
-        its directory. Writing is into a directory the save made itself, so paths are used directly."""
+        its directory. Writing is into a directory the save made itself, so paths are used directly.
+        ``atomic`` writes a temporary file and renames it over the name."""
         path = _file(self.root, name)
         parent = os.path.dirname(path)
         if parent not in self._made:
             os.makedirs(parent, exist_ok=True)
             with self._lock:
                 self._made.add(parent)
-        fd = os.open(path, _WRITE_FLAGS, 0o644)
+        target = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}" if atomic else path
+        fd = os.open(target, _WRITE_FLAGS, 0o644)
         try:
             for part in _parts(data):
                 view = memoryview(part).cast("B")
@@ -294,6 +299,8 @@ class LocalStore:
             os.fsync(fd)
         finally:
             os.close(fd)
+        if atomic:
+            os.rename(target, path)
 
     def exists(self, name: str) -> bool:
         """Whether a regular file is there (links are not followed)."""
@@ -423,8 +430,8 @@ class KvStore:
             raise XckptError(f"cannot read: {exc}", code="io.read", file=self._file(name)) from exc
         return bytes(res.value) if res.state == "value" else None
 
-    def write(self, name: str, data: Any) -> None:
-        """Write an object from one or several parts (atomic per object on object stores)."""
+    def write(self, name: str, data: Any, *, atomic: bool = False) -> None:
+        """Write an object from one or several parts (every object write is atomic on object stores)."""
         blob = b"".join(bytes(memoryview(p).cast("B")) for p in _parts(data))
         self._kv.write(name, blob).result()
 

@@ -114,6 +114,11 @@ class ChunkWriter:
 
         self._submit(run, data.nbytes)
 
+    def staged(self, name: str, geom: shard.Geometry, buf: np.ndarray, valid: tuple[int, ...], leaf: str) -> None:
+        """Checksum and write a chunk that :func:`xckpt.format.shard.gather` staged (``valid``: its shape)."""
+        nbytes = int(np.prod(valid, dtype=np.int64)) * geom.dtype.itemsize
+        self._submit(lambda: self._put(name, shard.encode_gathered(geom, buf, valid), leaf, nbytes), buf.nbytes)
+
     def file(self, name: str, data: bytes) -> None:
         """Write a small file (a ``zarr.json``)."""
         self._submit(lambda: self._put(name, data, None, 0), len(data))
