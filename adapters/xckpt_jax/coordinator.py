@@ -109,16 +109,22 @@ class JaxCoordinator:
         return out
 
     def scatter_bytes(self, items: Sequence[bytes] | None, root: int = 0) -> bytes:
-        """``items[rank]`` of process ``root``, on each process."""
+        """``items[rank]`` of process ``root``, on each process (stored once when they are all the same
+        bytes object; each process's key then names it)."""
         base = self._op("scatter")
         if self._rank == root:
             assert items is not None
+            same = all(b is items[0] for b in items)
+            if same:
+                self._client.key_value_set_bytes(f"{base}/all", bytes(items[0]))
+                self._remember(f"{base}/all")
             for r, b in enumerate(items):
                 if r != root:
-                    self._client.key_value_set_bytes(f"{base}/{r}", bytes(b))
+                    self._client.key_value_set_bytes(f"{base}/{r}", b"@all" if same else b"=" + bytes(b))
                     self._remember(f"{base}/{r}")
             return bytes(items[root])
-        out = self._get(f"{base}/{self._rank}")
+        got = self._get(f"{base}/{self._rank}")
+        out = self._get(f"{base}/all") if got == b"@all" else got[1:]
         if root == 0:
             self._forget_older(only="gather1")  # the root read this process's earlier keys before it answered
         return out

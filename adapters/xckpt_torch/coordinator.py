@@ -81,11 +81,19 @@ class TorchCoordinator:
                 (bytes(bufs[r].cpu().numpy().tobytes()) if r in bufs else b"") for r in range(self._world)]
 
     def scatter_bytes(self, items: Sequence[bytes] | None, root: int = 0) -> bytes:
-        """``items[rank]`` of rank ``root`` on each rank (each sent point to point)."""
+        """``items[rank]`` of rank ``root`` on each rank: one broadcast when every rank gets the same
+        bytes object, else each sent point to point."""
+        same = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self._rank == root:
+            assert items is not None and len(items) == self._world
+            same.fill_(int(all(b is items[0] for b in items)))
+        dist.broadcast(same, src=self._global(root), group=self.group)
+        if int(same.item()):
+            return self.broadcast_bytes(items[0] if items is not None else None, root)
         n = torch.zeros(1, dtype=torch.int64, device=self.device)
         lengths = None
         if self._rank == root:
-            assert items is not None and len(items) == self._world
+            assert items is not None
             lengths = [torch.tensor([len(b)], dtype=torch.int64, device=self.device) for b in items]
         dist.scatter(n, lengths, src=self._global(root), group=self.group)
         if self._rank == root:

@@ -216,7 +216,11 @@ def answer_step(coord: Coordinator, what: str, fn: Callable[[], Sequence[Any]] |
         answers, local = _run(fn)
         if local is None:
             packed: dict[int, bytes] = {}
-            items = [packed.setdefault(id(a), pack({"ok": a})) for a in answers]  # type: ignore[union-attr]
+            items = []
+            for a in answers:  # type: ignore[union-attr]
+                if id(a) not in packed:
+                    packed[id(a)] = pack({"ok": a})
+                items.append(packed[id(a)])
         else:
             items = [pack({"error": describe(local)})] * coord.world_size
     got = unpack(coord.scatter_bytes(items, ROOT))

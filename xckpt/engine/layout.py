@@ -86,11 +86,12 @@ Chain = tuple[tuple[Placement, int], ...]  # the (placement, mesh size) pairs sp
 
 @lru_cache(maxsize=1 << 16)
 def dim_runs(n: int, chain: Chain, index: tuple[int, ...]) -> tuple[Run, ...]:
-    """The runs a position keeps of a dimension of ``n`` split by ``chain`` at mesh indices ``index``."""
-    runs: list[Run] = [(0, n)] if n else []
-    for (placement, size), i in zip(chain, index):
-        runs = split_runs(runs, placement, size, i)
-    return tuple(runs)
+    """The runs a position keeps of a dimension of ``n`` split by ``chain`` at mesh indices ``index``
+    (each prefix of the chain is cached too: positions share their earlier splits)."""
+    if not chain:
+        return ((0, n),) if n else ()
+    placement, size = chain[-1]
+    return tuple(split_runs(dim_runs(n, chain[:-1], index[:-1]), placement, size, index[-1]))
 
 
 @lru_cache(maxsize=4096)
@@ -154,13 +155,20 @@ class Mesh:
         return self.ranks[flat]
 
     def to_wire(self) -> list[Any]:
-        """A msgpack-able form."""
+        """A msgpack-able form: the shape and the ranks, or the first rank where they count up from it
+        (so describing a mesh of thousands of processes costs a few bytes)."""
+        first = self.ranks[0]
+        if self.ranks == tuple(range(first, first + len(self.ranks))):
+            return [list(self.shape), first]
         return [list(self.shape), list(self.ranks)]
 
     @classmethod
     def from_wire(cls, w: Sequence[Any]) -> "Mesh":
-        """Inverse of :meth:`to_wire`."""
-        return cls(tuple(int(s) for s in w[0]), tuple(int(r) for r in w[1]))
+        """Inverse of :meth:`to_wire` (the shared :func:`mesh` of it)."""
+        shape = tuple(int(s) for s in w[0])
+        if isinstance(w[1], int):
+            return mesh(shape, tuple(range(int(w[1]), int(w[1]) + math.prod(shape))))
+        return mesh(shape, tuple(int(r) for r in w[1]))
 
 
 @dataclass(frozen=True)
@@ -226,6 +234,11 @@ class MeshLayout:
     def n_pieces(self) -> int:
         """Number of distinct non-empty boxes (the cells between the boundaries)."""
         return math.prod(len(b) - 1 for b in self.boundaries) if self.shape else 1
+
+    @cached_property
+    def segments(self) -> tuple["Segment", ...]:
+        """The stored segments of a leaf with this layout (:func:`chunk_layout`)."""
+        return chunk_layout(self.shape, self.boundaries, self.n_pieces)
 
     def holders(self, coord: Sequence[int]) -> list[int]:
         """The processes holding the same boxes as ``coord`` (it and its replicas), sorted."""

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import msgpack
 
-from xckpt.engine.layout import Mesh, MeshLayout, Segment, chunk_layout, mesh, mesh_layout, parse_placement, \
+from xckpt.engine.layout import Mesh, MeshLayout, Segment, chunk_layout, mesh_layout, parse_placement, \
     region_boundaries
 from xckpt.errors import CoordinationError, ShapeError
 from xckpt.format import dtypes, names
@@ -90,7 +90,7 @@ class Descriptors:
     def from_wire(cls, data: bytes) -> "Descriptors":
         """Inverse of :meth:`to_wire`."""
         obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        meshes = [mesh(tuple(int(s) for s in w[0]), tuple(int(r) for r in w[1])) for w in obj["meshes"]]
+        meshes = [Mesh.from_wire(w) for w in obj["meshes"]]
         leaves = []
         for w in obj["leaves"]:
             key = tuple(w[0])
@@ -213,12 +213,44 @@ def _holders_of(lay: MeshLayout) -> dict[Region, list[int]]:
     return out
 
 
-def _balance(items: list[tuple[int, int, Region, list[int]]], world: int) -> dict[tuple[int, Region], int]:
-    """Writers of boxes without a mesh: largest first, each to its least-loaded holder."""
+#: Above this many holders, a box's writer is chosen by a hash of its key, not by comparing loads.
+_GREEDY_HOLDERS = 64
+
+
+class _Holders:
+    """The processes holding one box: a few runs of ranks (whole groups, or a layout's holders)."""
+
+    def __init__(self) -> None:
+        self.parts: list[Sequence[int]] = []
+        self.count = 0
+
+    def add(self, ranks: Sequence[int]) -> None:
+        self.parts.append(ranks)
+        self.count += len(ranks)
+
+    def ranks(self) -> list[int]:
+        return sorted({r for part in self.parts for r in part})
+
+    def pick(self, n: int) -> int:
+        """The ``n``-th holder (modulo the count), without listing them all."""
+        n %= self.count
+        for part in self.parts:
+            if n < len(part):
+                return part[n]
+            n -= len(part)
+        raise AssertionError("unreachable")
+
+
+def _balance(items: list[tuple[int, int, Region, _Holders, int]], world: int) -> dict[tuple[int, Region], int]:
+    """Writers of boxes without a mesh: largest first, each to its least-loaded holder (for boxes held
+    by more than a few processes, the holder a hash of the key picks, so planning stays linear)."""
     load = [0] * world
     out: dict[tuple[int, Region], int] = {}
-    for nbytes, leaf, region, holders in sorted(items, key=lambda w: (-w[0], w[1], w[2])):
-        rank = min(holders, key=lambda k: (load[k], k))
+    for nbytes, leaf, region, holders, seed in sorted(items, key=lambda w: (-w[0], w[1], w[2])):
+        if holders.count <= _GREEDY_HOLDERS:
+            rank = min(holders.ranks(), key=lambda k: (load[k], k))
+        else:
+            rank = holders.pick(seed)
         load[rank] += nbytes
         out[(leaf, region)] = rank
     return out
@@ -233,6 +265,7 @@ def plan_save(groups: Sequence[tuple[Sequence[int], Descriptors]], world: int, *
     :class:`~xckpt.errors.ShapeError` when an array's shards do not tile it.
     """
     order = sorted(range(len(groups)), key=lambda g: min(groups[g][0]))
+    group_ranks = [tuple(sorted(r)) for r, _ in groups]
     tree = groups[order[0]][1].tree
     for g in order[1:]:
         tree = _merge(tree, groups[g][1].tree, ())
@@ -240,11 +273,11 @@ def plan_save(groups: Sequence[tuple[Sequence[int], Descriptors]], world: int, *
     index = {k: i for i, k in enumerate(keys)}
     first: list[tuple[int, LeafDesc] | None] = [None] * len(keys)
     positions: list[list[int]] = [[] for _ in groups]
-    holders: list[set[int]] = [set() for _ in keys]
-    local_regions: dict[int, dict[Region, list[int]]] = {}
+    held_by: list[list[int]] = [[] for _ in keys]  # the groups holding each leaf
+    local_regions: dict[int, dict[Region, _Holders]] = {}
     layouts: dict[int, list[MeshLayout]] = {}  # the distinct layouts groups give a leaf, first group first
     for g in order:
-        ranks, descs = groups[g]
+        descs = groups[g][1]
         for d in descs.leaves:
             i = index.get(d.key)
             if i is None:
@@ -252,16 +285,16 @@ def plan_save(groups: Sequence[tuple[Sequence[int], Descriptors]], world: int, *
             positions[g].append(i)
             seen = first[i]
             if seen is None:
-                first[i] = (min(ranks), d)
+                first[i] = (group_ranks[g][0], d)
             else:
-                _agree(seen[1], d, (seen[0], min(ranks)))
-            holders[i].update(ranks)
+                _agree(seen[1], d, (seen[0], group_ranks[g][0]))
+            held_by[i].append(g)
             if d.kind != "array":
                 continue
             if d.layout is None:
                 per = local_regions.setdefault(i, {})
                 for r in d.regions:
-                    per.setdefault(r, []).extend(ranks)
+                    per.setdefault(r, _Holders()).add(group_ranks[g])
             elif d.layout not in layouts.setdefault(i, []):
                 layouts[i].append(d.layout)
     # A leaf described by one mesh layout is planned from it; one described in several ways (each
@@ -271,12 +304,13 @@ def plan_save(groups: Sequence[tuple[Sequence[int], Descriptors]], world: int, *
             per = local_regions.setdefault(i, {})
             for lay in lays:
                 for region, ranks in _holders_of(lay).items():
-                    per.setdefault(region, []).extend(ranks)
+                    per.setdefault(region, _Holders()).add(ranks)
     kinds: list[str] = []
     arrays: dict[int, ArrayPlan] = {}
     chunk_table: dict[Any, int] = {}
     chunk_list: list[Any] = []
-    balance_items: list[tuple[int, int, Region, list[int]]] = []
+    balance_items: list[tuple[int, int, Region, _Holders, int]] = []
+    covered: dict[tuple[Mesh, tuple[int, ...]], set[int]] = {}
     for i, key in enumerate(keys):
         entry = first[i]
         assert entry is not None
@@ -288,11 +322,14 @@ def plan_save(groups: Sequence[tuple[Sequence[int], Descriptors]], world: int, *
         item = dtypes.itemsize(d.dtype)
         lay = layouts[i][0] if i in layouts and i not in local_regions else None
         if lay is not None:
-            missing = set(lay.mesh.ranks) - holders[i]
+            where = (lay.mesh, tuple(held_by[i]))
+            missing = covered.get(where)
+            if missing is None:
+                missing = covered[where] = set(lay.mesh.ranks).difference(*(group_ranks[g] for g in held_by[i]))
             if max(lay.mesh.ranks) >= world or missing:
                 why = f"ranks {sorted(missing)[:8]} do not hold it" if missing else "it names ranks beyond the job"
                 raise CoordinationError(f"the mesh of this array does not match the job: {why}", leaf=key_str(key))
-            boundaries, n_pieces = lay.boundaries, lay.n_pieces
+            segments = lay.segments
         else:
             regions = sorted(local_regions.get(i, {}))
             why = check_tiling(d.shape, regions)
@@ -300,33 +337,38 @@ def plan_save(groups: Sequence[tuple[Sequence[int], Descriptors]], world: int, *
                 raise ShapeError(f"the shards of this array do not tile it: {why}", code="shape.tiling",
                                  leaf=key_str(key))
             nonempty = [r for r in regions if not r.is_empty()]
-            boundaries, n_pieces = region_boundaries(d.shape, nonempty), len(nonempty)
-            for r in nonempty:
-                balance_items.append((r.numel * item, i, r, sorted(set(local_regions[i][r]))))
-        segments = tuple((s, inner_chunk_shape_for(s.chunk, item, inner_chunk_bytes))
-                         for s in chunk_layout(d.shape, boundaries, n_pieces))
-        wire = tuple((s.offset, s.shape, s.chunk, inner) for s, inner in segments)
+            segments = chunk_layout(d.shape, region_boundaries(d.shape, nonempty), len(nonempty))
+            seed = seed_of(key)
+            for n, r in enumerate(nonempty):
+                balance_items.append((r.numel * item, i, r, local_regions[i][r], seed + n))
+        planned = tuple((s, inner_chunk_shape_for(s.chunk, item, inner_chunk_bytes)) for s in segments)
+        wire = tuple((s.offset, s.shape, s.chunk, inner) for s, inner in planned)
         if wire not in chunk_table:
             chunk_table[wire] = len(chunk_list)
-            chunk_list.append([[list(s.offset), list(s.shape), list(s.chunk), list(inner)] for s, inner in segments])
-        arrays[i] = ArrayPlan(key, d.shape, d.dtype, names.storage_name(key), segments, n_pieces, d.sharding,
+            chunk_list.append([[list(s.offset), list(s.shape), list(s.chunk), list(inner)] for s, inner in planned])
+        n_pieces = lay.n_pieces if lay is not None else len(nonempty)
+        arrays[i] = ArrayPlan(key, d.shape, d.dtype, names.storage_name(key), planned, n_pieces, d.sharding,
                               lay, chunks_id=chunk_table[wire])
     # Orbax names arrays, mirrored scalars and strings alike by their keys joined with '.'
     names.check_unique(k for k, kind in zip(keys, kinds) if kind in ("array", "bool", "int", "float", "str"))
+    group_of = [0] * world
+    for g, ranks in enumerate(group_ranks):
+        for r in ranks:
+            group_of[r] = g
+    written: dict[tuple[int, int], list[Any]] = {}  # (group, leaf) -> [[box, writer], ...] of its writers
     for (i, r), rank in _balance(balance_items, world).items():
         arrays[i].writers[r] = rank
-    plan = GlobalPlan(tree, keys, kinds, arrays, [sorted(r) for r, _ in groups], positions)
+        written.setdefault((group_of[rank], i), []).append([r.to_json(), rank])
+    plan = GlobalPlan(tree, keys, kinds, arrays, [list(r) for r in group_ranks], positions)
     answers = []
-    for g, (ranks, descs) in enumerate(groups):
+    for g in range(len(groups)):
         leaves = []
-        for pos, i in enumerate(positions[g]):
+        for i in positions[g]:
             a = arrays.get(i)
             if a is None:
                 leaves.append([i])
-                continue
-            mine = None if a.layout is not None else \
-                [[r.to_json(), w] for r, w in a.writers.items() if set(ranks) & set(local_regions[i][r])]
-            leaves.append([i, a.chunks_id, mine])
+            else:
+                leaves.append([i, a.chunks_id, None if a.layout is not None else written.get((g, i), [])])
         answers.append({"chunks": chunk_list, "leaves": leaves})
     return plan, answers
 

@@ -10,6 +10,7 @@ import math
 from bisect import bisect_left
 from operator import add, le
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import product
 from typing import Iterable, Iterator, Sequence
 
@@ -84,7 +85,8 @@ def intersect(a: Region, b: Region) -> Region | None:
     return Region(tuple(offs), tuple(sizes))
 
 
-def inner_chunk_shape_for(chunk: Sequence[int], itemsize: int, target_bytes: int) -> tuple[int, ...]:
+@lru_cache(maxsize=4096)
+def inner_chunk_shape_for(chunk: tuple[int, ...], itemsize: int, target_bytes: int) -> tuple[int, ...]:
     """An inner chunk shape dividing ``chunk`` evenly, of at most ``target_bytes`` where possible.
 
     Repeatedly divides one dimension by its smallest prime factor, choosing the dimension
