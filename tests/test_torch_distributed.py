@@ -59,6 +59,41 @@ def test_disagreeing_plain_tensors_fail_on_every_rank(saved):
     np.testing.assert_array_equal(out["x"], np.zeros(4, np.float32))
 
 
+def test_every_failing_rank_is_reported_on_every_rank(saved):
+    _, results = saved
+    for r in results:
+        described, written = r["failures"]
+        assert described["ranks"] == [1, 3] and "tree.unsupported_leaf" in described["text"]
+        assert written["ranks"] == [0, 2] and "device 0 lost" in written["text"] and "device 2 lost" in written["text"]
+
+
+def test_uneven_nested_shards_stay_one_object_each(saved):
+    """(50257, 8) split unevenly twice over a (2, 2) mesh (nested Shard, and FSDP2 + TP's _StridedShard):
+    four shards of 12565 or 12564 rows, whose common grid would be 50257 one-row objects."""
+    wd, _ = saved
+    m = xckpt.sources.detect.open_checkpoint(wd / "main").manifest
+    for name in ("vocab", "vocab_strided"):
+        e = m.by_key()[("arrays", name)]
+        objects = [p for p in (wd / "main" / e.path).rglob("*") if p.is_file() and p.name != "zarr.json"]
+        assert e.segments is not None and len(e.segments) == 2, e.segments
+        assert len(objects) <= 2 * 4, objects
+        np.testing.assert_array_equal(xckpt.load(wd / "main")["arrays"][name], tw.full(name))
+    assert xckpt.validate(wd / "main", deep=True).ok
+
+
+def test_pipeline_stages_save_one_checkpoint(saved):
+    wd, _ = saved
+    tree = xckpt.load(wd / "pipeline")
+    assert sorted(tree["model"]) == ["embed", "head"] + [f"layers.{i}.w" for i in range(4)] and tree["step"] == 42
+    for i in range(4):
+        np.testing.assert_array_equal(tree["model"][f"layers.{i}.w"], tw.layer(i))
+    np.testing.assert_array_equal(tree["model"]["head"], np.arange(10.0, dtype=np.float32).reshape(5, 2))
+    with pytest.raises(KeyMismatchError):  # without partial=True a stage's part is a mismatch
+        xckpt.load(wd / "pipeline", like={"model": {"layers.0.w": np.zeros((6, 4), np.float32)}})
+    with pytest.raises(KeyMismatchError):  # with it, a leaf the checkpoint lacks still is
+        xckpt.load(wd / "pipeline", like={"model": {"layers.9.w": np.zeros((6, 4), np.float32)}}, partial=True)
+
+
 def test_tp_fsdp_parameters_are_strided(saved):
     _, results = saved
     assert "_StridedShard" in results[0]["tp_placements"]["0.weight"]

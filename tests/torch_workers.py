@@ -113,7 +113,18 @@ ARRAYS: dict[str, tuple[tuple[int, ...], str, str]] = {
     "strided_last": ((8, 3), "float32", "S0 SS0/2"),
     "bf": ((8, 6), "bfloat16", "S1 S0"),
     "scalar": ((), "float32", "R R"),
+    # a GPT-2-sized vocabulary split unevenly twice (nested Shard, and FSDP2 + TP's _StridedShard)
+    "vocab": ((50257, 8), "float32", "S0 S0"),
+    "vocab_strided": ((50257, 8), "float32", "SS0/2 S0"),
 }
+
+#: Pipeline stages of the saving job: stage -> its layers (each a (6, 4) float32 weight on the stage's ranks).
+STAGES = {0: [0, 1], 1: [2, 3]}
+
+
+def layer(i: int) -> np.ndarray:
+    """The weight of pipeline layer ``i``."""
+    return (np.arange(24, dtype=np.float32).reshape(6, 4) + 100 * i)
 
 
 def full(name: str) -> np.ndarray:
@@ -145,6 +156,29 @@ def torch_full(name: str, dtype: Any = None) -> Any:
     from xckpt_torch import from_numpy
     t = from_numpy(full(name)).clone()
     return t if dtype is None else t.to(dtype)
+
+
+def dtensor_of(name: str, mesh: Any) -> Any:
+    """Array ``name`` as a DTensor on ``mesh``: ``distribute_tensor``, or, for a strided split that torch
+    only builds itself when a dimension divides (FSDP2 + TP makes such parameters from local shards),
+    ``DTensor.from_local`` of the local shard the layout gives this rank."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from xckpt.engine.layout import mesh as engine_mesh, mesh_layout
+    from xckpt_torch.dtensor import placement
+    shape, _, text = ARRAYS[name]
+    places = placements(text)
+    if "SS" not in text or all(n % 4 == 0 for n in shape):
+        return distribute_tensor(torch_full(name), mesh, places)
+    ranks = mesh.mesh
+    lay = mesh_layout(shape, engine_mesh(tuple(ranks.shape), tuple(ranks.reshape(-1).tolist())),
+                      tuple(placement(p) for p in places))
+    coord = tuple(mesh.get_coordinate())
+    local = np.empty(lay.local_shape(coord), dtype=full(name).dtype)
+    for region, sl in lay.pieces(coord):
+        local[sl] = full(name)[region.slices()]
+    return DTensor.from_local(torch.from_numpy(local), mesh, places, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape).stride())
 
 
 def check_dtensor(d: Any, want: np.ndarray) -> None:
@@ -305,7 +339,7 @@ def save4(rank: int, world: int, wd: Path) -> dict[str, Any]:
     assert coord.scatter_bytes([b"", b"a", b"bb", b"c"] if rank == 2 else None, root=2) == [b"", b"a", b"bb", b"c"][rank]
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    arrays = {n: distribute_tensor(torch_full(n), mesh, placements(p)) for n, (_, _, p) in ARRAYS.items()}
+    arrays = {n: dtensor_of(n, mesh) for n in ARRAYS}
     for n, d in arrays.items():  # the index maths agrees with how torch itself distributed them
         check_dtensor(d, full(n))
     torch.manual_seed(100 + rank)
@@ -334,6 +368,34 @@ def save4(rank: int, world: int, wd: Path) -> dict[str, Any]:
         assert not (wd / "bad").exists()
     # a key only some ranks hold (pipeline stages) is saved from them
     xckpt.save({"x": torch.zeros(4), **({"extra": torch.full((2,), 3.0)} if rank == 3 else {})}, wd / "partial")
+
+    # failures on several ranks: every rank raises one error naming each failing rank and its error
+    res["failures"] = []
+    from xckpt.registry import ArraySource, Shard
+
+    def boom() -> Any:
+        raise RuntimeError(f"device {rank} lost")
+    for bad in ({"x": object() if rank in (1, 3) else torch.zeros(4)},  # describing fails on ranks 1 and 3
+                {"x": ArraySource((4,), "float32", [Shard(xckpt.Region((rank,), (1,)), boom if rank in (0, 2) else
+                                                          lambda: np.zeros(1, np.float32))])}):  # writing, on 0 and 2
+        try:
+            xckpt.save(bad, wd / "bad")
+            res["failures"].append(None)
+        except CollectiveError as exc:
+            res["failures"].append({"ranks": sorted(exc.failures), "text": str(exc)})
+        assert not (wd / "bad").exists()
+
+    # pipeline parallelism: each stage (2 ranks) holds its own layers, sharded over its ranks; the
+    # embedding only on stage 0, the head only on stage 1; one save of the whole model
+    pp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = rank // 2
+    model = {f"layers.{i}.w": distribute_tensor(torch.from_numpy(layer(i)), pp["dp"], placements("S0"))
+             for i in STAGES[stage]}
+    if stage == 0:
+        model["embed"] = torch.full((3, 4), 7.0)
+    else:
+        model["head"] = distribute_tensor(torch.arange(10.0).reshape(5, 2), pp["dp"], placements("S1"))
+    xckpt.save({"model": model, "step": 42}, wd / "pipeline")
 
     # FSDP2 + AdamW + StepLR: 3 steps, save, 3 more steps (the uninterrupted reference)
     m = fsdp(make_mlp(0), init_device_mesh("cpu", (4,)))
@@ -445,7 +507,7 @@ def load3(rank: int, world: int, wd: Path, ref_losses: list[float]) -> dict[str,
     # uneven torch.chunk splits, and an empty local shard ("empty" has 2 columns over 3 ranks)
     place = {"w": [Shard(0)], "rep": [Shard(1)], "half": [Shard(0)], "uneven": [Shard(1)], "empty": [Shard(1)],
              "strided": [Shard(0)], "strided_cols": [Shard(1)], "strided_last": [Shard(0)], "bf": [Shard(0)],
-             "scalar": [Replicate()]}
+             "scalar": [Replicate()], "vocab": [Shard(0)], "vocab_strided": [Shard(1)]}
     like = {n: distribute_tensor(torch.zeros(ARRAYS[n][0], dtype=xckpt.torch.torch_dtype(ARRAYS[n][1])), mesh, p)
             for n, p in place.items()}
     xckpt.load(wd / "main", like={"arrays": like})
@@ -475,6 +537,23 @@ def load3(rank: int, world: int, wd: Path, ref_losses: list[float]) -> dict[str,
     dcp.load({"model": msd, "optim": osd}, storage_reader=XckptStorageReader(wd / "dcp_x"))
     set_state_dict(m6, opt6, model_state_dict=msd, optim_state_dict=osd)
     n_dcp = compare_state(m6, opt6, dict(np.load(wd / "fsdp6_expected.npz")))
+
+    # the pipeline checkpoint on another stage split: rank 0 layers 0 and the embedding, rank 1
+    # layers 1 and 2, rank 2 layer 3 and the head; each rank loads only its own part
+    mine = {0: [0], 1: [1, 2], 2: [3]}[rank]
+    part = {"model": {f"layers.{i}.w": torch.zeros(6, 4) for i in mine}, "step": 0}
+    if rank == 0:
+        part["model"]["embed"] = torch.zeros(3, 4)
+    if rank == 2:
+        part["model"]["head"] = torch.zeros(5, 2)
+    got = xckpt.load(wd / "pipeline", like=part, partial=True)
+    assert got["step"] == 42
+    for i in mine:
+        np.testing.assert_array_equal(part["model"][f"layers.{i}.w"].numpy(), layer(i))
+    if rank == 0:
+        np.testing.assert_array_equal(part["model"]["embed"].numpy(), np.full((3, 4), 7.0, np.float32))
+    if rank == 2:
+        np.testing.assert_array_equal(part["model"]["head"].numpy(), np.arange(10.0, dtype=np.float32).reshape(5, 2))
 
     # a 3-rank save with an empty shard on rank 2 (2 rows over 3 ranks)
     u = distribute_tensor(torch.arange(10, dtype=torch.float32).reshape(2, 5), mesh, [Shard(0)])

@@ -110,14 +110,9 @@ class SaveError(XckptError):
     code = "save.failed"
 
 
-class CoordinationError(XckptError):
-    """Processes taking part in a collective save or load disagree."""
-
-    code = "coord.mismatch"
-
-
-class CollectiveError(XckptError):
-    """A collective step failed on one or more processes; ``failures`` holds each one's error by rank.
+class CollectiveError(SaveError):
+    """A step of a collective save failed on one or more processes; ``failures`` holds each one's
+    error by rank. Nothing was committed.
 
     Every process of the step raises it, with the same list. Its ``code`` is the failing
     processes' code when they all share one, else ``collective.failed``.
@@ -139,6 +134,12 @@ class CollectiveError(XckptError):
                          code=codes.pop() if len(codes) == 1 and None not in codes else None,
                          file=first.get("file") if len(self.failures) == 1 else None,
                          leaf=first.get("leaf") if len(self.failures) == 1 else None)
+
+
+class CoordinationError(XckptError):
+    """Processes taking part in a collective save or load disagree."""
+
+    code = "coord.mismatch"
 
 
 class ResourceError(XckptError):

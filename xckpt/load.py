@@ -80,7 +80,7 @@ def _rebuild_dict(like: dict, parts: dict[Any, Callable[[dict[Key, Any]], Any]],
         return out
 
 
-def load(path: Any, like: Any = None, *, strict: bool = True, max_bytes: int | None = None,
+def load(path: Any, like: Any = None, *, strict: bool = True, partial: bool = False, max_bytes: int | None = None,
          mapping: Any = None, max_staging_bytes: int = MAX_STAGING_BYTES) -> Any:
     """Load a checkpoint (xckpt, or one written by Orbax).
 
@@ -89,8 +89,11 @@ def load(path: Any, like: Any = None, *, strict: bool = True, max_bytes: int | N
     arrays and shardings through the adapters, Python values; ``None`` skips a leaf).
     A dict at the root selects which top-level entries to load; below that, keys must
     match exactly, or with ``strict=False`` differences are warned about and the
-    target's own leaves are kept. ``mapping`` (see :mod:`xckpt.mapping`) renames keys and
-    transforms layouts lazily between the stored arrays and the target.
+    target's own leaves are kept. ``partial=True`` makes the target one part of the
+    checkpoint (a pipeline stage loading its own layers): stored leaves it does not name are
+    not an error, while every leaf it names must be stored. ``mapping`` (see
+    :mod:`xckpt.mapping`) renames keys and transforms layouts lazily between the stored arrays
+    and the target.
 
     Arrays are read straight into their destination: new arrays, or the memory of targets
     loaded in place (tensors, DTensors). A failed load returns nothing; in-place targets are
@@ -105,12 +108,13 @@ def load(path: Any, like: Any = None, *, strict: bool = True, max_bytes: int | N
         stored = open_checkpoint(path)
         try:
             mapped = mapping.apply(stored) if mapping is not None else None
-            return _load(mapped or stored, mapped, like, strict, max_bytes, max_staging_bytes)
+            return _load(mapped or stored, mapped, like, strict, partial, max_bytes, max_staging_bytes)
         finally:
             stored.close()
 
 
-def _load(ckpt: Source, mapped: Any, like: Any, strict: bool, max_bytes: int | None, staging: int) -> Any:
+def _load(ckpt: Source, mapped: Any, like: Any, strict: bool, partial: bool, max_bytes: int | None,
+          staging: int) -> Any:
     m = ckpt.manifest
     if like is None:
         unused_all = mapped.unused_sources(None) if mapped is not None else []
@@ -155,8 +159,8 @@ def _load(ckpt: Source, mapped: Any, like: Any, strict: bool, max_bytes: int | N
             jobs.append((i, target))
         else:
             value_reqs.append((req.key, i, make(req.like, _value_entry_as_array(entry)) if make else None))
-    unexpected = _unexpected(like, requests, m.leaves)
-    if mapped is not None:
+    unexpected = [] if partial else _unexpected(like, requests, m.leaves)
+    if mapped is not None and not partial:
         unused = mapped.unused_sources(set(like) if isinstance(like, dict) else None)
         unexpected += [f"{k} (stored; no mapping rule uses it)" for k in unused]
     if missing or unexpected or mismatched:

@@ -24,7 +24,7 @@ from xckpt._version import __version__
 from xckpt.engine.plan import ArrayPlan, GlobalPlan, LeafLayout
 from xckpt.engine.storage import Location, Store
 from xckpt.engine.write import ChunkWriter
-from xckpt.errors import SaveError, XckptError
+from xckpt.errors import CollectiveError, SaveError, XckptError
 from xckpt.format import dtypes, names, orbax_view, values as values_format, zarr
 from xckpt.format.manifest import ArrayEntry, Entry, Manifest, StoredArray, ValueEntry
 from xckpt.format.tree import Key
@@ -227,7 +227,8 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
 
 def commit_failed(final: Location, error: BaseException) -> XckptError:
     """The error a failed save raises: nothing was committed at ``final``."""
-    if isinstance(error, SaveError) and error.message.startswith(f"save to {final} failed"):
+    if isinstance(error, CollectiveError) or (isinstance(error, SaveError)
+                                              and error.message.startswith(f"save to {final} failed")):
         return error
     err = SaveError(f"save to {final} failed; nothing was committed: {error}", file=str(final))
     err.__cause__ = error
