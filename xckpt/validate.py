@@ -11,16 +11,12 @@ every read goes through the checkpoint's store, and the directory walk uses ``ls
 from __future__ import annotations
 
 import json
-import math
 import os
 import stat
 from dataclasses import asdict, dataclass, field
-from itertools import product
-from typing import Any, Iterator
+from typing import Any
 
-import crc32c
 import numpy as np
-import tensorstore as ts
 
 from xckpt.engine.read import ReadRequest, read_regions
 from xckpt.engine.storage import Location, Store

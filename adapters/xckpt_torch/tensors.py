@@ -50,13 +50,7 @@ def torch_dtype(name: str) -> torch.dtype:
 def cpu_to_numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy array sharing memory with a CPU tensor (copied only when not contiguous)."""
     t = t.detach().resolve_conj().resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    name = logical_dtype(t.dtype)
-    raw = _RAW_VIEW.get(name)
-    if raw is None:
-        return t.numpy()
-    return t.view(raw).numpy().view(xdtypes.numpy_dtype(name))
+    return cpu_view(t if t.is_contiguous() else t.contiguous())
 
 
 def cpu_view(t: torch.Tensor) -> np.ndarray:

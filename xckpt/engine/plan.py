@@ -32,7 +32,7 @@ from xckpt.errors import CoordinationError, ShapeError
 from xckpt.format import dtypes, names
 from xckpt.format.zarr import chunk_key
 from xckpt.format.regions import Region, check_tiling, chunks_of, inner_chunk_shape_for, intersect
-from xckpt.format.tree import Key, Node, iter_nodes, key_str
+from xckpt.format.tree import Key, Node, key_str
 
 #: Default upper bound on inner chunk bytes: the unit a reader on another mesh fetches.
 INNER_CHUNK_BYTES = 4 << 20
@@ -448,7 +448,3 @@ def local_plan(descs: Descriptors, answer: dict[str, Any], rank: int) -> LocalPl
                             metadata.append((pos, -1))
     return LocalPlan(leaves, tasks, metadata, global_index)
 
-
-def empty_arrays(plan: GlobalPlan) -> list[int]:
-    """Array leaves with no element (no chunk object, so no writer): the coordinator writes their metadata."""
-    return [i for i, a in plan.arrays.items() if math.prod(a.shape) == 0]

@@ -19,6 +19,7 @@ from xckpt.format.regions import Region, check_tiling, grid_shape
 from xckpt.errors import ManifestError, ShapeError, UnsafePathError, VersionError, XckptError
 from xckpt.format import dtypes, names
 from xckpt.format.tree import MAX_DEPTH, Key, Node, iter_nodes, key_str
+from xckpt.format.values import VALUE_TYPES
 
 FORMAT = "xckpt"
 #: The version this writer writes.
@@ -31,7 +32,6 @@ MAX_ELEMENTS = 2**53
 MAX_CHUNKS = 2**24
 #: Most dimensions an array may have.
 MAX_RANK = 64
-_VALUE_TYPES = ("none", "bool", "int", "float", "complex", "str", "bytes", "list", "tuple", "dict")
 
 
 @dataclass(frozen=True)
@@ -269,8 +269,8 @@ class _Parser:
         self.leaf = key_str(key)
         if raw["kind"] == "value":
             self.object(raw, where, ("type",), ("key", "kind", "type", "orbax_path"))
-            if raw["type"] not in _VALUE_TYPES:
-                self.fail(f"{where}/type", f"{raw['type']!r} is not one of {list(_VALUE_TYPES)}")
+            if raw["type"] not in VALUE_TYPES:
+                self.fail(f"{where}/type", f"{raw['type']!r} is not one of {list(VALUE_TYPES)}")
             orbax = raw.get("orbax_path")
             if orbax is not None:
                 self.string(orbax, f"{where}/orbax_path", nonempty=True)

@@ -1,4 +1,4 @@
-"""One stored chunk object: Zarr v3's ``sharding_indexed`` codec, encoded and checked without TensorStore.
+r"""One stored chunk object: Zarr v3's ``sharding_indexed`` codec, encoded and checked without TensorStore.
 
 An array's chunk is one object. Its bytes, as Zarr v3 (``index_location: end``) lays them out::
 

@@ -19,7 +19,6 @@ from xckpt.engine.read import ReadRequest
 from xckpt.engine.views import read_views
 from xckpt.format import dtypes
 from xckpt.format.manifest import ArrayEntry, Entry, Manifest, ValueEntry
-from xckpt.format.regions import Region
 from xckpt.format.tree import Key, Node, key_str
 from xckpt.mapping.errors import MappingError
 from xckpt.mapping.patterns import render

@@ -130,12 +130,14 @@ def _zarr3_dtype(v: Any, file: str, leaf: str) -> str:
 
 
 def scalar_type(dtype: str) -> str:
+    """The manifest value type (bool/int/complex/float) an Orbax scalar of ``dtype`` reads as."""
     kind = dtypes.numpy_dtype(dtype).kind
     return {"b": "bool", "i": "int", "u": "int", "c": "complex"}.get(kind, "float")
 
 
 def entry_for(ckpt: OrbaxCheckpoint, rec: Record, info: ArrayInfo | None,
            sharding: dict[str, Any] | None) -> Entry:
+    """The manifest entry that stands for the Orbax record ``rec`` (array, scalar, string or none)."""
     if rec.value_type in ARRAY_TYPES + ("scalar",) and not rec.skip:
         assert info is not None
         if rec.value_type == "scalar" and info.shape == ():

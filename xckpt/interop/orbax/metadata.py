@@ -42,6 +42,7 @@ class Record:
 
 
 def parse_metadata(raw: bytes, file: str) -> dict[str, Any]:
+    """Parse Orbax's ``_METADATA`` JSON; reject anything without a ``tree_metadata`` object."""
     try:
         meta = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -53,6 +54,7 @@ def parse_metadata(raw: bytes, file: str) -> dict[str, Any]:
 
 
 def read_records(meta: dict[str, Any], file: str) -> list[Record]:
+    """One checked :class:`Record` per entry of ``tree_metadata``."""
     out = []
     for tree_key, rec in meta["tree_metadata"].items():
         if not isinstance(rec, dict) or not isinstance(rec.get("value_metadata"), dict):
