@@ -1,13 +1,14 @@
 """An asynchronous save: copy to the host now, write and commit in the background.
 
-:func:`start` runs the collective planning step, then copies the inner chunks of every
-chunk this process writes into host buffers of its own, in the order of the stored object
-(the caller may change, donate or free its arrays as soon as it returns), and starts a
-background thread that checksums and writes them, then commits. Staging is not collective:
-a process that fails to copy its shards reports it through its status file, and every
-process raises it from :meth:`Pending.wait`.
+:func:`start` runs the collective planning step, then copies every chunk this process
+writes into host buffers of its own, one plain copy per chunk (the caller may change,
+donate or free its arrays as soon as it returns), and starts a background thread that
+encodes, checksums and writes them as a synchronous save does, then commits. Staging is
+not collective: a process that fails to copy its shards reports it through its status
+file, and every process raises it from :meth:`Pending.wait`.
 
-The background thread never runs a collective of the job's coordinator (a
+The background threads run at a lower CPU priority (:func:`~xckpt.engine.write.yield_cpu`),
+so the training loop keeps its cores. They never run a collective of the job's coordinator (a
 ``torch.distributed`` or XLA collective from a second thread could interleave with the
 training loop's own). Each process writes a small status file into a directory beside
 the temporary checkpoint; the coordinating process polls for all of them, then commits.
@@ -22,6 +23,7 @@ owns: the pool holds this process's share of the last asynchronous checkpoint
 from __future__ import annotations
 
 import copy
+import math
 import threading
 import time
 from typing import Any
@@ -32,7 +34,7 @@ from xckpt.engine import collective, protocol
 from xckpt.engine.commit import commit_failed, remove
 from xckpt.engine.protocol import Prepared
 from xckpt.engine.storage import Location
-from xckpt.engine.write import ChunkWriter
+from xckpt.engine.write import ChunkWriter, yield_cpu
 from xckpt.errors import CollectiveError, CoordinationError, XckptError
 from xckpt.format import shard
 
@@ -41,8 +43,8 @@ COMMIT_TIMEOUT_S = 3600.0
 #: How often the coordinating process looks for status files, in seconds.
 POLL_S = 0.005
 
-#: ``(object name, geometry, gathered inner chunks, chunk shape clipped to the array, leaf)``
-Staged = list[tuple[str, shard.Geometry, np.ndarray, tuple[int, ...], str]]
+#: ``(object name, geometry, host copy of the chunk clipped to the array, leaf)``
+Staged = list[tuple[str, shard.Geometry, np.ndarray, str]]
 
 
 class _Buffers:
@@ -52,18 +54,21 @@ class _Buffers:
         self._free: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> np.ndarray:
-        """A uint8 buffer of ``nbytes``."""
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A C-contiguous array of ``shape`` and ``dtype`` (kept memory of the same size where there is some)."""
+        nbytes = math.prod(shape) * dtype.itemsize
         with self._lock:
             free = self._free.get(nbytes)
-            if free:
-                return free.pop()
-        return np.empty(nbytes, dtype=np.uint8)
+            raw = free.pop() if free else None
+        if raw is None:
+            raw = np.empty(nbytes, dtype=np.uint8)
+        return raw.view(dtype).reshape(shape)
 
-    def give(self, buf: np.ndarray) -> None:
-        """Keep a buffer for later."""
+    def give(self, arr: np.ndarray) -> None:
+        """Keep an array's memory for later."""
+        raw = arr.base if arr.base is not None else arr
         with self._lock:
-            self._free.setdefault(buf.nbytes, []).append(buf)
+            self._free.setdefault(raw.nbytes, []).append(raw)
 
     def clear(self) -> None:
         """Drop every kept buffer."""
@@ -124,20 +129,21 @@ class Pending:
         p = self.p
         store = p.tmp.store(create=True)
         try:
-            with ChunkWriter(store, p.options.max_inflight_bytes) as w:
+            with ChunkWriter(store, p.options.max_inflight_bytes, background=True) as w:
                 for name, data in protocol.metadata_files(p):
                     w.file(name, data)
-                for name, geom, buf, valid, leaf in self._staged:
-                    w.staged(name, geom, buf, valid, leaf)
+                for name, geom, data, leaf in self._staged:
+                    w.chunk(name, geom, data, leaf)
             store.sync()
         finally:
             store.close()
-            for _, _, buf, _, _ in self._staged:
-                _staging.give(buf)
+            for _, _, data, _ in self._staged:
+                _staging.give(data)
             self._staged = []
         p.bytes_written = w.bytes_written
 
     def _run(self) -> None:
+        yield_cpu()
         p = self.p
         status: dict[str, Any]
         try:
@@ -214,13 +220,13 @@ def stage(p: Prepared) -> tuple[Staged, dict[int, Any]]:
     staged: Staged = []
     try:
         for name, geom, data, leaf in protocol.chunk_jobs(p):
-            buf = _staging.take(geom.gathered_nbytes)
-            staged.append((name, geom, buf, tuple(int(n) for n in data.shape), leaf))
-            shard.gather(geom, data, buf)
+            host = _staging.take(data.shape, data.dtype)
+            staged.append((name, geom, host, leaf))
+            np.copyto(host, data, casting="no")
         values = copy.deepcopy(protocol.local_values(p))
     except BaseException:
-        for _, _, buf, _, _ in staged:
-            _staging.give(buf)
+        for _, _, host, _ in staged:
+            _staging.give(host)
         raise
     return staged, values
 

@@ -6,8 +6,9 @@ bytes, so nothing is ever unpickled.
 
 A collective step runs a function on every process and always reaches the exchange,
 whatever the function raised: :func:`gather_step` brings every process's result to the
-coordinating process, :func:`answer_step` sends each process the coordinating process's
-answer, :func:`agree_step` tells every process whether all succeeded. When any process
+coordinating process, :func:`decide_step` also lets it decide from them and tells every process the decision,
+:func:`answer_step` sends each process the coordinating process's answer,
+:func:`agree_step` tells every process whether all succeeded. When any process
 failed, every process raises one :class:`~xckpt.errors.CollectiveError` that lists every
 failing rank with its error, so no process waits forever and no failure is hidden.
 """
@@ -176,6 +177,13 @@ def _raise(what: str, failures: dict[int, dict[str, Any]], local: BaseException 
     raise CollectiveError(what, failures) from local
 
 
+def _gather(coord: Coordinator, fn: Callable[[], Any]) -> tuple[BaseException | None, list[dict[str, Any]] | None]:
+    """Run ``fn`` and gather ``{"ok": result}`` or ``{"error": ...}`` from every process to the coordinating one."""
+    result, local = _run(fn)
+    got = coord.gather_bytes(pack({"ok": result} if local is None else {"error": describe(local)}), ROOT)
+    return local, None if got is None else [unpack(b) for b in got]
+
+
 def _run(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
     try:
         return fn(), None
@@ -188,13 +196,10 @@ def gather_step(coord: Coordinator, what: str, fn: Callable[[], Any]) -> list[An
 
     Raises :class:`~xckpt.errors.CollectiveError` on every process when ``fn`` failed anywhere.
     """
-    result, local = _run(fn)
-    sent = {"ok": result} if local is None else {"error": describe(local)}
-    got = coord.gather_bytes(pack(sent), ROOT)
+    local, items = _gather(coord, fn)
     failures: dict[int, dict[str, Any]] = {}
     results: list[Any] | None = None
-    if got is not None:
-        items = [unpack(b) for b in got]
+    if items is not None:
         failures = {r: x["error"] for r, x in enumerate(items) if "error" in x}
         results = [x.get("ok") for x in items]
     failures = {int(r): f for r, f in broadcast(coord, {str(r): f for r, f in failures.items()}).items()}
@@ -229,18 +234,26 @@ def answer_step(coord: Coordinator, what: str, fn: Callable[[], Sequence[Any]] |
     return got["ok"]
 
 
-def decide_step(coord: Coordinator, what: str, fn: Callable[[], Any] | None) -> Any:
-    """The coordinating process runs ``fn``; every process gets its result (or raises its error)."""
-    local = None
-    sent = None
-    if coord.rank == ROOT:
-        assert fn is not None
-        result, local = _run(fn)
-        sent = {"ok": result} if local is None else {"error": describe(local)}
-    got = broadcast(coord, sent, ROOT)
-    if "error" in got:
-        _raise(what, {ROOT: got["error"]}, local, coord.world_size)
-    return got["ok"]
+def decide_step(coord: Coordinator, what: str, fn: Callable[[], Any], decide: Callable[[list[Any]], Any]) -> Any:
+    """Run ``fn`` everywhere; the coordinating process runs ``decide`` on every result; every
+    process gets the decision (one gather and one broadcast).
+
+    Raises :class:`~xckpt.errors.CollectiveError` on every process when ``fn`` failed anywhere
+    (``decide`` then does not run) or when ``decide`` failed.
+    """
+    local, items = _gather(coord, fn)
+    out: dict[str, Any] | None = None
+    if items is not None:
+        failures = {str(r): x["error"] for r, x in enumerate(items) if "error" in x}
+        if not failures:
+            decision, local = _run(lambda: decide([x["ok"] for x in items]))
+            if local is not None:
+                failures = {str(ROOT): describe(local)}
+        out = {"failures": failures} if failures else {"ok": decision}
+    out = broadcast(coord, out, ROOT)
+    if "failures" in out:
+        _raise(what, {int(r): f for r, f in out["failures"].items()}, local, coord.world_size)
+    return out["ok"]
 
 
 def agree_step(coord: Coordinator, what: str, fn: Callable[[], T]) -> T | None:

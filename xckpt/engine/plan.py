@@ -19,7 +19,6 @@ hash of the key so replicated work spreads over the replicas.
 from __future__ import annotations
 
 import hashlib
-import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence

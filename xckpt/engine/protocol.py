@@ -145,11 +145,9 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
             cached = d in _plans.local
         return {"digest": d, "cached": cached}
 
-    reports = collective.gather_step(coord, what, describe_local)
     decided: dict[str, Any] = {}
 
-    def decide() -> dict[str, Any]:
-        assert reports is not None
+    def decide(reports: list[dict[str, Any]]) -> dict[str, Any]:
         check_target(final, opts)
         digests = tuple(r["digest"] for r in reports)
         with _plans.lock:
@@ -161,7 +159,7 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
         decided["digests"] = digests
         return {"tmp": temporary_sibling(final).url, "reuse": plan is not None, "reps": sorted(reps.values())}
 
-    decision = collective.decide_step(coord, what, decide if coord.rank == collective.ROOT else None)
+    decision = collective.decide_step(coord, what, describe_local, decide)
     d = described["digest"]
     representative = coord.rank in decision["reps"]
     plan: GlobalPlan | None = decided.get("plan")
@@ -357,9 +355,7 @@ def commit(p: Prepared, local_error: BaseException | None = None) -> Manifest | 
 
     try:
         try:
-            statuses = collective.gather_step(p.coord, p.what, lambda: _report_or_raise(p, values, local_error))
-            collective.decide_step(p.coord, p.what, (lambda: root(statuses))  # type: ignore[arg-type]
-                                   if p.coord.rank == collective.ROOT else None)
+            collective.decide_step(p.coord, p.what, lambda: _report_or_raise(p, values, local_error), root)
         except BaseException:
             if p.coord.rank == collective.ROOT:
                 remove(p.tmp)

@@ -26,6 +26,8 @@ from xckpt.format import shard
 
 #: Default bound on bytes of chunk data queued for writing, per process.
 MAX_INFLIGHT_BYTES = 256 << 20
+#: How much lower the CPU priority (nice value) of an asynchronous save's threads is.
+BACKGROUND_NICE = 10
 #: Writes smaller than this run on the caller's thread: their cost is Python, which threads only contend for.
 SMALL_BYTES = 64 << 10
 
@@ -34,6 +36,17 @@ def io_threads() -> int:
     """Threads that encode and write (or read and decode) per process: ``XCKPT_IO_THREADS``, else up to 4."""
     env = os.environ.get("XCKPT_IO_THREADS")
     return max(1, int(env)) if env else max(1, min(4, os.cpu_count() or 1))
+
+
+def yield_cpu() -> None:
+    """Lower the calling thread's CPU priority by :data:`BACKGROUND_NICE` (Linux: threads have
+    their own nice value; elsewhere nothing happens), so that background writes yield to the
+    training loop."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+    except (AttributeError, OSError):
+        pass
 
 
 class _Room:
@@ -80,11 +93,12 @@ class ChunkWriter:
     """
 
     def __init__(self, store: Store, max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, background: bool = False) -> None:
         self.store = store
         self.bytes_written = 0  # array bytes (chunk payloads), not counting indexes and metadata
         self._room = _Room(max_inflight_bytes)
-        self._exec = ThreadPoolExecutor(threads or io_threads(), thread_name_prefix="xckpt-write")
+        self._exec = ThreadPoolExecutor(threads or io_threads(), thread_name_prefix="xckpt-write",
+                                        initializer=yield_cpu if background else None)
         self._pending: deque[Future[None]] = deque()
         self._lock = threading.Lock()
         self._error: BaseException | None = None
@@ -113,11 +127,6 @@ class ChunkWriter:
                 self._room.give(data.nbytes)
 
         self._submit(run, data.nbytes)
-
-    def staged(self, name: str, geom: shard.Geometry, buf: np.ndarray, valid: tuple[int, ...], leaf: str) -> None:
-        """Checksum and write a chunk that :func:`xckpt.format.shard.gather` staged (``valid``: its shape)."""
-        nbytes = int(np.prod(valid, dtype=np.int64)) * geom.dtype.itemsize
-        self._submit(lambda: self._put(name, shard.encode_gathered(geom, buf, valid), leaf, nbytes), buf.nbytes)
 
     def file(self, name: str, data: bytes) -> None:
         """Write a small file (a ``zarr.json``)."""
