@@ -181,3 +181,19 @@ def test_symbolic_link_to_a_chunk_is_refused_on_load(ckpt):
     # reading only another array touches no link and works
     part = xckpt.load(ckpt, like={"params": {"w": None, "b": np.zeros(8, np.float32)}})
     np.testing.assert_array_equal(part["params"]["b"], np.ones(8, np.float32))
+
+
+def test_save_async_staging_failure_is_raised_by_wait_and_commits_nothing(ckpt):
+    from xckpt.engine import background
+
+    big = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # staged and written before the failure
+    handle = xckpt.save_async({"a": big, "z": _failing_source()}, ckpt, overwrite=True)
+    with pytest.raises(SaveError, match="device lost") as info:
+        handle.wait()
+    assert "nothing was committed" in str(info.value)
+    np.testing.assert_array_equal(xckpt.load(ckpt)["params"]["w"], W)  # the previous checkpoint is whole
+    assert sorted(os.listdir(ckpt.parent)) == ["c"]
+    kept = background._staging._free
+    assert sum(len(v) for v in kept.values()) >= 1  # the staged buffer went back to the pool
+    xckpt.release_buffers()
+    assert not background._staging._free

@@ -211,3 +211,30 @@ def test_default_subtree_loads_when_stored_and_is_kept_when_not(tmp_path):
     np.testing.assert_array_equal(out["state"]["w"], np.ones(2))
     with pytest.raises(KeyMismatchError):  # without Default the same gap is an error
         xckpt.load(tmp_path / "without", like={"state": {"w": np.zeros(2)}, "groups": [{"lr": 0.1}]})
+
+
+def test_plan_reuse_follows_the_whole_job_not_one_rank(tmp_path):
+    """Saves A, B, A where only rank 1's leaves change: rank 0's description is the same each
+    time, but its assignment of the replicated leaves is not; the third save must use A's plan
+    everywhere (a stale assignment would leave a replicated leaf unwritten)."""
+    r1, r2 = np.arange(4096, dtype=np.float32), np.arange(4096, dtype=np.float32) * 2
+    extra = np.ones((256, 256), np.float32)
+
+    def body(coord):
+        out = []
+        for i, with_extra in enumerate((True, False, True)):
+            tree = {"r1": r1, "r2": r2}
+            if coord.rank == 1 and with_extra:
+                tree["x"] = ArraySource(extra.shape, "float32", [Shard(Region.full(extra.shape), lambda: extra)])
+            xckpt.save(tree, tmp_path / f"s{i}", coordinator=coord)
+            out.append(coord.rank)
+        return out
+
+    run_ranks(2, body)
+    for i in range(3):
+        out = xckpt.load(tmp_path / f"s{i}")
+        np.testing.assert_array_equal(out["r1"], r1)
+        np.testing.assert_array_equal(out["r2"], r2)
+        if i != 1:
+            np.testing.assert_array_equal(out["x"], extra)
+        assert xckpt.validate(tmp_path / f"s{i}", deep=True).ok

@@ -241,3 +241,17 @@ def test_replicated_submeshes_are_one_array() -> None:
     assert set(out) == every_object(plan) and all(len(r) == 1 for r in out.values())
     writers = plan.arrays[0].writers  # one of each box's holders
     assert writers[Region((0, 0), (3, 2))] in (0, 1) and writers[Region((3, 0), (3, 2))] in (2, 3)
+
+
+def test_commit_refuses_a_stale_plan_or_missing_bytes() -> None:
+    from xckpt.engine.protocol import check_complete
+
+    leaves = [LeafDesc(("w",), "array", (8, 4), "float32", (Region((0, 0), (8, 4)),)),
+              LeafDesc(("b",), "array", (3,), "bfloat16", (Region((0,), (3,)),))]
+    plan, _ = simulate([descriptors(leaves), descriptors(leaves)])
+    key, want = b"k" * 16, 8 * 4 * 4 + 3 * 2
+    check_complete(plan, key, [{"plan": key, "bytes": want - 6}, {"plan": key, "bytes": 6}])
+    with pytest.raises(CoordinationError, match=r"ranks \[1\] wrote their part of another plan"):
+        check_complete(plan, key, [{"plan": key, "bytes": want}, {"plan": b"x" * 16, "bytes": 0}])
+    with pytest.raises(CoordinationError, match=f"wrote {want - 6} bytes of array data, the arrays hold {want}"):
+        check_complete(plan, key, [{"plan": key, "bytes": want - 6}, {"plan": key, "bytes": 0}])

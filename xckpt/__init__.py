@@ -17,7 +17,7 @@ from xckpt import convert, mapping  # noqa: F401 - xckpt.convert.convert, xckpt.
 from xckpt import registry
 from xckpt._version import __version__
 from xckpt.engine.collective import Coordinator, LocalCoordinator
-from xckpt.errors import XckptError, XckptWarning
+from xckpt.errors import CollectiveError, XckptError, XckptWarning
 from xckpt.format.manifest import Manifest
 from xckpt.format.regions import Region
 from xckpt.format.tree import Default, Value
@@ -28,7 +28,8 @@ from xckpt.save import SaveHandle, release_buffers, save, save_async
 from xckpt.validate import validate
 
 __all__ = ["save", "save_async", "SaveHandle", "release_buffers", "load", "inspect", "validate", "Value", "Default",
-           "ReadSpec", "Region", "Manifest", "Coordinator", "LocalCoordinator", "XckptError", "XckptWarning",
+           "ReadSpec", "Region", "Manifest", "Coordinator", "LocalCoordinator", "XckptError", "CollectiveError",
+           "XckptWarning",
            "__version__"]
 
 

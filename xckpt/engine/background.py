@@ -1,11 +1,12 @@
 """An asynchronous save: copy to the host now, write and commit in the background.
 
-:func:`start` runs the collective planning step, then copies every chunk this process
-writes into host buffers of its own, one plain copy per chunk (the caller may change,
-donate or free its arrays as soon as it returns), and starts a background thread that
-encodes, checksums and writes them as a synchronous save does, then commits. Staging is
-not collective: a process that fails to copy its shards reports it through its status
-file, and every process raises it from :meth:`Pending.wait`.
+:func:`start` runs the collective planning step, starts a background thread, then copies
+the inner chunks of every chunk this process writes into host buffers of its own, in the
+order of the stored object (the caller may change, donate or free its arrays as soon as it
+returns). The background thread checksums and writes each chunk as soon as it is staged,
+so writing overlaps the copying, then commits. Staging is not collective: a process that
+fails to copy its shards reports it through its status file, and every process raises it
+from :meth:`Pending.wait`.
 
 The background threads run at a lower CPU priority (:func:`~xckpt.engine.write.yield_cpu`),
 so the training loop keeps its cores. They never run a collective of the job's coordinator (a
@@ -23,7 +24,7 @@ owns: the pool holds this process's share of the last asynchronous checkpoint
 from __future__ import annotations
 
 import copy
-import math
+import queue
 import threading
 import time
 from typing import Any
@@ -43,8 +44,8 @@ COMMIT_TIMEOUT_S = 3600.0
 #: How often the coordinating process looks for status files, in seconds.
 POLL_S = 0.005
 
-#: ``(object name, geometry, host copy of the chunk clipped to the array, leaf)``
-Staged = list[tuple[str, shard.Geometry, np.ndarray, str]]
+#: ``(object name, geometry, gathered inner chunks, chunk shape clipped to the array, leaf)``
+Staged = tuple[str, shard.Geometry, np.ndarray, tuple[int, ...], str]
 
 
 class _Buffers:
@@ -54,21 +55,18 @@ class _Buffers:
         self._free: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()
 
-    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """A C-contiguous array of ``shape`` and ``dtype`` (kept memory of the same size where there is some)."""
-        nbytes = math.prod(shape) * dtype.itemsize
+    def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of ``nbytes``."""
         with self._lock:
             free = self._free.get(nbytes)
-            raw = free.pop() if free else None
-        if raw is None:
-            raw = np.empty(nbytes, dtype=np.uint8)
-        return raw.view(dtype).reshape(shape)
+            if free:
+                return free.pop()
+        return np.empty(nbytes, dtype=np.uint8)
 
-    def give(self, arr: np.ndarray) -> None:
-        """Keep an array's memory for later."""
-        raw = arr.base if arr.base is not None else arr
+    def give(self, buf: np.ndarray) -> None:
+        """Keep a buffer for later."""
         with self._lock:
-            self._free.setdefault(raw.nbytes, []).append(raw)
+            self._free.setdefault(buf.nbytes, []).append(buf)
 
     def clear(self) -> None:
         """Drop every kept buffer."""
@@ -87,15 +85,14 @@ def release_buffers() -> None:
 class Pending:
     """An asynchronous save in flight on this process."""
 
-    def __init__(self, p: Prepared, staged: Staged, values: dict[int, Any], status: Location,
-                 timeout_s: float, failure: BaseException | None = None) -> None:
+    def __init__(self, p: Prepared, status: Location, timeout_s: float) -> None:
         self.p = p
         self.path = str(p.final)
-        self._staged = staged
-        self._values = values
+        # staged chunks as the caller's thread copies them, then ``_Done`` (its values) or ``_Failed``
+        self._queue: queue.SimpleQueue[Staged | _Done | _Failed] = queue.SimpleQueue()
+        self._values: dict[int, Any] = {}
         self._status = status
         self._timeout_s = timeout_s
-        self._failure = failure  # staging failed: nothing to write, only to report
         self._error: BaseException | None = None
         self._outcome: dict[str, Any] = {"error": None}
         self.manifest: Any = None
@@ -126,20 +123,41 @@ class Pending:
     # -- background ------------------------------------------------------------------------------
 
     def _write(self) -> None:
+        """Write the metadata files, then each chunk as it is staged; every staged buffer goes back
+        to the pool, whatever fails."""
         p = self.p
-        store = p.tmp.store(create=True)
+        written: list[np.ndarray] = []
+        ended = False
+        store = None
         try:
+            store = p.tmp.store(create=True)
             with ChunkWriter(store, p.options.max_inflight_bytes, background=True) as w:
                 for name, data in protocol.metadata_files(p):
                     w.file(name, data)
-                for name, geom, data, leaf in self._staged:
-                    w.chunk(name, geom, data, leaf)
+                while True:
+                    item = self._queue.get()
+                    if not isinstance(item, tuple):
+                        ended = True
+                        if isinstance(item, _Failed):
+                            raise item.error
+                        self._values = item.values
+                        break
+                    name, geom, buf, valid, leaf = item
+                    written.append(buf)
+                    w.staged(name, geom, buf, valid, leaf)
             store.sync()
+        except BaseException:
+            while not ended:  # the caller's thread may still be staging: take back what it queues
+                item = self._queue.get()
+                ended = not isinstance(item, tuple)
+                if not ended:
+                    written.append(item[2])  # type: ignore[index]
+            raise
         finally:
-            store.close()
-            for _, _, data, _ in self._staged:
-                _staging.give(data)
-            self._staged = []
+            if store is not None:
+                store.close()
+            for buf in written:
+                _staging.give(buf)
         p.bytes_written = w.bytes_written
 
     def _run(self) -> None:
@@ -147,8 +165,6 @@ class Pending:
         p = self.p
         status: dict[str, Any]
         try:
-            if self._failure is not None:
-                raise self._failure
             self._write()
             status = protocol.report(p, self._values)
         except BaseException as exc:  # noqa: BLE001 - reported through the status files and wait()
@@ -215,24 +231,39 @@ class Pending:
                 remove(self._status)
 
 
-def stage(p: Prepared) -> tuple[Staged, dict[int, Any]]:
-    """Copy every chunk this process writes into host buffers of its own, and snapshot its values."""
-    staged: Staged = []
+class _Done:
+    """The end of staging, with this process's values."""
+
+    def __init__(self, values: dict[int, Any]) -> None:
+        self.values = values
+
+
+class _Failed:
+    """Staging failed: nothing more comes; the error is reported through the status files."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def stage(p: Prepared, out: "queue.SimpleQueue[Staged | _Done | _Failed]") -> None:
+    """Copy every chunk this process writes into host buffers of its own, handing each to ``out``
+    as soon as it is copied, then snapshot its values; a failure ends the stream instead."""
     try:
         for name, geom, data, leaf in protocol.chunk_jobs(p):
-            host = _staging.take(data.shape, data.dtype)
-            staged.append((name, geom, host, leaf))
-            np.copyto(host, data, casting="no")
-        values = copy.deepcopy(protocol.local_values(p))
-    except BaseException:
-        for _, _, host, _ in staged:
-            _staging.give(host)
-        raise
-    return staged, values
+            buf = _staging.take(geom.gathered_nbytes)
+            try:
+                shard.gather(geom, data, buf)
+            except BaseException:
+                _staging.give(buf)
+                raise
+            out.put((name, geom, buf, tuple(int(n) for n in data.shape), leaf))
+        out.put(_Done(copy.deepcopy(protocol.local_values(p))))
+    except Exception as exc:  # noqa: BLE001 - reported by wait(), on every process alike
+        out.put(_Failed(exc))
 
 
 def start(tree: Any, path: Any, *, coordinator: Any, options: Any, timeout_s: float) -> Pending:
-    """Plan, stage and start the background write and commit of one asynchronous save.
+    """Plan, start the background write and commit, and stage, of one asynchronous save.
 
     Planning is collective and raises on every process alike. A failure to stage (copy a
     shard to the host) is not raised here, where the other processes would not learn of it:
@@ -240,12 +271,8 @@ def start(tree: Any, path: Any, *, coordinator: Any, options: Any, timeout_s: fl
     """
     p = protocol.prepare(tree, path, coordinator=coordinator, options=options)
     started = time.perf_counter()
-    try:
-        staged, values = stage(p)
-        p.stats["stage_s"] = time.perf_counter() - started
-        failure: BaseException | None = None
-    except Exception as exc:  # noqa: BLE001 - reported by wait(), on every process alike
-        staged, values, failure = [], {}, exc
-    pending = Pending(p, staged, values, Location(f"{p.tmp.url}.status"), timeout_s, failure)
+    pending = Pending(p, Location(f"{p.tmp.url}.status"), timeout_s)
     pending.thread.start()
+    stage(p, pending._queue)
+    p.stats["stage_s"] = time.perf_counter() - started
     return pending

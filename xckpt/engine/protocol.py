@@ -19,6 +19,7 @@ background (:mod:`xckpt.engine.background`).
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -60,6 +61,7 @@ class Prepared:
     local: LocalPlan
     plan: GlobalPlan | None  # the coordinating process's global plan
     representative: bool  # this process sends its group's values at the commit
+    plan_key: bytes  # names the global plan this process's local plan belongs to
     stats: dict[str, Any] = field(default_factory=dict)
     bytes_written: int = 0
 
@@ -104,7 +106,9 @@ class _Plans:
     """Plans of earlier saves, for a save of the same structure (each process keeps its own part)."""
 
     def __init__(self) -> None:
-        self.local: OrderedDict[bytes, tuple[dict[str, Any], LocalPlan]] = OrderedDict()
+        # by (rank, digest of its description): the key of the global plan it was part of, its
+        # answer and its local plan (the rank counts where several ranks share a process, as in tests)
+        self.local: OrderedDict[tuple[int, bytes], tuple[bytes, dict[str, Any], LocalPlan]] = OrderedDict()
         self.root: OrderedDict[tuple[bytes, ...], GlobalPlan] = OrderedDict()
         self.lock = threading.Lock()
 
@@ -142,22 +146,24 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
         d = _digest(wire, coord, opts)
         described.update(descs=descs, sources=sources, wire=wire, digest=d)
         with _plans.lock:
-            cached = d in _plans.local
-        return {"digest": d, "cached": cached}
+            cached = _plans.local.get((coord.rank, d))
+        return {"digest": d, "plan": cached[0] if cached else None}
 
     decided: dict[str, Any] = {}
 
     def decide(reports: list[dict[str, Any]]) -> dict[str, Any]:
         check_target(final, opts)
         digests = tuple(r["digest"] for r in reports)
+        key = digest(b"".join(digests))  # names the global plan of exactly these descriptions
         with _plans.lock:
-            plan = _plans.root.get(digests) if all(r["cached"] for r in reports) else None
+            plan = _plans.root.get(digests) if all(r["plan"] == key for r in reports) else None
         decided["plan"] = plan
         reps: dict[bytes, int] = {}
         for rank, d in enumerate(digests):
             reps.setdefault(d, rank)
         decided["digests"] = digests
-        return {"tmp": temporary_sibling(final).url, "reuse": plan is not None, "reps": sorted(reps.values())}
+        return {"tmp": temporary_sibling(final).url, "reuse": plan is not None, "reps": sorted(reps.values()),
+                "plan": key}
 
     decision = collective.decide_step(coord, what, describe_local, decide)
     d = described["digest"]
@@ -165,7 +171,7 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
     plan: GlobalPlan | None = decided.get("plan")
     if decision["reuse"]:
         with _plans.lock:
-            answer, local = _plans.local[d]
+            key, answer, local = _plans.local[coord.rank, d]
     else:
         sent = collective.gather_step(coord, what, lambda: described["wire"] if representative else None)
 
@@ -189,9 +195,10 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
         local = collective.agree_step(coord, what, lambda: local_plan(described["descs"], answer, coord.rank))
         assert local is not None
         with _plans.lock:
-            _plans._put(_plans.local, d, (answer, local))
+            _plans._put(_plans.local, (coord.rank, d), (decision["plan"], answer, local))
+        key = decision["plan"]
     p = Prepared(final, Location(decision["tmp"]), coord, opts, described["descs"], described["sources"], local,
-                 plan, representative)
+                 plan, representative, key)
     p.stats["plan_s"] = time.perf_counter() - started
     p.stats["plan_reused"] = bool(decision["reuse"])
     return p
@@ -299,7 +306,7 @@ def report(p: Prepared, values: dict[int, Any]) -> dict[str, Any]:
     """What this process reports at the commit: its bytes written, and its values (a representative of
     its group) or their digest."""
     blob = values_format.encode(values)
-    return {"bytes": p.bytes_written, "values": blob if p.representative else None,
+    return {"bytes": p.bytes_written, "plan": p.plan_key, "values": blob if p.representative else None,
             "values_digest": hashlib.blake2b(blob, digest_size=16).digest()}
 
 
@@ -325,11 +332,25 @@ def merge_values(plan: GlobalPlan, statuses: list[dict[str, Any]]) -> dict[int, 
     return out
 
 
+def check_complete(plan: GlobalPlan, key: bytes, statuses: list[dict[str, Any]]) -> None:
+    """Refuse to commit unless every process wrote its part of this very plan, and the array bytes
+    written add up to the arrays' size."""
+    stale = [r for r, s in enumerate(statuses) if s["plan"] != key]
+    if stale:
+        raise CoordinationError(f"ranks {stale[:8]} wrote their part of another plan; nothing is committed")
+    want = sum(math.prod(a.shape) * dtypes.itemsize(a.dtype) for a in plan.arrays.values())
+    got = sum(s["bytes"] for s in statuses)
+    if got != want:
+        raise CoordinationError(f"the processes wrote {got} bytes of array data, the arrays hold {want}; "
+                                "nothing is committed")
+
+
 def finish(p: Prepared, statuses: list[dict[str, Any]]) -> Manifest:
     """The coordinating process's commit, from every process's :func:`report`: values, Orbax view,
     manifest, marker, then the move into place."""
     assert p.plan is not None
     p.stats["bytes_per_rank"] = [s["bytes"] for s in statuses]
+    check_complete(p.plan, p.plan_key, statuses)
     values = merge_values(p.plan, statuses)
     store = p.tmp.store(create=True)
     try:

@@ -27,7 +27,7 @@ from xckpt.format import shard
 #: Default bound on bytes of chunk data queued for writing, per process.
 MAX_INFLIGHT_BYTES = 256 << 20
 #: How much lower the CPU priority (nice value) of an asynchronous save's threads is.
-BACKGROUND_NICE = 10
+BACKGROUND_NICE = 19
 #: Writes smaller than this run on the caller's thread: their cost is Python, which threads only contend for.
 SMALL_BYTES = 64 << 10
 
@@ -127,6 +127,11 @@ class ChunkWriter:
                 self._room.give(data.nbytes)
 
         self._submit(run, data.nbytes)
+
+    def staged(self, name: str, geom: shard.Geometry, buf: np.ndarray, valid: tuple[int, ...], leaf: str) -> None:
+        """Checksum and write a chunk that :func:`xckpt.format.shard.gather` staged (``valid``: its shape)."""
+        nbytes = int(np.prod(valid, dtype=np.int64)) * geom.dtype.itemsize
+        self._submit(lambda: self._put(name, shard.encode_gathered(geom, buf, valid), leaf, nbytes), buf.nbytes)
 
     def file(self, name: str, data: bytes) -> None:
         """Write a small file (a ``zarr.json``)."""
