@@ -94,6 +94,22 @@ def test_pipeline_stages_save_one_checkpoint(saved):
         xckpt.load(wd / "pipeline", like={"model": {"layers.9.w": np.zeros((6, 4), np.float32)}}, partial=True)
 
 
+def test_save_async_stages_while_planning_only_on_the_agreed_plan(saved):
+    wd, results = saved
+    # round 0 has the structure of the pipeline save before it (reused); round 1 changes rank 3's
+    # leaves (the other ranks' guesses are dropped); round 2 goes back (ranks 0-2 cached round 1's
+    # plan, rank 3 the pipeline's: planned afresh again); round 3 repeats round 2
+    assert [r["async_speculated"] for r in results] == [[True, False, False, True]] * 4
+    for i in range(4):
+        tree = xckpt.load(wd / f"async{i}")
+        assert tree["step"] == 42 + i and ("extra" in tree) == (i == 1)
+        for k in range(4):
+            np.testing.assert_array_equal(tree["model"][f"layers.{k}.w"], tw.layer(k))
+        if i == 1:
+            np.testing.assert_array_equal(tree["extra"], np.full(64, 1.0, np.float32))
+        assert xckpt.validate(wd / f"async{i}", deep=True).ok
+
+
 def test_tp_fsdp_parameters_are_strided(saved):
     _, results = saved
     assert "_StridedShard" in results[0]["tp_placements"]["0.weight"]

@@ -397,6 +397,17 @@ def save4(rank: int, world: int, wd: Path) -> dict[str, Any]:
         model["head"] = distribute_tensor(torch.arange(10.0).reshape(5, 2), pp["dp"], placements("S1"))
     xckpt.save({"model": model, "step": 42}, wd / "pipeline")
 
+    # save_async of one structure again and again stages while the ranks agree on the plan; when
+    # another rank's leaves change (rank 3 holds an extra leaf in round 1), the plan rank 0 cached is
+    # not the job's plan, and staging from it is dropped
+    res["async_speculated"] = []
+    for i, extra in enumerate((False, True, False, False)):
+        tree = {"model": model, "step": 42 + i, **({"extra": torch.full((64,), float(i))} if extra and rank == 3
+                                                   else {})}
+        handle = xckpt.save_async(tree, wd / f"async{i}")
+        handle.wait()
+        res["async_speculated"].append(handle.stats["staged_during_planning"])
+
     # FSDP2 + AdamW + StepLR: 3 steps, save, 3 more steps (the uninterrupted reference)
     m = fsdp(make_mlp(0), init_device_mesh("cpu", (4,)))
     opt, sched = optim_for(m)

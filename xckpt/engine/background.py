@@ -1,14 +1,15 @@
 """An asynchronous save: copy to the host now, write and commit in the background.
 
-:func:`start` runs the collective planning step, starts a background thread, then copies
-the inner chunks of every chunk this process writes into host buffers of its own, in the
-order of the stored object (the caller may change, donate or free its arrays as soon as it
-returns). The background thread checksums and writes each chunk as soon as it is staged,
-so writing overlaps the copying, then commits. Staging is not collective: a process that
+:func:`start` runs the collective planning step, starts a background thread, and copies
+every chunk this process writes into host buffers of its own, one plain copy per chunk (the
+caller may change, donate or free its arrays as soon as it returns). When this process saved
+the same structure before, the copying starts on a helper thread while the processes agree
+on the plan, and is kept if they agree on the same one. The background thread encodes,
+checksums and writes each chunk as a synchronous save does, as soon as it is staged, then commits. Staging is not collective: a process that
 fails to copy its shards reports it through its status file, and every process raises it
 from :meth:`Pending.wait`.
 
-The background threads run at a lower CPU priority (:func:`~xckpt.engine.write.yield_cpu`),
+The background threads run at a lower CPU priority (:func:`~xckpt.engine.threads.yield_cpu`),
 so the training loop keeps its cores. They never run a collective of the job's coordinator (a
 ``torch.distributed`` or XLA collective from a second thread could interleave with the
 training loop's own). Each process writes a small status file into a directory beside
@@ -35,7 +36,8 @@ from xckpt.engine import collective, protocol
 from xckpt.engine.commit import commit_failed, remove
 from xckpt.engine.protocol import Prepared
 from xckpt.engine.storage import Location
-from xckpt.engine.write import ChunkWriter, yield_cpu
+from xckpt.engine.threads import yield_cpu
+from xckpt.engine.write import ChunkWriter
 from xckpt.errors import CollectiveError, CoordinationError, XckptError
 from xckpt.format import shard
 
@@ -44,8 +46,8 @@ COMMIT_TIMEOUT_S = 3600.0
 #: How often the coordinating process looks for status files, in seconds.
 POLL_S = 0.005
 
-#: ``(object name, geometry, gathered inner chunks, chunk shape clipped to the array, leaf)``
-Staged = tuple[str, shard.Geometry, np.ndarray, tuple[int, ...], str]
+#: ``(object name, geometry, host copy of the chunk clipped to the array, leaf)``
+Staged = tuple[str, shard.Geometry, np.ndarray, str]
 
 
 class _Buffers:
@@ -63,10 +65,12 @@ class _Buffers:
                 return free.pop()
         return np.empty(nbytes, dtype=np.uint8)
 
-    def give(self, buf: np.ndarray) -> None:
-        """Keep a buffer for later."""
+    def give(self, arr: np.ndarray) -> None:
+        """Keep the memory of a buffer (or of an array viewing all of one) for later."""
+        raw = arr if arr.base is None else arr.base
+        assert isinstance(raw, np.ndarray) and raw.dtype == np.uint8 and raw.nbytes == arr.nbytes
         with self._lock:
-            self._free.setdefault(buf.nbytes, []).append(buf)
+            self._free.setdefault(raw.nbytes, []).append(raw)
 
     def clear(self) -> None:
         """Drop every kept buffer."""
@@ -85,11 +89,12 @@ def release_buffers() -> None:
 class Pending:
     """An asynchronous save in flight on this process."""
 
-    def __init__(self, p: Prepared, status: Location, timeout_s: float) -> None:
+    def __init__(self, p: Prepared, status: Location, timeout_s: float,
+                 staged: "queue.SimpleQueue[Staged | _Done | _Failed] | None" = None) -> None:
         self.p = p
         self.path = str(p.final)
-        # staged chunks as the caller's thread copies them, then ``_Done`` (its values) or ``_Failed``
-        self._queue: queue.SimpleQueue[Staged | _Done | _Failed] = queue.SimpleQueue()
+        # staged chunks as they are copied, then ``_Done`` (with the values) or ``_Failed``
+        self._queue: queue.SimpleQueue[Staged | _Done | _Failed] = queue.SimpleQueue() if staged is None else staged
         self._values: dict[int, Any] = {}
         self._status = status
         self._timeout_s = timeout_s
@@ -142,9 +147,9 @@ class Pending:
                             raise item.error
                         self._values = item.values
                         break
-                    name, geom, buf, valid, leaf = item
-                    written.append(buf)
-                    w.staged(name, geom, buf, valid, leaf)
+                    name, geom, host, leaf = item
+                    written.append(host)
+                    w.chunk(name, geom, host, leaf)
             store.sync()
         except BaseException:
             while not ended:  # the caller's thread may still be staging: take back what it queues
@@ -245,34 +250,86 @@ class _Failed:
         self.error = error
 
 
-def stage(p: Prepared, out: "queue.SimpleQueue[Staged | _Done | _Failed]") -> None:
+def stage(p: Prepared, out: "queue.SimpleQueue[Staged | _Done | _Failed]",
+          stop: threading.Event | None = None) -> None:
     """Copy every chunk this process writes into host buffers of its own, handing each to ``out``
-    as soon as it is copied, then snapshot its values; a failure ends the stream instead."""
+    as soon as it is copied, then snapshot its values; a failure (or ``stop``) ends the stream instead."""
     try:
         for name, geom, data, leaf in protocol.chunk_jobs(p):
-            buf = _staging.take(geom.gathered_nbytes)
+            if stop is not None and stop.is_set():
+                raise CoordinationError("staging stopped: the processes agreed on another plan")
+            buf = _staging.take(data.nbytes)
             try:
-                shard.gather(geom, data, buf)
+                host = buf.view(data.dtype).reshape(data.shape)
+                np.copyto(host, data, casting="no")
             except BaseException:
                 _staging.give(buf)
                 raise
-            out.put((name, geom, buf, tuple(int(n) for n in data.shape), leaf))
+            out.put((name, geom, host, leaf))
         out.put(_Done(copy.deepcopy(protocol.local_values(p))))
     except Exception as exc:  # noqa: BLE001 - reported by wait(), on every process alike
         out.put(_Failed(exc))
 
 
+class _Speculation:
+    """Staging that starts, on a helper thread, from this process's cached plan while the processes
+    agree on the plan (see :func:`xckpt.engine.protocol.prepare`); kept when they agree on it."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Staged | _Done | _Failed] = queue.SimpleQueue()
+        self.stop = threading.Event()
+        self.guess: Prepared | None = None
+        self.thread: threading.Thread | None = None
+
+    def __call__(self, guess: Prepared) -> None:
+        self.guess = guess
+        self.thread = threading.Thread(target=stage, args=(guess, self.queue, self.stop), name="xckpt-stage")
+        self.thread.start()
+
+    def confirmed(self, p: Prepared) -> bool:
+        """Whether the agreed plan is the one staged from; if not, the staging is stopped and undone."""
+        if self.thread is None:
+            return False
+        assert self.guess is not None
+        if p.local is self.guess.local and p.plan_key == self.guess.plan_key:
+            self.thread.join()
+            return True
+        self.cancel()
+        return False
+
+    def cancel(self) -> None:
+        """Stop staging and give its buffers back to the pool."""
+        if self.thread is None:
+            return
+        self.stop.set()
+        self.thread.join()
+        while not self.queue.empty():
+            item = self.queue.get()
+            if isinstance(item, tuple):
+                _staging.give(item[2])
+        self.thread = None
+
+
 def start(tree: Any, path: Any, *, coordinator: Any, options: Any, timeout_s: float) -> Pending:
     """Plan, start the background write and commit, and stage, of one asynchronous save.
 
-    Planning is collective and raises on every process alike. A failure to stage (copy a
-    shard to the host) is not raised here, where the other processes would not learn of it:
-    it is reported through the status files and raised by :meth:`Pending.wait` everywhere.
+    Planning is collective and raises on every process alike; staging starts during it when
+    this process saved the same structure before. A failure to stage (copy a shard to the
+    host) is not raised here, where the other processes would not learn of it: it is
+    reported through the status files and raised by :meth:`Pending.wait` everywhere.
     """
-    p = protocol.prepare(tree, path, coordinator=coordinator, options=options)
     started = time.perf_counter()
-    pending = Pending(p, Location(f"{p.tmp.url}.status"), timeout_s)
+    spec = _Speculation()
+    try:
+        p = protocol.prepare(tree, path, coordinator=coordinator, options=options, speculate=spec)
+    except BaseException:
+        spec.cancel()
+        raise
+    reused = spec.confirmed(p)
+    pending = Pending(p, Location(f"{p.tmp.url}.status"), timeout_s, spec.queue if reused else None)
     pending.thread.start()
-    stage(p, pending._queue)
-    p.stats["stage_s"] = time.perf_counter() - started
+    if not reused:
+        stage(p, pending._queue)
+    p.stats["stage_s"] = time.perf_counter() - started - p.stats["plan_s"]
+    p.stats["staged_during_planning"] = reused
     return pending

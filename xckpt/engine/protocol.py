@@ -128,9 +128,15 @@ def _digest(wire: bytes, coord: Coordinator, opts: SaveOptions) -> bytes:
     return digest(salt + wire)
 
 
-def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
-            options: SaveOptions | None = None) -> Prepared:
-    """Collective step 1: describe the tree and agree on a plan. Every process calls it."""
+def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None, options: SaveOptions | None = None,
+            speculate: Callable[[Prepared], None] | None = None) -> Prepared:
+    """Collective step 1: describe the tree and agree on a plan. Every process calls it.
+
+    ``speculate``, when this process has planned a save of the same description before, is
+    called with that plan (``tmp`` not yet known) before the processes agree, so that work
+    which only depends on it can start early; the returned plan is the same object
+    (``local``) when the agreement confirms it.
+    """
     registry.autoload()
     coord = coordinator or registry.default_coordinator() or collective.LocalCoordinator()
     opts = options or SaveOptions()
@@ -147,6 +153,8 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
         described.update(descs=descs, sources=sources, wire=wire, digest=d)
         with _plans.lock:
             cached = _plans.local.get((coord.rank, d))
+        if cached is not None and speculate is not None:
+            speculate(Prepared(final, final, coord, opts, descs, sources, cached[2], None, False, cached[0]))
         return {"digest": d, "plan": cached[0] if cached else None}
 
     decided: dict[str, Any] = {}

@@ -12,14 +12,13 @@ outputs is one inner chunk per thread.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
 from xckpt.engine.storage import Blob, Store
-from xckpt.engine.write import io_threads
+from xckpt.engine import threads as pools
 from xckpt.errors import DataError, IntegrityError, XckptError
 from xckpt.format import shard, zarr as zarr_format
 from xckpt.format.manifest import ArrayEntry, StoredArray
@@ -241,7 +240,7 @@ def _read_direct(blob: Blob, off: int, nbytes: int, out: np.ndarray, geom: shard
 
 
 def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[str], str], *,
-                 precheck: bool = False, threads: int | None = None) -> int:
+                 precheck: bool = False) -> int:
     """Fill every request's ``out`` from the arrays in ``store``; returns the bytes read.
 
     Raises a specific :class:`~xckpt.errors.XckptError` (naming the object and the leaf) for
@@ -253,25 +252,24 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
     if not objects:
         return 0
     scratch = _Scratch()
-    n = max(1, min(threads or io_threads(), len(objects)))
+    ex = pools.pool()
     total = 0
-    with ThreadPoolExecutor(n, thread_name_prefix="xckpt-read") as ex:
-        for fill in ((False, True) if precheck else (True,)):
-            big = [o for o in objects if o.geom.max_nbytes >= SMALL_OBJECT]
-            futures = [ex.submit(_read_object, store, o, scratch, file, fill) for o in big]
-            first = None
-            try:  # small objects and metadata on this thread: their cost is Python, threads only contend
-                if not fill or not precheck:
-                    total += sum(_check_array(store, a, file) for a in arrays)
-                total += sum(_read_object(store, o, scratch, file, fill) for o in objects
-                             if o.geom.max_nbytes < SMALL_OBJECT)
-            except XckptError as exc:
-                first = exc
-            for f in futures:
-                try:
-                    total += f.result()
-                except XckptError as exc:
-                    first = first or exc
-            if first is not None:
-                raise first
+    for fill in ((False, True) if precheck else (True,)):
+        big = [o for o in objects if o.geom.max_nbytes >= SMALL_OBJECT]
+        futures = [ex.submit(_read_object, store, o, scratch, file, fill) for o in big]
+        first: BaseException | None = None
+        try:  # small objects and metadata on this thread: their cost is Python, threads only contend
+            if not fill or not precheck:
+                total += sum(_check_array(store, a, file) for a in arrays)
+            total += sum(_read_object(store, o, scratch, file, fill) for o in objects
+                         if o.geom.max_nbytes < SMALL_OBJECT)
+        except BaseException as exc:  # noqa: BLE001 - raised once no thread writes into the outputs
+            first = exc
+        for f in futures:
+            try:
+                total += f.result()
+            except BaseException as exc:  # noqa: BLE001 - the first is raised
+                first = first or exc
+        if first is not None:
+            raise first
     return total

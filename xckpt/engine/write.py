@@ -11,42 +11,23 @@ staged host copies).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, Callable
 
 import numpy as np
 
+from xckpt.engine import threads
 from xckpt.engine.storage import Store
 from xckpt.errors import SaveError, XckptError
 from xckpt.format import shard
 
 #: Default bound on bytes of chunk data queued for writing, per process.
 MAX_INFLIGHT_BYTES = 256 << 20
-#: How much lower the CPU priority (nice value) of an asynchronous save's threads is.
-BACKGROUND_NICE = 19
 #: Writes smaller than this run on the caller's thread: their cost is Python, which threads only contend for.
 SMALL_BYTES = 64 << 10
-
-
-def io_threads() -> int:
-    """Threads that encode and write (or read and decode) per process: ``XCKPT_IO_THREADS``, else up to 4."""
-    env = os.environ.get("XCKPT_IO_THREADS")
-    return max(1, int(env)) if env else max(1, min(4, os.cpu_count() or 1))
-
-
-def yield_cpu() -> None:
-    """Lower the calling thread's CPU priority by :data:`BACKGROUND_NICE` (Linux: threads have
-    their own nice value; elsewhere nothing happens), so that background writes yield to the
-    training loop."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
-    except (AttributeError, OSError):
-        pass
 
 
 class _Room:
@@ -92,13 +73,11 @@ class ChunkWriter:
     nothing writes into a directory that is about to be cleaned up.
     """
 
-    def __init__(self, store: Store, max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
-                 threads: int | None = None, background: bool = False) -> None:
+    def __init__(self, store: Store, max_inflight_bytes: int = MAX_INFLIGHT_BYTES, background: bool = False) -> None:
         self.store = store
         self.bytes_written = 0  # array bytes (chunk payloads), not counting indexes and metadata
         self._room = _Room(max_inflight_bytes)
-        self._exec = ThreadPoolExecutor(threads or io_threads(), thread_name_prefix="xckpt-write",
-                                        initializer=yield_cpu if background else None)
+        self._exec = threads.pool(background)
         self._pending: deque[Future[None]] = deque()
         self._lock = threading.Lock()
         self._error: BaseException | None = None
@@ -127,11 +106,6 @@ class ChunkWriter:
                 self._room.give(data.nbytes)
 
         self._submit(run, data.nbytes)
-
-    def staged(self, name: str, geom: shard.Geometry, buf: np.ndarray, valid: tuple[int, ...], leaf: str) -> None:
-        """Checksum and write a chunk that :func:`xckpt.format.shard.gather` staged (``valid``: its shape)."""
-        nbytes = int(np.prod(valid, dtype=np.int64)) * geom.dtype.itemsize
-        self._submit(lambda: self._put(name, shard.encode_gathered(geom, buf, valid), leaf, nbytes), buf.nbytes)
 
     def file(self, name: str, data: bytes) -> None:
         """Write a small file (a ``zarr.json``)."""
@@ -174,4 +148,4 @@ class ChunkWriter:
                 except BaseException:  # noqa: BLE001 - the first error is already propagating
                     pass
         finally:
-            self._exec.shutdown(wait=True)
+            self._pending.clear()

@@ -11,8 +11,7 @@ two ``2**64 - 1`` marks an inner chunk that is not stored (only allowed wholly o
 
 Writing streams: :func:`encode_parts` yields the object one inner chunk at a time, each
 copied into a small buffer and checksummed while it is in the cache, so a writer never
-holds a whole object. An asynchronous save :func:`gather`\ s the inner chunks of an object
-on the caller's thread and checksums and writes them later (:func:`encode_gathered`). Reading checks before it trusts: :func:`parse_index` verifies the
+holds a whole object. Reading checks before it trusts: :func:`parse_index` verifies the
 index's crc32c and every entry against the object's size (no overlap, exact sizes when
 uncompressed), :func:`open_inner` verifies an inner chunk's crc32c.
 """
@@ -75,11 +74,6 @@ class Geometry:
         return self.n_inner * (self.inner_nbytes + _CRC) + self.index_nbytes
 
     @cached_property
-    def gathered_nbytes(self) -> int:
-        """Bytes of every inner chunk's payload, as :func:`gather` lays them out."""
-        return self.n_inner * self.inner_nbytes
-
-    @cached_property
     def scratch_nbytes(self) -> int:
         """Bytes of the buffer :func:`encode_parts` needs: one inner chunk and its checksum."""
         return self.inner_nbytes + _CRC
@@ -113,35 +107,6 @@ def _fill(geom: Geometry, data: np.ndarray, sl: tuple[slice, ...], view: np.ndar
         np.copyto(view, part, casting="equiv")
 
 
-def _encode(geom: Geometry, payloads: Iterator[tuple[int, np.ndarray]], scratch: np.ndarray | None
-            ) -> Iterator[np.ndarray]:
-    """Each inner chunk's encoded bytes (payload, then its crc32c) as its own part or parts, then the index.
-
-    ``payloads`` gives ``(inner chunk number, payload bytes)`` in order; with ``scratch`` (the
-    payload's own buffer, with 4 bytes to spare after it) the checksum is appended in place.
-    """
-    index = np.full((geom.n_inner, 2), MISSING, dtype="<u8")
-    offset = 0
-    for k, payload in payloads:
-        if geom.compression == "zstd":
-            from xckpt.format.codecs import zstd_compress
-            payload = np.frombuffer(zstd_compress(payload), dtype=np.uint8)
-        crc = _le32(checksum(payload))
-        if scratch is not None and geom.compression == "none":
-            scratch[geom.inner_nbytes:geom.inner_nbytes + _CRC] = crc
-            yield scratch[:geom.inner_nbytes + _CRC]
-        else:
-            yield payload
-            yield crc
-        index[k] = (offset, payload.size + _CRC)
-        offset += payload.size + _CRC
-    raw_index = index.reshape(-1).view(np.uint8)
-    tail = np.empty(geom.index_nbytes, dtype=np.uint8)
-    tail[:-_CRC] = raw_index
-    tail[-_CRC:] = _le32(checksum(raw_index))
-    yield tail
-
-
 def encode_parts(geom: Geometry, data: np.ndarray, scratch: np.ndarray) -> Iterator[np.ndarray]:
     """The bytes of one chunk's object, inner chunk by inner chunk, then the index.
 
@@ -151,25 +116,28 @@ def encode_parts(geom: Geometry, data: np.ndarray, scratch: np.ndarray) -> Itera
     ``scratch_nbytes``) and checksummed there while it is still in the cache; a yielded part
     is only valid until the next one is asked for, so a writer writes each part as it comes.
     """
-    def payloads() -> Iterator[tuple[int, np.ndarray]]:
-        for k, _, sl in geom.inner_chunks(tuple(int(n) for n in data.shape)):
-            _fill(geom, data, sl, geom.payload_view(scratch, 0))
-            yield k, scratch[:geom.inner_nbytes]
-
-    return _encode(geom, payloads(), scratch)
-
-
-def gather(geom: Geometry, data: np.ndarray, buf: np.ndarray) -> None:
-    """Copy a chunk's data into ``buf`` (uint8, ``n_inner * inner_nbytes``), inner chunk ``k`` at
-    ``k * inner_nbytes``: the staging of an asynchronous save, encoded later by :func:`encode_gathered`."""
-    for k, _, sl in geom.inner_chunks(tuple(int(n) for n in data.shape)):
-        _fill(geom, data, sl, geom.payload_view(buf, k * geom.inner_nbytes))
-
-
-def encode_gathered(geom: Geometry, buf: np.ndarray, valid: tuple[int, ...]) -> Iterator[np.ndarray]:
-    """The object parts of a chunk :func:`gather` staged (``valid``: the chunk clipped to the array)."""
+    index = np.full((geom.n_inner, 2), MISSING, dtype="<u8")
+    offset = 0
     n = geom.inner_nbytes
-    return _encode(geom, ((k, buf[k * n:(k + 1) * n]) for k, _, _ in geom.inner_chunks(valid)), None)
+    for k, _, sl in geom.inner_chunks(tuple(int(s) for s in data.shape)):
+        _fill(geom, data, sl, geom.payload_view(scratch, 0))
+        payload = scratch[:n]
+        if geom.compression == "zstd":
+            from xckpt.format.codecs import zstd_compress
+            payload = np.frombuffer(zstd_compress(payload), dtype=np.uint8)
+            crc = _le32(checksum(payload))
+            yield payload
+            yield crc
+        else:
+            scratch[n:n + _CRC] = _le32(checksum(payload))
+            yield scratch[:n + _CRC]
+        index[k] = (offset, payload.size + _CRC)
+        offset += payload.size + _CRC
+    raw_index = index.reshape(-1).view(np.uint8)
+    tail = np.empty(geom.index_nbytes, dtype=np.uint8)
+    tail[:-_CRC] = raw_index
+    tail[-_CRC:] = _le32(checksum(raw_index))
+    yield tail
 
 
 def _le32(value: int) -> np.ndarray:

@@ -1,0 +1,47 @@
+"""The threads that move bytes: one pool for saves and loads, one for asynchronous saves.
+
+Pools live as long as the process, so a training loop that saves every few minutes does not
+start threads (and fault in their buffers) for every checkpoint. The background pool's
+threads run at a lower CPU priority (:func:`yield_cpu`), so an asynchronous save yields the
+cores to the training loop. A forked child gets pools of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+#: How much lower the CPU priority (nice value) of an asynchronous save's threads is.
+BACKGROUND_NICE = 19
+
+_lock = threading.Lock()
+_pools: dict[bool, tuple[int, ThreadPoolExecutor]] = {}
+
+
+def io_threads() -> int:
+    """Threads that encode and write (or read and decode) per process: ``XCKPT_IO_THREADS``, else up to 4."""
+    env = os.environ.get("XCKPT_IO_THREADS")
+    return max(1, int(env)) if env else max(1, min(4, os.cpu_count() or 1))
+
+
+def yield_cpu() -> None:
+    """Lower the calling thread's CPU priority by :data:`BACKGROUND_NICE` (Linux: threads have
+    their own nice value; elsewhere nothing happens)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+    except (AttributeError, OSError):
+        pass
+
+
+def pool(background: bool = False) -> ThreadPoolExecutor:
+    """The process's pool of :func:`io_threads` threads (``background``: the low-priority one)."""
+    pid = os.getpid()
+    with _lock:
+        found = _pools.get(background)
+        if found is None or found[0] != pid:
+            found = (pid, ThreadPoolExecutor(io_threads(), thread_name_prefix="xckpt-bg" if background else "xckpt-io",
+                                             initializer=yield_cpu if background else None))
+            _pools[background] = found
+        return found[1]
