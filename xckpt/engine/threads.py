@@ -12,8 +12,9 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-#: How much lower the CPU priority (nice value) of an asynchronous save's threads is.
-BACKGROUND_NICE = 19
+#: How much lower the CPU priority (nice value) of an asynchronous save's threads is, unless
+#: ``XCKPT_BACKGROUND_NICE`` says otherwise (0 keeps the caller's priority).
+BACKGROUND_NICE = 10
 
 _lock = threading.Lock()
 _pools: dict[bool, tuple[int, ThreadPoolExecutor]] = {}
@@ -26,11 +27,14 @@ def io_threads() -> int:
 
 
 def yield_cpu() -> None:
-    """Lower the calling thread's CPU priority by :data:`BACKGROUND_NICE` (Linux: threads have
-    their own nice value; elsewhere nothing happens)."""
+    """Lower the calling thread's CPU priority by ``XCKPT_BACKGROUND_NICE`` or :data:`BACKGROUND_NICE`
+    (Linux: threads have their own nice value; elsewhere nothing happens)."""
+    nice = int(os.environ.get("XCKPT_BACKGROUND_NICE", BACKGROUND_NICE))
+    if nice <= 0:
+        return
     try:
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except (AttributeError, OSError):
         pass
 
