@@ -282,6 +282,7 @@ class _Speculation:
         self.thread: threading.Thread | None = None
 
     def __call__(self, guess: Prepared) -> None:
+        """Start staging from ``guess`` (the plan this process cached) on a helper thread."""
         self.guess = guess
         self.thread = threading.Thread(target=stage, args=(guess, self.queue, self.stop), name="xckpt-stage")
         self.thread.start()
