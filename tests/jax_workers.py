@@ -94,13 +94,14 @@ def phase_save(rank: int, workdir: str) -> None:
         assert manifest is None
     for name in ("sync", "async"):
         assert os.path.exists(os.path.join(workdir, name, "xckpt.json"))
+    coord.barrier()  # rank 0's wait() returns once the status directory every process read is removed
     assert not [n for n in os.listdir(workdir) if n.startswith(".")], os.listdir(workdir)
-    # a failure in the background (here: the target's parent is a file) surfaces from wait() on every process
-    handle = xckpt.save_async(tree, os.path.join(workdir, "blocker", "ckpt"))
+    # a destination that cannot be written (its parent is a file) fails the save on every process: when
+    # the coordinating process takes its hold, before any process writes
     try:
-        handle.wait()
+        xckpt.save_async(tree, os.path.join(workdir, "blocker", "ckpt")).wait()
     except xckpt.XckptError as exc:
-        assert "nothing was committed" in str(exc), exc
+        assert "nothing was written" in str(exc) and "blocker" in str(exc), exc
     else:
         raise AssertionError("a save under a regular file reported success")
     xckpt.save({"after": tree["params"]["w"]}, os.path.join(workdir, "after"))  # the next save goes ahead

@@ -9,6 +9,8 @@ import pytest
 
 import xckpt
 from xckpt.errors import SaveError
+from xckpt.format.regions import Region
+from xckpt.registry import ArraySource, Shard
 
 jax = pytest.importorskip("jax")
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
@@ -63,26 +65,43 @@ def test_returns_before_the_commit_and_wait_commits(tmp_path, meshes):
     assert out["step"] == 5 and out["cfg"] == {"lr": [0.1]}
 
 
+def _failing_source() -> ArraySource:
+    def boom() -> np.ndarray:
+        raise RuntimeError("device lost")
+    return ArraySource((4,), "float32", [Shard(Region((0,), (4,)), boom)])
+
+
 def test_a_background_error_surfaces_from_wait(tmp_path, meshes):
+    tree = {"w": jax.device_put(np.ones((8, 8), np.float32), NamedSharding(meshes[0], P("x"))),
+            "z": _failing_source()}
+    handle = xckpt.save_async(tree, tmp_path / "ckpt")
+    with pytest.raises(SaveError, match="nothing was committed") as info:
+        handle.wait()
+    assert str(tmp_path / "ckpt") in str(info.value) and "device lost" in str(info.value) and handle.done()
+    with pytest.raises(SaveError):  # asking again gives the same answer
+        handle.wait()
+    assert os.listdir(tmp_path) == []  # the failed save left nothing behind: no data, lease or status
+    good = {"w": tree["w"]}
+    xckpt.save(good, tmp_path / "next")  # already reported: the next save goes ahead
+
+    # an error nobody waited for is raised by the next save, which then does not start
+    handle = xckpt.save_async(tree, tmp_path / "ckpt")
+    with pytest.raises(SaveError, match="nothing was committed"):
+        xckpt.save(good, tmp_path / "after")
+    assert not os.path.exists(tmp_path / "after") and handle.done()
+    xckpt.save(good, tmp_path / "after")
+    np.testing.assert_array_equal(xckpt.load(tmp_path / "after")["w"], np.ones((8, 8), np.float32))
+
+
+def test_a_save_beside_a_file_is_refused_before_anything_is_written(tmp_path, meshes):
     blocker = tmp_path / "a_file"
     blocker.write_bytes(b"not a directory")
     tree = {"w": jax.device_put(np.ones((8, 8), np.float32), NamedSharding(meshes[0], P("x")))}
-    handle = xckpt.save_async(tree, blocker / "ckpt")
-    with pytest.raises(SaveError, match="nothing was committed") as info:
-        handle.wait()
-    assert str(blocker / "ckpt") in str(info.value) and handle.done()
-    with pytest.raises(SaveError):  # asking again gives the same answer
-        handle.wait()
-    assert sorted(os.listdir(tmp_path)) == ["a_file"]  # the failed save left nothing behind
-    xckpt.save(tree, tmp_path / "next")  # already reported: the next save goes ahead
-
-    # an error nobody waited for is raised by the next save, which then does not start
-    handle = xckpt.save_async(tree, blocker / "ckpt")
-    with pytest.raises(SaveError, match="nothing was committed"):
-        xckpt.save(tree, tmp_path / "after")
-    assert not os.path.exists(tmp_path / "after") and handle.done()
-    xckpt.save(tree, tmp_path / "after")
-    np.testing.assert_array_equal(xckpt.load(tmp_path / "after")["w"], np.ones((8, 8), np.float32))
+    for save in (xckpt.save, xckpt.save_async):
+        with pytest.raises(SaveError, match="cannot write beside") as info:
+            save(tree, blocker / "ckpt")
+        assert info.value.code == "io.write"
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
 
 
 def test_a_later_save_waits_for_the_pending_one(tmp_path, meshes):

@@ -16,16 +16,19 @@ import numpy as np
 from xckpt import registry
 from xckpt.engine.gcpause import paused_gc
 from xckpt.engine.read import ReadRequest, empty
-from xckpt.errors import KeyMismatchError, ResourceError, ShapeError, XckptWarning
+from xckpt.errors import KeyMismatchError, ResourceError, ShapeError, XckptError, XckptWarning
 from xckpt.format import dtypes
 from xckpt.format.manifest import ArrayEntry, Entry, ValueEntry
 from xckpt.format.regions import Region
 from xckpt.format.tree import Default, Key, is_namedtuple, key_str, unflatten
 from xckpt.host import full_target
 from xckpt.registry import ArrayTarget
+from xckpt.save import wait_pending_for
 from xckpt.sources.base import Source
 from xckpt.sources.detect import open_checkpoint
 
+#: How often a load starts again when another save replaced the checkpoint while it was read.
+REPLACED_RETRIES = 3
 #: In-place targets up to this many bytes are left untouched by a failed load (see :func:`load`).
 MAX_STAGING_BYTES = 256 << 20
 
@@ -102,15 +105,31 @@ def load(path: Any, like: Any = None, *, strict: bool = True, partial: bool = Fa
     object's index before writing anything and then read in place, so that only a corrupt
     inner chunk can stop them half way (the error names it). ``max_bytes`` bounds the bytes
     a load may bring into memory.
+
+    A load reads one checkpoint: on a file system, every file is opened through the directory
+    it opened first, so a save that replaces the checkpoint meanwhile cannot mix two of them;
+    when the replacement removed files the load still needed, it starts again on the new
+    checkpoint (up to :data:`REPLACED_RETRIES` times, then ``load.replaced``). A pending
+    :func:`~xckpt.save_async` of this process to the same path is waited for first.
     """
     registry.autoload()
+    wait_pending_for(path)
     with paused_gc():
-        stored = open_checkpoint(path)
-        try:
-            mapped = mapping.apply(stored) if mapping is not None else None
-            return _load(mapped or stored, mapped, like, strict, partial, max_bytes, max_staging_bytes)
-        finally:
-            stored.close()
+        for attempt in range(REPLACED_RETRIES + 1):
+            stored = open_checkpoint(path)
+            try:
+                mapped = mapping.apply(stored) if mapping is not None else None
+                return _load(mapped or stored, mapped, like, strict, partial, max_bytes, max_staging_bytes)
+            except XckptError as exc:
+                if not stored.replaced():
+                    raise
+                if attempt == REPLACED_RETRIES:
+                    raise XckptError(f"the checkpoint at {path} was replaced while it was being loaded, "
+                                     f"{attempt + 1} times in a row; nothing was returned", code="load.replaced",
+                                     file=str(stored.loc)) from exc
+            finally:
+                stored.close()
+    raise AssertionError("unreachable")
 
 
 def _load(ckpt: Source, mapped: Any, like: Any, strict: bool, partial: bool, max_bytes: int | None,

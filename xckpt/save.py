@@ -11,6 +11,7 @@ from xckpt.engine.collective import Coordinator
 from xckpt.engine.commit import SaveOptions
 from xckpt.engine.gcpause import paused_gc
 from xckpt.engine.plan import INNER_CHUNK_BYTES
+from xckpt.engine.storage import Location
 from xckpt.engine.write import MAX_INFLIGHT_BYTES
 from xckpt.format.manifest import Manifest
 
@@ -75,6 +76,15 @@ def wait_pending() -> None:
         handle, _pending = _pending, None
     if handle is not None and not handle._pending.waited:
         handle.wait()
+
+
+def wait_pending_for(path: Any) -> None:
+    """Wait until the pending asynchronous save of this process is over if it saves to ``path``
+    (its outcome stays for :meth:`SaveHandle.wait` to report)."""
+    with _pending_lock:
+        handle = _pending
+    if handle is not None and handle.path == str(Location.of(path)):
+        handle._pending.thread.join()
 
 
 def save_async(tree: Any, path: Any, *, coordinator: Coordinator | None = None, overwrite: bool = False,

@@ -29,11 +29,12 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, WriteItem
 
 from xckpt.engine.collective import LocalCoordinator
-from xckpt.engine.commit import SaveOptions, publish, temporary_sibling
+from xckpt.engine.claims import new_generation
+from xckpt.engine.commit import Hold, SaveOptions, check_target, publish
 from xckpt.engine.copy import LazySource, read_region
 from xckpt.engine.protocol import save
 from xckpt.engine.storage import Location
-from xckpt.errors import SaveError, UnsupportedError, XckptError
+from xckpt.errors import UnsupportedError, XckptError
 from xckpt.format.manifest import ArrayEntry
 from xckpt.format.regions import Region
 from xckpt.format.tree import unflatten
@@ -143,9 +144,8 @@ def _to_dcp(ckpt: Any, dst: str, overwrite: bool) -> None:
     final = Location.of(dst)
     if not final.is_local:
         raise UnsupportedError("DCP checkpoints are written to local directories only", code="convert.dcp_remote")
-    if os.path.lexists(final.local_path) and not overwrite:
-        raise SaveError(f"{final.local_path} already exists; pass overwrite=True to replace it",
-                        code="save.exists", file=final.local_path)
+    opts = SaveOptions(overwrite=overwrite)
+    target = check_target(final, opts, kind="dcp")
     vals = ckpt.values()
     leaves: dict[int, Any] = {}
     entries: dict[int, ArrayEntry] = {}
@@ -163,14 +163,16 @@ def _to_dcp(ckpt: Any, dst: str, overwrite: bool) -> None:
     def read(e: ArrayEntry) -> torch.Tensor:
         return from_numpy(read_region(ckpt, e, Region.full(e.shape)), e.dtype)
 
-    tmp = temporary_sibling(final)
+    hold = Hold(target, new_generation(), opts.stale_after())
     try:
-        dcp.save(state, storage_writer=FileSystemWriter(tmp.local_path, single_file_per_rank=False),
+        dcp.save(state, storage_writer=FileSystemWriter(hold.tmp.local_path, single_file_per_rank=False),
                  planner=_LazyXckptPlanner(entries, read), no_dist=True)
-        publish(tmp, final, overwrite=overwrite)
+        publish(hold.tmp, target, hold.generation)
     except BaseException:
-        shutil.rmtree(tmp.local_path, ignore_errors=True)
+        shutil.rmtree(hold.tmp.local_path, ignore_errors=True)
         raise
+    finally:
+        hold.end()
 
 
 #: The converters this module offers (entry point ``xckpt.converters``: ``dcp``).

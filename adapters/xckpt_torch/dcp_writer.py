@@ -21,7 +21,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from xckpt.engine.commit import SaveOptions, check_target, publish, remove, temporary_sibling, write_commit_files
+from xckpt import registry
+from xckpt.engine import collective
+from xckpt.engine.claims import new_generation
+from xckpt.engine.commit import Hold, SaveOptions, check_target, discard, publish, write_commit_files
 from xckpt.engine.plan import INNER_CHUNK_BYTES, Descriptors, LeafDesc, local_plan, plan_save
 from xckpt.engine.protocol import plan_chunks, zarr_files
 from xckpt.engine.storage import Location
@@ -78,12 +81,16 @@ class XckptStorageWriter(StorageWriter):
                                              "via": "torch.distributed.checkpoint"})
         self.is_coordinator = False
         self._tmp: Location | None = None
+        self._hold: Hold | None = None  # the coordinator's hold on the destination, from planning to the commit
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new checkpoint (``checkpoint_id`` is its path)."""
         if checkpoint_id is not None:
             self.path = checkpoint_id
+        if self._hold is not None:  # the last save through this writer failed before finish()
+            discard(self._hold.tmp, [], hold=self._hold)
         self._tmp = None
+        self._hold = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Remember whether this rank coordinates."""
@@ -102,20 +109,47 @@ class XckptStorageWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: plan every array's chunk objects from every rank's chunks, and a temporary directory."""
         final = Location.of(self.path)  # type: ignore[arg-type]
-        check_target(final, self.options)
+        target = check_target(final, self.options)
         mappings: dict[str, Any] = {}
         for p in plans:
             mappings.update(p.planner_data or {})
         described = [_array_descs(p, mappings) for p in plans]
         _, answers = plan_save([([r], d) for r, (d, _) in enumerate(described)], len(plans),
                                inner_chunk_bytes=self.options.inner_chunk_bytes)
-        self._tmp = temporary_sibling(final)
+        self._hold = Hold(target, new_generation(), self.options.stale_after())
+        self._tmp = self._hold.tmp
         return [dataclasses.replace(p, storage_data={"tmp": self._tmp.url, "descs": d.to_wire(), "fqns": fqns,
                                                      "answer": a})
                 for p, (d, fqns), a in zip(plans, described, answers)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's chunk objects (and the zarr.json of arrays it starts); encode its values."""
+        """Write this rank's chunk objects (and the zarr.json of arrays it starts); encode its values.
+
+        The ranks then agree (a collective step) that every one succeeded; if any failed, each
+        removes what it wrote and the coordinator the temporary directory, since DCP does not
+        call :meth:`finish` after a failed write.
+        """
+        written: list[str] = []
+        tmp = Location(plan.storage_data["tmp"])
+        coord = registry.default_coordinator() or collective.LocalCoordinator()
+        result, error = None, None
+        try:
+            result = self._write(plan, planner, written)
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement
+            error = exc
+        try:
+            collective.agree_step(coord, f"save to {self.path}", lambda: _reraise(error))
+        except BaseException:
+            discard(tmp, written, hold=self._hold if self.is_coordinator else None)
+            if self.is_coordinator:
+                self._hold = None
+            raise
+        assert result is not None
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(result)
+        return done
+
+    def _write(self, plan: SavePlan, planner: SavePlanner, written: list[str]) -> list[WriteResult]:
         data = plan.storage_data
         tmp = Location(data["tmp"])
         descs = Descriptors.from_wire(data["descs"])
@@ -128,14 +162,16 @@ class XckptStorageWriter(StorageWriter):
         jobs = plan_chunks(local, descs, lambda pos, piece: to_host(planner.resolve_data(items[(fqns[pos], piece)])),
                            self.options.compression)
         store = tmp.store(create=True)
+        w = ChunkWriter(store, self.options.max_inflight_bytes)
         try:
-            with ChunkWriter(store, self.options.max_inflight_bytes) as w:
+            with w:
                 for name, meta in zarr_files(local, descs, self.options.compression):
                     w.file(name, meta)
                 for name, geom, chunk, leaf in jobs:
                     w.chunk(name, geom, chunk, leaf)
             store.sync()
         finally:
+            written.extend(w.names)
             store.close()
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
@@ -147,25 +183,24 @@ class XckptStorageWriter(StorageWriter):
                 results.append(WriteResult(index=item.index, size_in_bytes=len(blob), storage_data={"value": blob}))
             else:
                 results.append(WriteResult(index=item.index, size_in_bytes=_region(item).numel, storage_data=None))
-        done: Future[list[WriteResult]] = Future()
-        done.set_result(results)
-        return done
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: write values, the Orbax view and the manifest through the core, then commit."""
-        assert self._tmp is not None, "finish() called before prepare_global_plan()"
-        final = Location.of(self.path)  # type: ignore[arg-type]
+        assert self._tmp is not None and self._hold is not None, "finish() called before prepare_global_plan()"
+        hold, self._hold = self._hold, None
         try:
             plan, vals = self._final_plan(metadata, results)
             store = self._tmp.store(create=True)
             try:
-                write_commit_files(store, plan, vals, self.options)
+                write_commit_files(store, plan, vals, self.options, hold.generation, hold=hold)
             finally:
                 store.close()
-            publish(self._tmp, final, overwrite=self.options.overwrite)
+            publish(self._tmp, hold.target, hold.generation)
         except BaseException:
-            remove(self._tmp)
+            discard(self._tmp, [], hold=hold)
             raise
+        hold.end()
 
     def _final_plan(self, metadata: Metadata, results: list[list[WriteResult]]) -> tuple[Any, dict[int, Any]]:
         """The plan of the whole checkpoint (arrays as the ranks wrote them, and the values), for the commit."""
@@ -209,6 +244,11 @@ class XckptStorageWriter(StorageWriter):
     def storage_meta(self) -> StorageMeta | None:
         """The checkpoint path, for DCP's logging."""
         return StorageMeta(checkpoint_id=self.path)
+
+
+def _reraise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
 
 
 @dataclasses.dataclass(frozen=True)

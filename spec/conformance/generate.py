@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate the xckpt 1.0 conformance vectors, deterministically.
+"""Generate the xckpt conformance vectors, deterministically.
 
     python spec/conformance/generate.py            # rewrite valid/ and invalid/ next to this file
     python spec/conformance/generate.py --out DIR  # write them under DIR instead
@@ -17,9 +17,9 @@ Every vector is a directory holding ``expected.json`` and ``checkpoint/``:
   code xckpt's loader fails with when loading the whole checkpoint (null: the defect
   does not stop a load, e.g. it concerns only the Orbax files).
 
-Determinism: the producer recorded in the manifest is fixed, and the Orbax timestamps in
-``_CHECKPOINT_METADATA`` (the only time-dependent bytes xckpt writes) are set to a fixed
-instant after each save. Everything else xckpt writes is a function of its input.
+Determinism: the producer recorded in the manifest is fixed, and the two things xckpt
+writes that are not a function of its input are set to fixed values after each save: the
+manifest's ``generation`` (random) and the Orbax timestamps in ``_CHECKPOINT_METADATA``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import argparse
 import filecmp
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -54,6 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PRODUCER = {"library": "xckpt", "library_version": "conformance", "framework": "numpy",
             "framework_version": "conformance", "generator": "spec/conformance/generate.py"}
 FIXED_NS = 1_700_000_000_000_000_000
+FIXED_GENERATION = b"0123456789abcdef0123456789abcdef"
 _MISSING = 2**64 - 1
 
 #: The logical dtypes of format 1.0 (a fixed list: the vectors must not depend on ml_dtypes' version).
@@ -87,6 +89,11 @@ def _save_one(tree: Any, path: str, coord: Any, **options: Any) -> None:
 
 
 def _normalise(path: str) -> None:
+    manifest = os.path.join(path, naming.MANIFEST)
+    with open(manifest, "rb") as f:
+        data = f.read()
+    with open(manifest, "wb") as f:
+        f.write(re.sub(rb'"generation":"[0-9a-f]{32}"', b'"generation":"' + FIXED_GENERATION + b'"', data, count=1))
     name = os.path.join(path, naming.ORBAX_CHECKPOINT_METADATA)
     with open(name) as f:
         meta = json.load(f)

@@ -5,16 +5,19 @@ every chunk this process writes into host buffers of its own, one plain copy per
 caller may change, donate or free its arrays as soon as it returns). When this process saved
 the same structure before, the copying starts on a helper thread while the processes agree
 on the plan, and is kept if they agree on the same one. The background thread encodes,
-checksums and writes each chunk as a synchronous save does, as soon as it is staged, then commits. Staging is not collective: a process that
-fails to copy its shards reports it through its status file, and every process raises it
-from :meth:`Pending.wait`.
+checksums and writes each chunk as a synchronous save does, as soon as it is staged.
 
-The background threads run at a lower CPU priority (:func:`~xckpt.engine.threads.yield_cpu`),
-so the training loop keeps its cores. They never run a collective of the job's coordinator (a
-``torch.distributed`` or XLA collective from a second thread could interleave with the
-training loop's own). Each process writes a small status file into a directory beside
-the temporary checkpoint; the coordinating process polls for all of them, then commits.
-:meth:`Pending.wait` (collective: every process calls it) shares the outcome.
+The background never runs a collective of the job's coordinator (a ``torch.distributed``
+or XLA collective from a second thread could interleave with the training loop's own), and
+its threads run at a lower CPU priority (:func:`~xckpt.engine.threads.yield_cpu`). The
+processes meet through small files in a status directory beside the destination
+(``.<name>.xckpt-status-<generation>``): each writes ``rank-<r>`` (its success, or its
+error); the coordinating process waits for all of them, commits or removes everything,
+writes ``outcome``, and removes the directory once every process has read it (each deletes
+its ``rank-<r>`` then). Every wait is bounded by the save's timeout, so when a process dies
+the others learn it (``async.timeout``) instead of waiting forever; :meth:`Pending.wait`
+is not a collective. The threads are daemons; at interpreter exit, pending saves are given
+their timeout to finish.
 
 Staging buffers come from one process-wide pool and are kept for the next asynchronous
 save, so a training loop that saves the same state again copies into memory it already
@@ -24,16 +27,20 @@ owns: the pool holds this process's share of the last asynchronous checkpoint
 
 from __future__ import annotations
 
+import atexit
 import copy
+import os
 import queue
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
 
-from xckpt.engine import collective, protocol
-from xckpt.engine.commit import commit_failed, remove
+from xckpt.engine import collective, failpoints, protocol
+from xckpt.engine.claims import sibling
+from xckpt.engine.commit import commit_failed, identity
 from xckpt.engine.protocol import Prepared
 from xckpt.engine.storage import Location
 from xckpt.engine.threads import yield_cpu
@@ -41,8 +48,8 @@ from xckpt.engine.write import ChunkWriter
 from xckpt.errors import CollectiveError, CoordinationError, XckptError
 from xckpt.format import shard
 
-#: How long the coordinating process waits for the other processes' status files, in seconds.
-COMMIT_TIMEOUT_S = 3600.0
+#: How long a process waits for the others (their status; the outcome of the commit), in seconds.
+COMMIT_TIMEOUT_S = 600.0
 #: How often the coordinating process looks for status files, in seconds.
 POLL_S = 0.005
 
@@ -99,28 +106,21 @@ class Pending:
         self._status = status
         self._timeout_s = timeout_s
         self._error: BaseException | None = None
-        self._outcome: dict[str, Any] = {"error": None}
         self.manifest: Any = None
-        self.shared = p.coord.world_size == 1
         self.waited = False
-        self.thread = threading.Thread(target=self._run, name="xckpt-save-async", daemon=False)
+        self.thread = threading.Thread(target=self._run, name="xckpt-save-async", daemon=True)
+        with _live_lock:
+            _live.add(self)
 
     def done(self) -> bool:
-        """Whether this process's background work is over (on the coordinating process: the commit)."""
+        """Whether this process's part is over: its objects written, the commit's outcome known."""
         return not self.thread.is_alive()
 
     def wait(self) -> Any:
-        """Block until the commit; re-raise a background error. Collective in a multi-process job."""
+        """Block until the outcome is known (the coordinating process: until it committed); re-raise a
+        failure, which every process learns within the timeout. Not a collective."""
         self.thread.join()
         self.waited = True
-        if not self.shared:
-            self.shared = True
-            try:
-                outcome = collective.broadcast(self.p.coord, self._outcome if self.p.coord.rank == 0 else None)
-            except XckptError as exc:
-                outcome = {"error": f"the processes could not share the outcome of the commit: {exc}"}
-            if outcome["error"] and self._error is None:
-                self._error = commit_failed(self.p.final, CoordinationError(outcome["error"]))
         if self._error is not None:
             raise self._error
         return self.manifest
@@ -134,9 +134,11 @@ class Pending:
         written: list[np.ndarray] = []
         ended = False
         store = None
+        w = None
         try:
             store = p.tmp.store(create=True)
-            with ChunkWriter(store, p.options.max_inflight_bytes, background=True) as w:
+            w = ChunkWriter(store, p.options.max_inflight_bytes, background=True)
+            with w:
                 for name, data in protocol.metadata_files(p):
                     w.file(name, data)
                 while True:
@@ -159,11 +161,14 @@ class Pending:
                     written.append(item[2])  # type: ignore[index]
             raise
         finally:
+            if w is not None:
+                p.written.extend(w.names)
             if store is not None:
                 store.close()
             for buf in written:
                 _staging.give(buf)
         p.bytes_written = w.bytes_written
+        failpoints.hit("before_status", p.coord.rank)
 
     def _run(self) -> None:
         yield_cpu()
@@ -175,65 +180,145 @@ class Pending:
         except BaseException as exc:  # noqa: BLE001 - reported through the status files and wait()
             self._error = commit_failed(p.final, exc)
             status = {"error": collective.describe(exc)}
-        if p.coord.world_size == 1:
-            self._commit([status])
-            return
         try:
-            self._status.store(create=True).write(f"rank-{p.coord.rank}", collective.pack(status), atomic=True)
-        except BaseException as exc:  # noqa: BLE001
-            self._error = self._error or commit_failed(p.final, exc)
-            if p.coord.rank == 0:
-                self._commit(None)
-            return
-        if p.coord.rank == 0:
+            if p.coord.world_size == 1:
+                self._commit([status])
+                return
+            store = self._status.store(create=True)
             try:
-                statuses = self._collect()
-            except BaseException as exc:  # noqa: BLE001 - a status file that cannot be read
-                self._fail(exc)
-                statuses = None
-            if statuses is not None:
-                self._commit(statuses)
+                store.write(f"rank-{p.coord.rank}", collective.pack(status), atomic=True)
+            finally:
+                store.close()
+            failpoints.hit("after_status", p.coord.rank)
+            if p.coord.rank == collective.ROOT:
+                self._coordinate()
             else:
-                remove(self._status)
+                self._follow()
+        except BaseException as exc:  # noqa: BLE001 - surfaces from wait()
+            self._error = self._error or commit_failed(p.final, exc)
+            if not p.committed:
+                p.discard()
 
-    def _collect(self) -> list[dict[str, Any]] | None:
+    # the coordinating process
+
+    def _coordinate(self) -> None:
+        """Collect every status, commit or discard, publish the outcome, wait for the others to read it."""
+        try:
+            statuses = self._collect()
+        except BaseException as exc:  # noqa: BLE001 - a status file that cannot be read, or missing ones
+            statuses = None
+            self._error = self._error or commit_failed(self.p.final, exc)
+        self._commit(statuses)
+        store = self._status.store(create=True)
+        try:
+            store.write("outcome", collective.pack({"error": None if self._error is None else str(self._error)}),
+                        atomic=True)
+            deadline = time.monotonic() + self._timeout_s
+            others = [f"rank-{r}" for r in range(1, self.p.coord.world_size)]
+            while any(store.exists(n) for n in others) and time.monotonic() < deadline:
+                time.sleep(POLL_S)  # each process deletes its status once it read the outcome
+            for name in ["rank-0", "outcome", *others]:
+                store.delete(name)
+        finally:
+            store.close()
+        _remove_dir(self._status)
+
+    def _collect(self) -> list[dict[str, Any]]:
         world = self.p.coord.world_size
         store = self._status.store(create=True)
-        found: dict[int, dict[str, Any]] = {}
-        deadline = time.monotonic() + self._timeout_s
-        while len(found) < world:
-            for r in range(world):
-                if r not in found:
-                    data = store.read(f"rank-{r}")
-                    if data is not None:
-                        found[r] = collective.unpack(data)
-            if len(found) < world:
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(world)) - set(found))
-                    self._fail(CoordinationError(f"ranks {missing} reported no status within "
-                                                 f"{self._timeout_s:.0f} s", file=str(self._status)))
-                    return None
-                time.sleep(POLL_S)
-        return [found[r] for r in range(world)]
-
-    def _fail(self, exc: BaseException) -> None:
-        remove(self.p.tmp)
-        self._outcome = {"error": str(exc)}
-        self._error = self._error or commit_failed(self.p.final, exc)
+        try:
+            found: dict[int, dict[str, Any]] = {}
+            deadline = time.monotonic() + self._timeout_s
+            while len(found) < world:
+                for r in range(world):
+                    if r not in found:
+                        data = store.read(f"rank-{r}")
+                        if data is not None:
+                            found[r] = collective.unpack(data)
+                if len(found) < world:
+                    if time.monotonic() > deadline:
+                        missing = sorted(set(range(world)) - set(found))
+                        raise CoordinationError(f"ranks {missing[:16]} reported no status within "
+                                                f"{self._timeout_s:g} s (did they die?)", code="async.timeout",
+                                                file=str(self._status))
+                    time.sleep(POLL_S)
+            return [found[r] for r in range(world)]
+        finally:
+            store.close()
 
     def _commit(self, statuses: list[dict[str, Any]] | None) -> None:
+        p = self.p
         try:
             if statuses is None:
-                raise CoordinationError(f"cannot write the status of this process to {self._status}")
+                raise self._error or CoordinationError("no status")
             failed = {r: s["error"] for r, s in enumerate(statuses) if "error" in s}
             if failed:
-                raise CollectiveError(self.p.what, failed)
-            self.manifest = protocol.finish(self.p, statuses)
-        except BaseException as exc:  # noqa: BLE001
-            self._fail(exc)
+                raise CollectiveError(p.what, failed)
+            self.manifest = protocol.finish(p, statuses)
+        except BaseException as exc:  # noqa: BLE001 - surfaces from wait(), and through the outcome
+            self._error = self._error or commit_failed(p.final, exc)
+            if not p.committed:
+                p.discard()
+            elif p.hold is not None:
+                p.hold.end()
+
+    # the other processes
+
+    def _follow(self) -> None:
+        """Wait (bounded) for the coordinating process's outcome; on failure remove what this process wrote."""
+        p = self.p
+        store = self._status.store(create=True)
+        try:
+            deadline = time.monotonic() + self._timeout_s
+            outcome = None
+            while outcome is None and time.monotonic() < deadline:
+                data = store.read("outcome")
+                if data is not None:
+                    outcome = collective.unpack(data)
+                else:
+                    time.sleep(POLL_S)
+            store.delete(f"rank-{p.coord.rank}")
         finally:
-            if self.p.coord.world_size > 1:
-                remove(self._status)
+            store.close()
+        if outcome is None:
+            if _committed_generation(p.final) == p.generation:
+                return  # committed; the outcome was gone before this process looked
+            raise CoordinationError(f"rank 0 did not report the outcome of the commit within {self._timeout_s:g} s "
+                                    "(did it die?); nothing of this process's part was kept", code="async.timeout",
+                                    file=str(self._status))
+        if outcome["error"] is not None:
+            raise CoordinationError(outcome["error"])
+
+
+def _committed_generation(final: Location) -> str | None:
+    store = final.store()
+    try:
+        return identity(store)
+    except XckptError:
+        return None
+    finally:
+        store.close()
+
+
+def _remove_dir(loc: Location) -> None:
+    if loc.is_local:
+        try:
+            os.rmdir(loc.local_path)
+        except OSError:
+            pass
+
+
+_live_lock = threading.Lock()
+_live: "weakref.WeakSet[Pending]" = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """At interpreter exit, let pending saves finish (each is bounded by its own timeout)."""
+    with _live_lock:
+        pending = list(_live)
+    for p in pending:
+        p.thread.join()
 
 
 class _Done:
@@ -327,10 +412,11 @@ def start(tree: Any, path: Any, *, coordinator: Any, options: Any, timeout_s: fl
         spec.cancel()
         raise
     reused = spec.confirmed(p)
-    pending = Pending(p, Location(f"{p.tmp.url}.status"), timeout_s, spec.queue if reused else None)
+    pending = Pending(p, sibling(p.final, "status", p.generation), timeout_s, spec.queue if reused else None)
     pending.thread.start()
     if not reused:
         stage(p, pending._queue)
+    failpoints.hit("after_stage", p.coord.rank)
     p.stats["stage_s"] = time.perf_counter() - started - p.stats["plan_s"]
     p.stats["staged_during_planning"] = reused
     return pending

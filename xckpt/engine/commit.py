@@ -9,24 +9,27 @@ rename: the prefix is written in place and the manifest, written last, is the co
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import math
 import os
 import shutil
-import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import crc32c
 import numpy as np
-import tensorstore as ts
 
 from xckpt._version import __version__
+from xckpt.engine import atomic, claims, failpoints
 from xckpt.engine.plan import ArrayPlan, GlobalPlan, LeafLayout
-from xckpt.engine.storage import Location, Store
+from xckpt.engine.storage import LocalStore, Location, Store
 from xckpt.engine.write import ChunkWriter
 from xckpt.errors import CollectiveError, SaveError, XckptError
 from xckpt.format import dtypes, names, orbax_view, values as values_format, zarr
 from xckpt.format.manifest import ArrayEntry, Entry, Manifest, StoredArray, ValueEntry
+from xckpt.format.regions import chunk_indices
 from xckpt.format.tree import Key
 
 COMMIT_TEXT = b"xckpt checkpoint committed\n"
@@ -42,6 +45,11 @@ class SaveOptions:
     max_inflight_bytes: int = 256 << 20
     metadata: dict[str, Any] = field(default_factory=dict)
     producer: dict[str, Any] = field(default_factory=dict)
+    stale_after_s: float | None = None  # a lease unrenewed this long marks a dead save (None: XCKPT_STALE_AFTER_S)
+
+    def stale_after(self) -> float:
+        """Seconds after which a leftover's unrenewed lease marks it dead."""
+        return claims.stale_after_s() if self.stale_after_s is None else self.stale_after_s
 
     def check(self) -> None:
         """Refuse options the format does not know."""
@@ -49,77 +57,245 @@ class SaveOptions:
             raise SaveError(f"compression must be one of {zarr.COMPRESSIONS}, not {self.compression!r}")
 
 
-def temporary_sibling(final: Location) -> Location:
-    """Where a save writes before it commits: a fresh hidden directory beside ``final`` (local), else ``final``."""
-    if not final.is_local:
-        return final
-    parent, name = os.path.split(final.local_path.rstrip("/"))
-    return Location(os.path.join(parent, f".{name}.xckpt-tmp-{uuid.uuid4().hex[:12]}"))
+@dataclass(frozen=True)
+class Target:
+    """What a save found at its destination and may do there."""
+
+    final: Location
+    replaces: str | None = None  # identity (:func:`identity`) of the committed checkpoint it replaces
+    empty_dir: bool = False  # an empty local directory stands at the destination (it is removed)
+    kind: str = "xckpt"  # what it writes and may replace: "xckpt", or "dcp" (a torch DCP directory)
 
 
-def check_target(final: Location, opts: SaveOptions) -> None:
-    """Refuse to replace a checkpoint unless asked; on object stores, clear an uncommitted prefix.
+def identity(store: Store) -> str | None:
+    """Which committed checkpoint a store holds: its manifest's generation (format 1.1), else a digest of
+    its manifest; None when it holds no manifest."""
+    data = store.read(names.MANIFEST)
+    if data is None:
+        return None
+    try:
+        generation = json.loads(data.decode("utf-8")).get("generation")
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        generation = None
+    return generation if isinstance(generation, str) else hashlib.blake2b(data, digest_size=16).hexdigest()
 
-    Object stores have no atomic rename, so the manifest written last is the commit and
-    an existing committed checkpoint is never overwritten in place.
+
+def _identity_at(path: str, kind: str = "xckpt") -> str | None:
+    store = LocalStore(path)
+    try:
+        if kind == "dcp":
+            data = store.read(names.DCP_METADATA)
+            return None if data is None else hashlib.blake2b(data, digest_size=16).hexdigest()
+        return identity(store)
+    finally:
+        store.close()
+
+
+def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt") -> Target:
+    """What a save to ``final`` may do, or a specific refusal; first tidies what dead saves left there.
+
+    A save creates a new checkpoint, or with ``overwrite`` replaces a committed xckpt
+    checkpoint (on a file system only): anything else at the destination is refused, never
+    deleted (``save.exists``, ``save.not_checkpoint``, ``save.not_empty``, ``save.in_progress``).
     """
     if final.is_local:
-        if os.path.lexists(final.local_path) and not opts.overwrite:
-            raise SaveError(f"{final.local_path} already exists; pass overwrite=True to replace it",
-                            code="save.exists", file=final.local_path)
-        return
+        path = final.local_path
+        parent, name = os.path.split(path.rstrip("/"))
+        claims.recover(final)
+        claims.remove_stale(Location(parent or "/"), stale_after=opts.stale_after())
+        if not os.path.lexists(path):
+            return Target(final, kind=kind)
+        if os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path):
+            return Target(final, empty_dir=True, kind=kind)
+        if not opts.overwrite:
+            raise SaveError(f"{path} already exists; pass overwrite=True to replace it", code="save.exists",
+                            file=path)
+        held = _identity_at(path, kind) if os.path.isdir(path) and not os.path.islink(path) else None
+        if held is None:
+            what = "a committed xckpt checkpoint" if kind == "xckpt" else "a torch DCP checkpoint"
+            raise SaveError(f"{path} is not {what}; overwrite=True replaces only one, so nothing was written",
+                            code="save.not_checkpoint", file=path)
+        return Target(final, replaces=held, kind=kind)
     store = final.store()
     if store.exists(names.MANIFEST):
-        raise SaveError(f"{final} holds a committed checkpoint; object stores cannot replace one atomically, "
-                        "so save to a new prefix", code="save.exists", file=str(final))
-    remove(final)  # leftovers of a save that never committed
+        raise SaveError(f"{final} holds a committed checkpoint; object stores cannot replace one atomically, so a "
+                        "save never overwrites one: save to a new prefix", code="save.exists", file=str(final))
+    if store.exists(claims.CLAIM):
+        parent, _, name = final.url.rpartition("/")
+        found = [x for x in claims.scan(Location(parent), stale_after=opts.stale_after(), name=name)
+                 if x.path == final.url]
+        if not found or not found[0].stale:
+            raise SaveError(f"another save is writing to {final} (it holds {claims.CLAIM}); nothing was written",
+                            code="save.in_progress", file=str(final.child(claims.CLAIM)))
+        claims.remove(found[0])  # everything a dead save wrote under the prefix it claimed
+    if store.list():
+        raise SaveError(f"{final} is not empty and holds no checkpoint; a save writes only to a new or empty "
+                        "prefix, so nothing was written", code="save.not_empty", file=str(final))
+    return Target(final)
 
 
-def publish(tmp: Location, final: Location, *, overwrite: bool) -> None:
-    """Move a completely written checkpoint from ``tmp`` to ``final`` (local file systems).
+def publish(tmp: Location, target: Target, generation: str, rank: int = 0) -> None:
+    """Move a completely written and synced checkpoint from ``tmp`` into place (file systems; on object
+    stores the manifest written last was the commit, and this does nothing).
 
-    With ``overwrite``, an existing checkpoint at ``final`` is moved aside first and removed
-    only after the new one is in place, so a crash leaves one of them whole. The parent
-    directory is synced afterwards, so the rename itself is durable.
+    A new checkpoint moves in only if nothing is there (``save.exists`` if another save got
+    there first). A replacement swaps in atomically (``renameat2(RENAME_EXCHANGE)``), checks
+    that it displaced the checkpoint it meant to (else swaps back: ``save.conflict``), syncs
+    the parent and removes the old one. Without an atomic exchange the old checkpoint is
+    renamed aside first (``.<name>.xckpt-old-<generation>``), where the next save or load of
+    the path restores it if the process dies before the new one is in.
     """
-    if tmp == final:
+    if not tmp.is_local or tmp == target.final:
         return
-    target = final.local_path
-    old = None
-    if os.path.lexists(target):
-        if not overwrite:
-            raise SaveError(f"{target} already exists; pass overwrite=True to replace it",
-                            code="save.exists", file=target)
-        old = tmp.local_path + ".old"
-        os.rename(target, old)
+    src, dst = tmp.local_path, target.final.local_path
+    parent = os.path.dirname(dst) or "."
+    failpoints.hit("before_publish", rank)
+    if target.replaces is None:
+        if target.empty_dir:
+            try:
+                os.rmdir(dst)
+            except OSError:
+                pass
+        try:
+            try:
+                atomic.rename_noreplace(src, dst)
+            except atomic.Unsupported:
+                if os.path.lexists(dst):
+                    raise FileExistsError(errno.EEXIST, "exists", dst) from None
+                os.rename(src, dst)  # refuses a non-empty directory at dst
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                raise SaveError(f"another save committed {dst} first; nothing was committed", code="save.exists",
+                                file=dst) from None
+            raise
+        atomic.sync_dir(parent)
+        failpoints.hit("after_publish", rank)
+        return
     try:
-        os.rename(tmp.local_path, target)
+        atomic.exchange(src, dst)
+    except atomic.Unsupported:
+        _publish_aside(src, dst, target, generation, rank)
+        return
+    except FileNotFoundError:
+        raise SaveError(f"{dst} disappeared while this save replaced it; nothing was committed",
+                        code="save.conflict", file=dst) from None
+    failpoints.hit("after_exchange", rank)
+    if _identity_at(src, target.kind) != target.replaces:  # another save replaced it since this one began
+        atomic.exchange(src, dst)
+        raise SaveError(f"another save replaced {dst} while this one was writing; nothing was committed",
+                        code="save.conflict", file=dst)
+    atomic.sync_dir(parent)
+    shutil.rmtree(src, ignore_errors=True)
+    failpoints.hit("after_publish", rank)
+
+
+def _publish_aside(src: str, dst: str, target: Target, generation: str, rank: int) -> None:
+    """A replacement with two renames (no atomic exchange here); see :func:`publish`."""
+    aside = claims.sibling(target.final, "old", generation).local_path
+    try:
+        os.rename(dst, aside)
+    except FileNotFoundError:
+        raise SaveError(f"{dst} disappeared while this save replaced it; nothing was committed",
+                        code="save.conflict", file=dst) from None
+    atomic.sync_dir(os.path.dirname(dst) or ".")
+    failpoints.hit("after_aside", rank)
+    if _identity_at(aside, target.kind) != target.replaces:
+        os.rename(aside, dst)
+        raise SaveError(f"another save replaced {dst} while this one was writing; nothing was committed",
+                        code="save.conflict", file=dst)
+    try:
+        os.rename(src, dst)
     except OSError:
-        if old is not None:
-            os.rename(old, target)
+        if not os.path.lexists(dst):
+            os.rename(aside, dst)
         raise
-    _sync_dir(os.path.dirname(target) or ".")
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    atomic.sync_dir(os.path.dirname(dst) or ".")
+    shutil.rmtree(aside, ignore_errors=True)
+    failpoints.hit("after_publish", rank)
 
 
-def _sync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+class Hold:
+    """The coordinating process's hold on a destination for one save: what it found there, its lease
+    (renewed by a heartbeat) and its temporary directory (file systems)."""
+
+    def __init__(self, target: Target, generation: str, stale_after: float) -> None:
+        self.target = target
+        self.generation = generation
+        self.lease = claims.Lease(target.final, generation)
+        self.tmp = claims.sibling(target.final, "tmp", generation) if target.final.is_local else target.final
+        try:
+            if self.tmp.is_local:
+                os.makedirs(os.path.dirname(self.tmp.local_path), exist_ok=True)
+            self.lease.acquire()
+        except OSError as exc:
+            raise SaveError(f"cannot write beside {target.final}: {exc.strerror or exc}; nothing was written",
+                            code="io.write", file=str(target.final)) from exc
+        try:
+            if self.tmp.is_local:
+                os.mkdir(self.tmp.local_path)
+        except BaseException as exc:
+            self.lease.release()
+            if isinstance(exc, OSError):
+                raise SaveError(f"cannot write beside {target.final}: {exc.strerror or exc}; nothing was written",
+                                code="io.write", file=str(target.final)) from exc
+            raise
+        self._heartbeat: claims.Heartbeat | None = claims.Heartbeat(self.lease, claims.heartbeat_s(stale_after))
+
+    def end(self) -> None:
+        """Stop renewing the lease and release it."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        self.lease.release()
+
+
+def plan_objects(plan: GlobalPlan) -> Iterator[str]:
+    """Every array object a plan has the processes write (chunk objects and ``zarr.json`` files)."""
+    for a in plan.arrays.values():
+        if a.segmented:
+            yield f"{a.name}/{zarr.METADATA}"
+        for path, s in stored_arrays(a):
+            yield f"{path}/{zarr.METADATA}"
+            for idx in chunk_indices(s.shape, s.chunk_shape):
+                yield f"{path}/{zarr.chunk_key(idx)}"
+
+
+def discard(tmp: Location, written: Iterable[str], *, hold: Hold | None = None,
+            plan: GlobalPlan | None = None) -> None:
+    """Remove what a failed save wrote (best effort, never anything else).
+
+    Every process deletes the objects it wrote (``written``); the coordinating process
+    (``hold``) also removes the temporary directory (file systems) or every object the plan
+    could have had any process write (object stores, where processes that died cannot clean
+    up), then releases its lease.
+    """
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def remove(loc: Location) -> None:
-    """Delete everything under ``loc`` (best effort; used to clean up a failed save)."""
-    if loc.is_local:
-        shutil.rmtree(loc.local_path, ignore_errors=True)
-        return
-    try:
-        ts.KvStore.open(loc.kvstore()).result().delete_range(ts.KvStore.KeyRange()).result()
-    except Exception:  # noqa: BLE001 - cleanup is best effort
+        store = tmp.store()
+        try:
+            for name in written:
+                store.delete(name)
+            if hold is not None and not tmp.is_local:
+                for name in list(plan_objects(plan)) if plan is not None else []:
+                    store.delete(name)
+        finally:
+            store.close()
+        if hold is not None and tmp.is_local:
+            shutil.rmtree(tmp.local_path, ignore_errors=True)
+        elif tmp.is_local:
+            _remove_empty_dirs(tmp.local_path)
+    except Exception:  # noqa: BLE001 - cleanup is best effort; what is left ages into a leftover
         pass
+    finally:
+        if hold is not None:
+            hold.end()
+
+
+def _remove_empty_dirs(root: str) -> None:
+    for d, _, _ in sorted(os.walk(root), key=lambda x: -len(x[0])):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
 
 
 def stored_arrays(a: ArrayPlan | LeafLayout) -> list[tuple[str, StoredArray]]:
@@ -159,7 +335,7 @@ def array_entry(a: ArrayPlan, compression: str) -> ArrayEntry:
 
 
 def build_manifest(plan: GlobalPlan, values: dict[int, Any], opts: SaveOptions, producer: dict[str, Any],
-                   values_info: dict[str, Any] | None) -> Manifest:
+                   values_info: dict[str, Any] | None, generation: str | None = None) -> Manifest:
     """The manifest of a planned save whose value leaves are ``values`` (by leaf index)."""
     entries: list[Entry] = []
     for i, key in enumerate(plan.keys):
@@ -170,7 +346,8 @@ def build_manifest(plan: GlobalPlan, values: dict[int, Any], opts: SaveOptions, 
             mirror = names.storage_name(key) if orbax_view.mirrors(values[i]) else None
             entries.append(ValueEntry(key, plan.kinds[i], mirror))
     meta = dict(opts.metadata)
-    return Manifest(tree=plan.tree, leaves=entries, producer=producer, values=values_info, metadata=meta)
+    return Manifest(tree=plan.tree, leaves=entries, producer=producer, values=values_info, metadata=meta,
+                    generation=generation)
 
 
 def producer_of(plan: GlobalPlan, opts: SaveOptions) -> dict[str, Any]:
@@ -189,13 +366,16 @@ def producer_of(plan: GlobalPlan, opts: SaveOptions) -> dict[str, Any]:
     return out
 
 
-def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], opts: SaveOptions) -> Manifest:
+def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], opts: SaveOptions,
+                       generation: str, *, hold: Hold | None = None, written: list[str] | None = None) -> Manifest:
     """The coordinating process's part of the commit, into the (temporary) checkpoint; returns the manifest.
 
     Writes the ``zarr.json`` of arrays with no element (no process wrote a chunk of them), the
     values file, the Orbax view (0-d mirrors of numeric values, ``_METADATA``,
-    ``_CHECKPOINT_METADATA``, ``_strings.json``), the manifest and the commit marker, in that
-    order, and syncs them.
+    ``_CHECKPOINT_METADATA``, ``_strings.json``) and the commit marker, syncs them, then
+    creates the manifest, last: on an object store that is the commit, refused if another
+    save's manifest is there (``save.exists``) or if this save lost its claim (``save.conflict``).
+    The names it writes are added to ``written``.
     """
     with ChunkWriter(store, opts.max_inflight_bytes) as w:
         for i, a in plan.arrays.items():
@@ -207,7 +387,7 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
             blob = values_format.encode({i: values[i] for i in sorted(values)})
             w.file(names.VALUES, blob)
             values_info = {"path": names.VALUES, "size": len(blob), "crc32c": crc32c.crc32c(blob)}
-        manifest = build_manifest(plan, values, opts, producer_of(plan, opts), values_info)
+        manifest = build_manifest(plan, values, opts, producer_of(plan, opts), values_info, generation)
         strings: dict[Key, str] = {}
         for i, e in enumerate(manifest.leaves):
             if isinstance(e, ValueEntry) and e.orbax_path:
@@ -219,9 +399,22 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
                 strings[e.key] = values[i]
         for name, data in orbax_view.files(manifest, strings).items():
             w.file(name, data)
-    store.write(names.MANIFEST, manifest.dumps())
+    if written is not None:
+        written.extend(w.names)
+    failpoints.hit("after_values")
+    if written is not None:
+        written.append(names.COMMIT)
     store.write(names.COMMIT, COMMIT_TEXT)
     store.sync()
+    failpoints.hit("after_commit_marker")
+    if hold is not None and not hold.lease.held():
+        raise SaveError(f"this save lost its claim on {hold.target.final} (judged dead and taken over); "
+                        "nothing was committed", code="save.conflict", file=str(hold.target.final))
+    if not store.create(names.MANIFEST, manifest.dumps()):
+        raise SaveError(f"another save committed {store.location} first; nothing was committed", code="save.exists",
+                        file=str(store.location))
+    store.sync()
+    failpoints.hit("after_manifest")
     return manifest
 
 

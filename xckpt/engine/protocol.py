@@ -31,8 +31,10 @@ import numpy as np
 from xckpt import registry
 from xckpt.engine import collective
 from xckpt.engine.collective import Coordinator
-from xckpt.engine.commit import (SaveOptions, array_metadata, check_target, commit_failed, publish, remove,
-                                 temporary_sibling, write_commit_files)
+from xckpt.engine import failpoints
+from xckpt.engine.claims import new_generation
+from xckpt.engine.commit import (Hold, SaveOptions, array_metadata, check_target, commit_failed, discard, publish,
+                                 write_commit_files)
 from xckpt.engine.plan import Descriptors, GlobalPlan, LeafDesc, LocalPlan, digest, local_plan, plan_save
 from xckpt.engine.storage import Location
 from xckpt.engine.write import ChunkWriter
@@ -62,8 +64,16 @@ class Prepared:
     plan: GlobalPlan | None  # the coordinating process's global plan
     representative: bool  # this process sends its group's values at the commit
     plan_key: bytes  # names the global plan this process's local plan belongs to
+    generation: str = ""  # names this save (its manifest records it)
+    hold: Hold | None = None  # the coordinating process's hold on the destination
     stats: dict[str, Any] = field(default_factory=dict)
     bytes_written: int = 0
+    written: list[str] = field(default_factory=list)  # objects this process began to write
+    committed: bool = False  # the coordinating process reached the commit point
+
+    def discard(self) -> None:
+        """Remove what this process wrote for a failed save (the coordinating process: all of it)."""
+        discard(self.tmp, self.written, hold=self.hold, plan=self.plan)
 
     @property
     def what(self) -> str:
@@ -160,7 +170,7 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None, opt
     decided: dict[str, Any] = {}
 
     def decide(reports: list[dict[str, Any]]) -> dict[str, Any]:
-        check_target(final, opts)
+        target = check_target(final, opts)
         digests = tuple(r["digest"] for r in reports)
         key = digest(b"".join(digests))  # names the global plan of exactly these descriptions
         with _plans.lock:
@@ -170,10 +180,23 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None, opt
         for rank, d in enumerate(digests):
             reps.setdefault(d, rank)
         decided["digests"] = digests
-        return {"tmp": temporary_sibling(final).url, "reuse": plan is not None, "reps": sorted(reps.values()),
-                "plan": key}
+        hold = decided["hold"] = Hold(target, new_generation(), opts.stale_after())
+        return {"tmp": hold.tmp.url, "generation": hold.generation, "reuse": plan is not None,
+                "reps": sorted(reps.values()), "plan": key}
 
-    decision = collective.decide_step(coord, what, describe_local, decide)
+    try:
+        decision = collective.decide_step(coord, what, describe_local, decide)
+        return _agree_plan(coord, opts, final, what, started, described, decided, decision)
+    except BaseException:
+        hold: Hold | None = decided.get("hold")
+        if hold is not None:
+            discard(hold.tmp, [], hold=hold)
+        raise
+
+
+def _agree_plan(coord: Coordinator, opts: SaveOptions, final: Location, what: str, started: float,
+                described: dict[str, Any], decided: dict[str, Any], decision: dict[str, Any]) -> Prepared:
+    """The rest of :func:`prepare`, once the coordinating process decided: the plan, reused or made."""
     d = described["digest"]
     representative = coord.rank in decision["reps"]
     plan: GlobalPlan | None = decided.get("plan")
@@ -206,7 +229,7 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None, opt
             _plans._put(_plans.local, (coord.rank, d), (decision["plan"], answer, local))
         key = decision["plan"]
     p = Prepared(final, Location(decision["tmp"]), coord, opts, described["descs"], described["sources"], local,
-                 plan, representative, key)
+                 plan, representative, key, decision["generation"], decided.get("hold"))
     p.stats["plan_s"] = time.perf_counter() - started
     p.stats["plan_reused"] = bool(decision["reuse"])
     return p
@@ -287,16 +310,22 @@ def zarr_files(local: LocalPlan, descs: Descriptors, compression: str) -> list[t
 def write(p: Prepared) -> int:
     """Step 2: write every chunk object and ``zarr.json`` assigned to this process; returns the array bytes."""
     started = time.perf_counter()
+    failpoints.hit("after_plan", p.coord.rank)
     store = p.tmp.store(create=True)
+    w = ChunkWriter(store, p.options.max_inflight_bytes)
     try:
-        with ChunkWriter(store, p.options.max_inflight_bytes) as w:
+        with w:
             for name, data in metadata_files(p):
                 w.file(name, data)
-            for name, geom, data, leaf in chunk_jobs(p):
+            for i, (name, geom, data, leaf) in enumerate(chunk_jobs(p)):
                 w.chunk(name, geom, data, leaf)
+                if i == 0:
+                    failpoints.hit("mid_write", p.coord.rank)
         store.sync()
     finally:
+        p.written.extend(w.names)
         store.close()
+    failpoints.hit("after_write", p.coord.rank)
     p.bytes_written = w.bytes_written
     p.stats["write_s"] = time.perf_counter() - started
     return w.bytes_written
@@ -356,16 +385,22 @@ def check_complete(plan: GlobalPlan, key: bytes, statuses: list[dict[str, Any]])
 def finish(p: Prepared, statuses: list[dict[str, Any]]) -> Manifest:
     """The coordinating process's commit, from every process's :func:`report`: values, Orbax view,
     manifest, marker, then the move into place."""
-    assert p.plan is not None
+    assert p.plan is not None and p.hold is not None
     p.stats["bytes_per_rank"] = [s["bytes"] for s in statuses]
     check_complete(p.plan, p.plan_key, statuses)
     values = merge_values(p.plan, statuses)
+    failpoints.hit("before_commit_files")
     store = p.tmp.store(create=True)
     try:
-        manifest = write_commit_files(store, p.plan, values, p.options)
+        manifest = write_commit_files(store, p.plan, values, p.options, p.generation, hold=p.hold,
+                                      written=p.written)
     finally:
         store.close()
-    publish(p.tmp, p.final, overwrite=p.options.overwrite)
+    if not p.tmp.is_local:
+        p.committed = True  # the manifest was the commit
+    publish(p.tmp, p.hold.target, p.generation)
+    p.committed = True
+    p.hold.end()
     return manifest
 
 
@@ -386,8 +421,10 @@ def commit(p: Prepared, local_error: BaseException | None = None) -> Manifest | 
         try:
             collective.decide_step(p.coord, p.what, lambda: _report_or_raise(p, values, local_error), root)
         except BaseException:
-            if p.coord.rank == collective.ROOT:
-                remove(p.tmp)
+            if not p.committed:
+                p.discard()
+            elif p.hold is not None:
+                p.hold.end()
             raise
     except XckptError as exc:
         raise commit_failed(p.final, exc) from exc

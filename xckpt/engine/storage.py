@@ -27,6 +27,8 @@ from xckpt.errors import DataError, UnsafePathError, XckptError
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+#: TensorStore's storage generation of a missing key: a write conditioned on it only creates.
+ABSENT = b"\x02"
 #: Directory descriptors one LocalStore keeps open.
 _DIR_CACHE = 128
 
@@ -132,6 +134,12 @@ class Store(Protocol):
         ``atomic``: a concurrent reader sees the old object or the whole new one, never a part.
         """
 
+    def create(self, name: str, data: bytes) -> bool:
+        """Write an object only if none is there, durably; False (nothing written) when one is."""
+
+    def delete(self, name: str) -> None:
+        """Delete an object (nothing happens when it is missing)."""
+
     def exists(self, name: str) -> bool:
         """Whether an object exists."""
 
@@ -188,8 +196,26 @@ class LocalBlob:
         os.close(self._fd)
 
 
+def _write_synced(fd: int, data: Any) -> None:
+    """Write every part of ``data`` to the open file ``fd``, fsync and close it."""
+    try:
+        for part in _parts(data):
+            view = memoryview(part).cast("B")
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class LocalStore:
-    """A local checkpoint directory; no path component below the root is followed if it is a link."""
+    """A local checkpoint directory; no path component below the root is followed if it is a link.
+
+    The root directory is opened once, when the store is made, and every read goes through
+    that descriptor: a reader keeps reading the directory it opened even if another save
+    replaces the checkpoint at the same path meanwhile (:meth:`replaced` tells).
+    """
 
     def __init__(self, root: str, *, create: bool = False) -> None:
         self.location = Location(root)
@@ -199,6 +225,28 @@ class LocalStore:
         self._dirs: OrderedDict[tuple[str, ...], int] = OrderedDict()
         self._lock = threading.Lock()
         self._made: set[str] = set()  # directories this store wrote into (made, or found)
+        with self._lock:
+            self._dir(())
+
+    def replaced(self) -> bool:
+        """Whether the directory this store reads is no longer at its path (replaced or removed)."""
+        fd = self._dirs.get(())
+        if fd is None:
+            return False
+        mine = os.fstat(fd)
+        try:
+            now = os.stat(self.root)
+        except OSError:
+            return True
+        return mine.st_nlink == 0 or (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino)
+
+    def pinned_path(self) -> str:
+        """A path naming the directory this store reads, for libraries that open files by path
+        (Linux: through ``/proc/self/fd``; elsewhere the root path itself)."""
+        fd = self._dirs.get(())
+        if fd is not None and os.path.isdir(f"/proc/self/fd/{fd}"):
+            return f"/proc/self/fd/{fd}"
+        return self.root
 
     # -- directories -----------------------------------------------------------------------------
 
@@ -289,24 +337,40 @@ class LocalStore:
             with self._lock:
                 self._made.add(parent)
         target = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}" if atomic else path
-        fd = os.open(target, _WRITE_FLAGS, 0o644)
-        try:
-            for part in _parts(data):
-                view = memoryview(part).cast("B")
-                done = 0
-                while done < len(view):
-                    done += os.write(fd, view[done:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_synced(os.open(target, _WRITE_FLAGS, 0o644), data)
         if atomic:
             os.rename(target, path)
 
-    def exists(self, name: str) -> bool:
-        """Whether a regular file is there (links are not followed)."""
+    def create(self, name: str, data: bytes) -> bool:
+        """Write a file only if nothing is at its name (``O_EXCL``), fsynced; False when something is."""
+        path = _file(self.root, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
-            st = os.stat(_file(self.root, name), follow_symlinks=False)
-        except OSError:
+            fd = os.open(path, _WRITE_FLAGS | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        _write_synced(fd, data)
+        with self._lock:
+            self._made.add(os.path.dirname(path))
+        return True
+
+    def delete(self, name: str) -> None:
+        """Unlink a file (a link is removed, never followed); nothing happens when it is missing."""
+        try:
+            os.unlink(_file(self.root, name))
+        except FileNotFoundError:
+            pass
+
+    def exists(self, name: str) -> bool:
+        """Whether a regular file is there, in the directory this store opened (links are not followed)."""
+        parts = tuple(name.split("/"))
+        try:
+            with self._lock:
+                d = self._dir(parts[:-1])
+                if d is None:
+                    return False
+                st = os.stat(parts[-1], dir_fd=d, follow_symlinks=False)
+        except (OSError, XckptError):
             return False
         return stat.S_ISREG(st.st_mode)
 
@@ -434,6 +498,15 @@ class KvStore:
         """Write an object from one or several parts (every object write is atomic on object stores)."""
         blob = b"".join(bytes(memoryview(p).cast("B")) for p in _parts(data))
         self._kv.write(name, blob).result()
+
+    def create(self, name: str, data: bytes) -> bool:
+        """Write an object only if it is absent: a conditional write, atomic where the store honours
+        ``If-None-Match`` (S3 since 2024, and most S3-compatible stores); False when it exists."""
+        return bool(self._kv.write(name, bytes(data), if_equal=ABSENT).result().generation)
+
+    def delete(self, name: str) -> None:
+        """Delete an object (nothing happens when it is missing)."""
+        self._kv.write(name, None).result()
 
     def exists(self, name: str) -> bool:
         """Whether an object exists."""

@@ -76,6 +76,7 @@ class ChunkWriter:
     def __init__(self, store: Store, max_inflight_bytes: int = MAX_INFLIGHT_BYTES, background: bool = False) -> None:
         self.store = store
         self.bytes_written = 0  # array bytes (chunk payloads), not counting indexes and metadata
+        self.names: list[str] = []  # every object it began to write (for the cleanup of a failed save)
         self._room = _Room(max_inflight_bytes)
         self._exec = threads.pool(background)
         self._pending: deque[Future[None]] = deque()
@@ -113,6 +114,8 @@ class ChunkWriter:
 
     def _put(self, name: str, data: Any, leaf: str | None, payload: int) -> None:
         """Write one object; count ``payload`` bytes of array data."""
+        with self._lock:
+            self.names.append(name)
         try:
             self.store.write(name, data)
         except XckptError as exc:

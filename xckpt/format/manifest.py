@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Union
 
@@ -26,6 +27,8 @@ FORMAT = "xckpt"
 VERSION = "1.1"
 #: Versions this reader reads (1.1 added segmented arrays).
 SUPPORTED_VERSIONS = ("1.0", "1.1")
+#: A save's generation: 128 random bits, as lowercase hex.
+GENERATION = re.compile(r"[0-9a-f]{32}")
 #: Largest number of elements (and of bytes) a leaf may declare: 2**53, JSON's exact-integer range.
 MAX_ELEMENTS = 2**53
 #: Largest number of chunk objects one array may declare.
@@ -131,11 +134,14 @@ class Manifest:
     values: dict[str, Any] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     version: str = VERSION
+    generation: str | None = None  # 32 hex digits naming this save (format 1.1; absent in 1.0)
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as a JSON object."""
-        out: dict[str, Any] = {"format": FORMAT, "version": self.version, "producer": self.producer,
-                               "tree": self.tree, "leaves": [e.to_json() for e in self.leaves]}
+        out: dict[str, Any] = {"format": FORMAT, "version": self.version}
+        if self.generation is not None:
+            out["generation"] = self.generation
+        out.update(producer=self.producer, tree=self.tree, leaves=[e.to_json() for e in self.leaves])
         if self.values is not None:
             out["values"] = self.values
         if self.metadata:
@@ -337,7 +343,11 @@ def parse(data: bytes, *, file: str = names.MANIFEST) -> Manifest:
         raise ManifestError(f"tree nests deeper than {MAX_DEPTH} levels", code="manifest.tree", file=file)
     p = _Parser(file)
     p.object(obj, "<root>", ("format", "version", "producer", "tree", "leaves"),
-             ("format", "version", "producer", "tree", "leaves", "values", "metadata"))
+             ("format", "version", "producer", "tree", "leaves", "values", "metadata")
+             + (() if version == "1.0" else ("generation",)))
+    generation = obj.get("generation")
+    if generation is not None and (not isinstance(generation, str) or not GENERATION.fullmatch(generation)):
+        p.fail("generation", "expected 32 lowercase hexadecimal digits")
     producer = p.object(obj["producer"], "producer", ("library", "library_version"), None)
     for k in ("library", "library_version", "framework", "framework_version"):
         if k in producer:
@@ -356,7 +366,7 @@ def parse(data: bytes, *, file: str = names.MANIFEST) -> Manifest:
     if not isinstance(metadata, dict):
         p.fail("metadata", "expected an object")
     m = Manifest(tree=obj["tree"], leaves=leaves, producer=producer, values=values, metadata=metadata,
-                 version=version)
+                 version=version, generation=generation)
     check_consistency(m, file)
     return m
 

@@ -98,6 +98,10 @@ class MappedCheckpoint:
         read_views(requests, self.open_array, lambda e: self.origin(e.key) or str(self.loc))
         return sum(r.out.nbytes for r in requests)
 
+    def replaced(self) -> bool:
+        """Whether the stored checkpoint was replaced since it was opened."""
+        return self.base.replaced()
+
     def close(self) -> None:
         """Close the stored checkpoint."""
         self.base.close()

@@ -34,5 +34,9 @@ class Source(Protocol):
     def open_array(self, entry: ArrayEntry) -> "ts.Future[ts.TensorStore]":
         """A TensorStore view of an array leaf, for lazy transforms."""
 
+    def replaced(self) -> bool:
+        """Whether its path now names another checkpoint (or none) than the one opened: every read
+        still comes from the one opened, or fails (see :func:`xckpt.load`)."""
+
     def close(self) -> None:
         """Release what it holds open."""

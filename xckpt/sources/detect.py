@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from xckpt.engine.claims import recover
 from xckpt.engine.storage import Location
 from xckpt.format import names
 from xckpt.interop.orbax.checkpoint import open_orbax
@@ -18,6 +19,7 @@ def open_checkpoint(path: Any) -> Source:
     opened through its single ``default`` item.
     """
     loc = Location.of(path)
+    recover(loc)  # a replace that died between its two renames left the checkpoint aside
     store = loc.store()
     if not store.exists(names.MANIFEST) and not store.exists(names.ORBAX_METADATA):
         item = loc.child("default")

@@ -15,7 +15,7 @@ import crc32c
 import tensorstore as ts
 
 from xckpt.engine.read import ReadRequest, read_regions
-from xckpt.engine.storage import Location, Store
+from xckpt.engine.storage import LocalStore, Location, Store
 from xckpt.errors import DataError, IntegrityError, ManifestError, NotACheckpointError, XckptError
 from xckpt.format import manifest as manifest_format, names, values as values_format, zarr
 from xckpt.format.manifest import ArrayEntry, Manifest, ValueEntry
@@ -63,12 +63,22 @@ class NativeCheckpoint:
                     blob.close()
             meta = zarr.zarr_metadata(a.shape, entry.storage_dtype, a.chunk_shape, a.inner_chunk_shape,
                                       entry.compression)
-            spec = {"driver": "zarr3", "kvstore": self.loc.kvstore(a.path), "fill_missing_data_reads": False,
+            spec = {"driver": "zarr3", "kvstore": self._kvstore(a.path), "fill_missing_data_reads": False,
                     "metadata": {k: v for k, v in meta.items() if k not in ("zarr_format", "node_type")}}
             parts.append((a, ts.open(spec, open=True, read=True, context=context())))
         if len(parts) == 1:
             return parts[0][1]
         return _concat(entry, parts)
+
+    def replaced(self) -> bool:
+        """Whether the checkpoint at its path was replaced or removed since it was opened."""
+        return isinstance(self.store, LocalStore) and self.store.replaced()
+
+    def _kvstore(self, path: str) -> dict[str, Any]:
+        """The kvstore spec of a directory of the opened checkpoint (through the opened directory itself)."""
+        if isinstance(self.store, LocalStore):
+            return {"driver": "file", "path": f"{self.store.pinned_path().rstrip('/')}/{path.rstrip('/')}/"}
+        return self.loc.kvstore(path)
 
     def close(self) -> None:
         """Release the store's open directories."""

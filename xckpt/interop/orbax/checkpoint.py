@@ -100,6 +100,10 @@ class OrbaxCheckpoint:
         read_views(requests, self.open_array, lambda e: str(self.loc.child(e.path)))
         return sum(r.out.nbytes for r in requests)
 
+    def replaced(self) -> bool:
+        """Orbax checkpoints are read as they are (their writers replace steps by deleting them)."""
+        return False
+
     def close(self) -> None:
         """Release the store."""
         self.store.close()

@@ -1,0 +1,310 @@
+"""Who owns a save in progress, and what is left of saves that died.
+
+Every save is named by its *generation* (128 random bits, in hex), which its manifest
+records. While it runs, its coordinating process holds a *lease* on the destination:
+
+* on a file system, a file ``.<name>.xckpt-lease-<generation>`` beside the destination,
+  next to the temporary directory ``.<name>.xckpt-tmp-<generation>`` it writes into;
+* on an object store, the object ``<prefix>/.xckpt-claim``, created only if absent (a
+  conditional write: of two savers, one gets the prefix), naming the generation.
+
+A :class:`Heartbeat` renews the lease every :func:`heartbeat_s` seconds. A temporary,
+lease, status directory or claim whose lease was not renewed for ``stale_after_s``
+seconds (``XCKPT_STALE_AFTER_S``, default an hour) belongs to a dead save: a later save
+to the same parent removes it (:func:`remove_stale`), as does ``xckpt gc``. A live one
+is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from xckpt.engine import atomic
+from xckpt.engine.storage import ABSENT, Location, open_kvstore
+from xckpt.errors import SaveError
+from xckpt.format import names
+
+#: Object that claims an object-store prefix for one save.
+CLAIM = ".xckpt-claim"
+#: Default age after which a lease that is not renewed marks a dead save, in seconds.
+STALE_AFTER_S = 3600.0
+#: ``.<name>.xckpt-<kind>-<generation>``: what a save leaves beside its destination while it runs.
+LEFTOVER = re.compile(r"\.(?P<name>.+)\.xckpt-(?P<kind>tmp|lease|status|old)-(?P<generation>[0-9a-f]{32})")
+
+
+def new_generation() -> str:
+    """A fresh generation id."""
+    return uuid.uuid4().hex
+
+
+def stale_after_s() -> float:
+    """Seconds after which an unrenewed lease marks a dead save (``XCKPT_STALE_AFTER_S``)."""
+    return float(os.environ.get("XCKPT_STALE_AFTER_S", STALE_AFTER_S))
+
+
+def heartbeat_s(stale_after: float) -> float:
+    """How often a lease is renewed: often enough that a live save never looks stale."""
+    return max(0.05, min(60.0, stale_after / 8))
+
+
+def sibling(final: Location, kind: str, generation: str) -> Location:
+    """``.<name>.xckpt-<kind>-<generation>`` beside ``final`` (kind: tmp, lease, status, old)."""
+    parent, name = _split(final)
+    return Location(f"{parent}/.{name}.xckpt-{kind}-{generation}")
+
+
+def _split(loc: Location) -> tuple[str, str]:
+    parent, _, name = loc.url.rstrip("/").rpartition("/")
+    return parent, name
+
+
+def _record(generation: str) -> bytes:
+    return json.dumps({"generation": generation, "host": socket.gethostname(), "pid": os.getpid(),
+                       "heartbeat": time.time()}).encode()
+
+
+class Lease:
+    """The coordinating process's hold on a destination while its save runs."""
+
+    def __init__(self, final: Location, generation: str) -> None:
+        self.final = final
+        self.generation = generation
+        self._stamp: bytes | None = None  # object stores: the claim's storage generation
+        self.lost = False
+
+    # -- local -----------------------------------------------------------------------------------
+
+    @property
+    def _path(self) -> str:
+        return sibling(self.final, "lease", self.generation).local_path
+
+    def acquire(self) -> None:
+        """Take the lease; raise ``save.in_progress`` when another live save claimed an object-store prefix."""
+        if self.final.is_local:
+            fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, _record(self.generation))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return
+        kv = open_kvstore(self.final.kvstore())
+        stamp = kv.write(CLAIM, _record(self.generation), if_equal=ABSENT).result().generation
+        if not stamp:
+            raise SaveError(f"another save is writing to {self.final} (it holds {self.final}/{CLAIM}); "
+                            "nothing was written", code="save.in_progress", file=str(self.final.child(CLAIM)))
+        self._stamp = stamp
+
+    def renew(self) -> None:
+        """Show that the save is alive."""
+        if self.final.is_local:
+            try:
+                os.utime(self._path)
+            except FileNotFoundError:
+                self.lost = True
+            return
+        kv = open_kvstore(self.final.kvstore())
+        stamp = kv.write(CLAIM, _record(self.generation), if_equal=self._stamp).result().generation
+        if stamp:
+            self._stamp = stamp
+        else:
+            self.lost = True
+
+    def held(self) -> bool:
+        """Whether the lease is still this save's (nobody judged it dead and took the destination)."""
+        if self.lost:
+            return False
+        if self.final.is_local:
+            return os.path.exists(self._path)
+        res = open_kvstore(self.final.kvstore()).read(CLAIM).result()
+        return res.state == "value" and _generation_of(bytes(res.value)) == self.generation
+
+    def release(self) -> None:
+        """Give the lease up (best effort: a lease left behind only ages into a leftover)."""
+        try:
+            if self.final.is_local:
+                os.unlink(self._path)
+            elif self._stamp is not None:
+                open_kvstore(self.final.kvstore()).write(CLAIM, None, if_equal=self._stamp).result()
+        except (OSError, ValueError):
+            pass
+
+
+def _generation_of(record: bytes) -> str | None:
+    try:
+        obj = json.loads(record.decode())
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return obj.get("generation") if isinstance(obj, dict) else None
+
+
+def _heartbeat_of(record: bytes) -> float | None:
+    try:
+        obj = json.loads(record.decode())
+        return float(obj["heartbeat"])
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return None
+
+
+class Heartbeat:
+    """Renews a lease on a daemon thread until :meth:`stop`."""
+
+    def __init__(self, lease: Lease, every_s: float) -> None:
+        self.lease = lease
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every_s,), name="xckpt-lease", daemon=True)
+        self._thread.start()
+
+    def _run(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                self.lease.renew()
+            except Exception:  # noqa: BLE001 - a missed renewal only makes the lease age
+                pass
+
+    def stop(self) -> None:
+        """Stop renewing."""
+        self._stop.set()
+        self._thread.join()
+
+
+# -- leftovers of dead saves -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """Something a save left beside (or, on object stores, under) a destination."""
+
+    path: str
+    kind: str  # tmp, lease, status, old (a file system's side copy), claim (an object-store prefix)
+    name: str  # the destination's name
+    generation: str
+    age_s: float  # since its lease was last renewed
+    stale: bool
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able description."""
+        return {"path": self.path, "kind": self.kind, "name": self.name, "generation": self.generation,
+                "age_s": round(self.age_s, 3), "stale": self.stale}
+
+
+def _mtime(path: str) -> float | None:
+    try:
+        return os.stat(path, follow_symlinks=False).st_mtime
+    except OSError:
+        return None
+
+
+def scan(directory: Location, *, stale_after: float | None = None, name: str | None = None) -> list[Leftover]:
+    """Every leftover in ``directory`` (a local directory, or an object-store prefix whose
+    sub-prefixes are checkpoints), optionally only those of destination ``name``.
+
+    A temporary or status directory is as old as the lease of its generation (or, without a
+    lease, as itself); a side copy (``old``) is never stale while its destination is
+    missing: it is the checkpoint, to be restored (:func:`recover`).
+    """
+    limit = stale_after_s() if stale_after is None else stale_after
+    now = time.time()
+    if not directory.is_local:
+        return _scan_claims(directory, limit, now, name)
+    root = directory.local_path
+    try:
+        entries = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = [(e, m) for e in entries for m in [LEFTOVER.fullmatch(e)] if m and (name is None or m["name"] == name)]
+    leases = {(m["name"], m["generation"]): _mtime(os.path.join(root, e)) for e, m in found if m["kind"] == "lease"}
+    out = []
+    for entry, m in found:
+        path = os.path.join(root, entry)
+        seen = leases.get((m["name"], m["generation"]))
+        if seen is None:
+            seen = _mtime(path)
+        if seen is None:
+            continue
+        age = now - seen
+        stale = age > limit
+        if m["kind"] == "old" and not os.path.lexists(os.path.join(root, m["name"])):
+            stale = False
+        out.append(Leftover(path, m["kind"], m["name"], m["generation"], age, stale))
+    return sorted(out, key=lambda x: x.path)
+
+
+def _scan_claims(directory: Location, limit: float, now: float, name: str | None) -> list[Leftover]:
+    kv = open_kvstore(directory.kvstore())
+    out = []
+    for key in sorted(k.decode() for k in kv.list().result()):
+        parts = key.split("/")
+        if parts[-1] != CLAIM or len(parts) > 2 or (name is not None and parts[0] != name and len(parts) == 2):
+            continue
+        res = kv.read(key).result()
+        if res.state != "value":
+            continue
+        record = bytes(res.value)
+        beat = _heartbeat_of(record)
+        age = now - beat if beat is not None else float("inf")
+        prefix = directory.url.rstrip("/") + ("/" + parts[0] if len(parts) == 2 else "")
+        out.append(Leftover(prefix, "claim", parts[0] if len(parts) == 2 else "", _generation_of(record) or "",
+                            age, age > limit))
+    return out
+
+
+def remove(leftover: Leftover) -> None:
+    """Delete one leftover (a whole claimed prefix: every object a dead save wrote under it)."""
+    if leftover.kind == "claim":
+        kv = open_kvstore(Location(leftover.path).kvstore())
+        keys = [k for k in kv.list().result() if k.decode() != CLAIM]
+        for k in keys:
+            kv.write(k, None).result()
+        kv.write(CLAIM, None).result()
+        return
+    if os.path.isdir(leftover.path) and not os.path.islink(leftover.path):
+        shutil.rmtree(leftover.path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(leftover.path)
+        except FileNotFoundError:
+            pass
+
+
+def remove_stale(directory: Location, *, stale_after: float | None = None,
+                 name: str | None = None) -> list[Leftover]:
+    """Remove the stale leftovers of ``directory`` (see :func:`scan`); returns them."""
+    gone = [x for x in scan(directory, stale_after=stale_after, name=name) if x.stale]
+    for x in gone:
+        remove(x)
+    return gone
+
+
+def recover(final: Location) -> bool:
+    """Restore a side copy (``.<name>.xckpt-old-<g>``) to ``final`` when ``final`` is missing: what a
+    replace without an atomic exchange leaves if it dies between its two renames. Returns whether
+    it restored one."""
+    if not final.is_local or os.path.lexists(final.local_path):
+        return False
+    parent, name = os.path.split(final.local_path.rstrip("/"))
+    olds = [x for x in scan(Location(parent), name=name) if x.kind == "old"]
+    for old in sorted(olds, key=lambda x: x.age_s):
+        if not any(os.path.exists(os.path.join(old.path, n)) for n in (names.MANIFEST, names.DCP_METADATA)):
+            continue
+        try:
+            atomic.rename_noreplace(old.path, final.local_path)
+        except atomic.Unsupported:
+            try:
+                os.rename(old.path, final.local_path)
+            except OSError:
+                return False
+        except OSError:
+            return False
+        atomic.sync_dir(parent or ".")
+        return True
+    return False
