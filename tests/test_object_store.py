@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 import uuid
 
 import numpy as np
@@ -21,42 +16,11 @@ boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def s3_bucket():
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL_S3": endpoint}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.create_bucket(Bucket="ckpts")
-                break
-            except Exception:  # noqa: BLE001 - the server is still starting
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.2)
-        yield client
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def s3_bucket(moto):
+    """The bucket ``ckpts`` on the session's moto server (tests/conftest.py); its boto3 client."""
+    moto.client.create_bucket(Bucket="ckpts")
+    return moto.client
 
 
 def _keys(client, prefix: str) -> list[str]:

@@ -1,7 +1,7 @@
 """xckpt: a framework-neutral distributed checkpoint format (Zarr v3 + a JSON manifest).
 
 The public API lives in the top-level modules (:mod:`xckpt.save`, :mod:`xckpt.load`,
-:mod:`xckpt.validate`, :mod:`xckpt.inspect`, :mod:`xckpt.convert`); the layers below are
+:mod:`xckpt.validate`, :mod:`xckpt.inspect`, :mod:`xckpt.convert`, :mod:`xckpt.gc`); the layers below are
 :mod:`xckpt.format` (the on-disk format), :mod:`xckpt.engine` (how bytes move),
 :mod:`xckpt.sources` (stored checkpoints opened for reading) and :mod:`xckpt.interop`.
 The PyTorch and JAX adapters plug in through :mod:`xckpt.registry` and are reachable as
@@ -21,14 +21,15 @@ from xckpt.errors import CollectiveError, XckptError, XckptWarning
 from xckpt.format.manifest import Manifest
 from xckpt.format.regions import Region
 from xckpt.format.tree import Default, Value
+from xckpt.gc import gc
 from xckpt.host import ReadSpec
 from xckpt.inspect import inspect
 from xckpt.load import load
 from xckpt.save import SaveHandle, release_buffers, save, save_async
 from xckpt.validate import validate
 
-__all__ = ["save", "save_async", "SaveHandle", "release_buffers", "load", "inspect", "validate", "Value", "Default",
-           "ReadSpec", "Region", "Manifest", "Coordinator", "LocalCoordinator", "XckptError", "CollectiveError",
+__all__ = ["save", "save_async", "SaveHandle", "release_buffers", "load", "inspect", "validate", "gc", "Value",
+           "Default", "ReadSpec", "Region", "Manifest", "Coordinator", "LocalCoordinator", "XckptError", "CollectiveError",
            "XckptWarning",
            "__version__"]
 

@@ -72,6 +72,23 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    """List the leftovers of dead saves under a path and remove the dead ones."""
+    from xckpt.gc import gc
+    found = gc(args.path, older_than_s=args.older_than, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps([c.to_json() for c in found], indent=1))
+        return 0
+    for c in found:
+        x = c.leftover
+        state = "dead" if x.stale else "live"
+        print(f"{c.action:<13} {x.kind:<6} {state}  unrenewed {x.age_s:9.1f} s  {x.path}")
+    removed = sum(c.action in ("removed", "would remove") for c in found)
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"{len(found)} leftovers, {verb} {removed}, kept {sum(c.action == 'kept' for c in found)} live")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``xckpt`` command."""
     p = argparse.ArgumentParser(prog="xckpt", description="Cross-framework distributed checkpoints.")
@@ -93,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--to", dest="to_format", default="xckpt", choices=formats)
     s.add_argument("--overwrite", action="store_true")
     s.set_defaults(fn=cmd_convert)
+    s = sub.add_parser("gc", help="remove what dead saves left beside their checkpoints")
+    s.add_argument("path", help="a directory or prefix of checkpoints, or one checkpoint's path")
+    s.add_argument("--older-than", type=float, default=None, metavar="S",
+                   help="dead when unrenewed for S seconds (default: XCKPT_STALE_AFTER_S, else 3600)")
+    s.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_gc)
     for command in registry.commands():  # installed packages' subcommands (the demo among them)
         s = sub.add_parser(command.name, help=command.help)
         command.add_arguments(s)

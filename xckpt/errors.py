@@ -41,6 +41,18 @@ class XckptError(Exception):
         """The error as a JSON-able finding."""
         return {"code": self.code, "message": self.message, "file": self.file, "leaf": self.leaf}
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as the same error (torch.distributed.checkpoint sends a rank's exception to the others)."""
+        return (_restore, (type(self), self.args, self.__dict__.copy()))
+
+
+def _restore(cls: type, args: tuple[Any, ...], state: dict[str, Any]) -> XckptError:
+    """An unpickled :class:`XckptError`: its message and attributes, without calling ``__init__``."""
+    err = cls.__new__(cls, *args)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
+
 
 class NotACheckpointError(XckptError):
     """The path holds no committed checkpoint (no manifest)."""

@@ -116,19 +116,21 @@ def load(path: Any, like: Any = None, *, strict: bool = True, partial: bool = Fa
     wait_pending_for(path)
     with paused_gc():
         for attempt in range(REPLACED_RETRIES + 1):
-            stored = open_checkpoint(path)
+            stored: Source | None = None
             try:
+                stored = open_checkpoint(path)
                 mapped = mapping.apply(stored) if mapping is not None else None
                 return _load(mapped or stored, mapped, like, strict, partial, max_bytes, max_staging_bytes)
             except XckptError as exc:
-                if not stored.replaced():
+                if exc.code != "load.replaced" and (stored is None or not stored.replaced()):
                     raise
                 if attempt == REPLACED_RETRIES:
                     raise XckptError(f"the checkpoint at {path} was replaced while it was being loaded, "
                                      f"{attempt + 1} times in a row; nothing was returned", code="load.replaced",
-                                     file=str(stored.loc)) from exc
+                                     file=str(path)) from exc
             finally:
-                stored.close()
+                if stored is not None:
+                    stored.close()
     raise AssertionError("unreachable")
 
 

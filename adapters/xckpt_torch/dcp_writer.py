@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from xckpt import registry
-from xckpt.engine import collective
+from xckpt.engine import collective, failpoints
 from xckpt.engine.claims import new_generation
 from xckpt.engine.commit import Hold, SaveOptions, check_target, discard, publish, write_commit_files
 from xckpt.engine.plan import INNER_CHUNK_BYTES, Descriptors, LeafDesc, local_plan, plan_save
@@ -173,6 +173,7 @@ class XckptStorageWriter(StorageWriter):
         finally:
             written.extend(w.names)
             store.close()
+        failpoints.hit("after_write", rank)
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 try:

@@ -15,8 +15,9 @@ processes meet through small files in a status directory beside the destination
 error); the coordinating process waits for all of them, commits or removes everything,
 writes ``outcome``, and removes the directory once every process has read it (each deletes
 its ``rank-<r>`` then). Every wait is bounded by the save's timeout, so when a process dies
-the others learn it (``async.timeout``) instead of waiting forever; :meth:`Pending.wait`
-is not a collective. The threads are daemons; at interpreter exit, pending saves are given
+the others learn it (``async.timeout``) instead of waiting forever (a process that lost the
+coordinating one cannot know whether it committed: it keeps its objects, which a committed
+checkpoint may hold, and says so); :meth:`Pending.wait` is not a collective. The threads are daemons; at interpreter exit, pending saves are given
 their timeout to finish.
 
 Staging buffers come from one process-wide pool and are kept for the next asynchronous
@@ -50,6 +51,8 @@ from xckpt.format import shard
 
 #: How long a process waits for the others (their status; the outcome of the commit), in seconds.
 COMMIT_TIMEOUT_S = 600.0
+#: At interpreter exit, how long a pending save may run past its timeout (writing, cleaning up), in seconds.
+EXIT_GRACE_S = 10.0
 #: How often the coordinating process looks for status files, in seconds.
 POLL_S = 0.005
 
@@ -106,6 +109,7 @@ class Pending:
         self._status = status
         self._timeout_s = timeout_s
         self._error: BaseException | None = None
+        self._unknown = False  # this process lost the coordinating one: the commit's outcome is unknown
         self.manifest: Any = None
         self.waited = False
         self.thread = threading.Thread(target=self._run, name="xckpt-save-async", daemon=True)
@@ -195,8 +199,8 @@ class Pending:
             else:
                 self._follow()
         except BaseException as exc:  # noqa: BLE001 - surfaces from wait()
-            self._error = self._error or commit_failed(p.final, exc)
-            if not p.committed:
+            self._error = self._error or (exc if self._unknown else commit_failed(p.final, exc))
+            if not p.committed and not self._unknown:
                 p.discard()
 
     # the coordinating process
@@ -283,9 +287,10 @@ class Pending:
         if outcome is None:
             if _committed_generation(p.final) == p.generation:
                 return  # committed; the outcome was gone before this process looked
+            self._unknown = self._error is None  # a process whose own part failed knows nothing is committed
             raise CoordinationError(f"rank 0 did not report the outcome of the commit within {self._timeout_s:g} s "
-                                    "(did it die?); nothing of this process's part was kept", code="async.timeout",
-                                    file=str(self._status))
+                                    f"(did it die?); the checkpoint at {p.final} may or may not be committed: load it "
+                                    "to find out", code="async.timeout", file=str(self._status))
         if outcome["error"] is not None:
             raise CoordinationError(outcome["error"])
 
@@ -314,11 +319,13 @@ _live: "weakref.WeakSet[Pending]" = weakref.WeakSet()
 
 @atexit.register
 def _finish_at_exit() -> None:
-    """At interpreter exit, let pending saves finish (each is bounded by its own timeout)."""
+    """At interpreter exit, give each pending save its timeout (plus :data:`EXIT_GRACE_S`) to finish; one
+    still running after that is abandoned (its temporary data ages into a leftover that a later save
+    or ``xckpt gc`` removes)."""
     with _live_lock:
         pending = list(_live)
     for p in pending:
-        p.thread.join()
+        p.thread.join(p._timeout_s + EXIT_GRACE_S)
 
 
 class _Done:

@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from xckpt.engine import atomic
@@ -99,10 +99,18 @@ class Lease:
             return
         kv = open_kvstore(self.final.kvstore())
         stamp = kv.write(CLAIM, _record(self.generation), if_equal=ABSENT).result().generation
+        if not stamp:  # another save's claim; or this one's, created by an attempt whose answer was lost
+            res = kv.read(CLAIM).result()
+            if res.state == "value" and _generation_of(bytes(res.value)) == self.generation:
+                stamp = res.stamp.generation
         if not stamp:
             raise SaveError(f"another save is writing to {self.final} (it holds {self.final}/{CLAIM}); "
                             "nothing was written", code="save.in_progress", file=str(self.final.child(CLAIM)))
         self._stamp = stamp
+        if kv.read(names.MANIFEST, byte_range=slice(0, 0)).result().state == "value":
+            self.release()  # another save committed here after this one checked the prefix: never write into it
+            raise SaveError(f"another save committed {self.final} first; nothing was written", code="save.exists",
+                            file=str(self.final))
 
     def renew(self) -> None:
         """Show that the save is alive."""
@@ -114,6 +122,10 @@ class Lease:
             return
         kv = open_kvstore(self.final.kvstore())
         stamp = kv.write(CLAIM, _record(self.generation), if_equal=self._stamp).result().generation
+        if not stamp:  # taken over; or renewed by an attempt whose answer was lost, then retried
+            res = kv.read(CLAIM).result()
+            if res.state == "value" and _generation_of(bytes(res.value)) == self.generation:
+                stamp = res.stamp.generation
         if stamp:
             self._stamp = stamp
         else:
@@ -190,6 +202,7 @@ class Leftover:
     generation: str
     age_s: float  # since its lease was last renewed
     stale: bool
+    stamp: bytes | None = field(default=None, compare=False, repr=False)  # a claim's storage generation when seen
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able description."""
@@ -251,21 +264,34 @@ def _scan_claims(directory: Location, limit: float, now: float, name: str | None
             continue
         record = bytes(res.value)
         beat = _heartbeat_of(record)
-        age = now - beat if beat is not None else float("inf")
+        # a claim that is not a record of ours was not written by a save of ours: never judged dead
+        age = now - beat if beat is not None else 0.0
         prefix = directory.url.rstrip("/") + ("/" + parts[0] if len(parts) == 2 else "")
         out.append(Leftover(prefix, "claim", parts[0] if len(parts) == 2 else "", _generation_of(record) or "",
-                            age, age > limit))
+                            age, beat is not None and age > limit, res.stamp.generation))
     return out
 
 
 def remove(leftover: Leftover) -> None:
-    """Delete one leftover (a whole claimed prefix: every object a dead save wrote under it)."""
+    """Delete one leftover (a whole claimed prefix: every object a dead save wrote under it).
+
+    A claim is first taken over with a conditional write, and only if it is still the one judged
+    dead (same storage generation): a claim renewed, released or taken over since, by a save or
+    another cleaner, is no longer a leftover, and nothing is deleted.
+    """
     if leftover.kind == "claim":
         kv = open_kvstore(Location(leftover.path).kvstore())
+        res = kv.read(CLAIM).result()
+        if (res.state != "value" or (_generation_of(bytes(res.value)) or "") != leftover.generation
+                or (leftover.stamp is not None and res.stamp.generation != leftover.stamp)):
+            return
+        mine = kv.write(CLAIM, _record(new_generation()), if_equal=res.stamp.generation).result().generation
+        if not mine:
+            return
         keys = [k for k in kv.list().result() if k.decode() != CLAIM]
         for k in keys:
             kv.write(k, None).result()
-        kv.write(CLAIM, None).result()
+        kv.write(CLAIM, None, if_equal=mine).result()
         return
     if os.path.isdir(leftover.path) and not os.path.islink(leftover.path):
         shutil.rmtree(leftover.path, ignore_errors=True)

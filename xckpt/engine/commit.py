@@ -124,11 +124,16 @@ def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt") -> Tar
         parent, _, name = final.url.rpartition("/")
         found = [x for x in claims.scan(Location(parent), stale_after=opts.stale_after(), name=name)
                  if x.path == final.url]
-        if not found or not found[0].stale:
+        if found and found[0].stale:
+            claims.remove(found[0])  # everything a dead save wrote under the prefix it claimed
+        if not found or not found[0].stale or store.exists(claims.CLAIM):  # live, or taken over by another first
             raise SaveError(f"another save is writing to {final} (it holds {claims.CLAIM}); nothing was written",
                             code="save.in_progress", file=str(final.child(claims.CLAIM)))
-        claims.remove(found[0])  # everything a dead save wrote under the prefix it claimed
-    if store.list():
+    listed = store.list()
+    if names.MANIFEST in listed or claims.CLAIM in listed:  # another save claimed (and committed) it since
+        raise SaveError(f"another save is writing to {final} or committed it; nothing was written",
+                        code="save.exists" if names.MANIFEST in listed else "save.in_progress", file=str(final))
+    if listed:
         raise SaveError(f"{final} is not empty and holds no checkpoint; a save writes only to a new or empty "
                         "prefix, so nothing was written", code="save.not_empty", file=str(final))
     return Target(final)
@@ -270,6 +275,8 @@ def discard(tmp: Location, written: Iterable[str], *, hold: Hold | None = None,
     up), then releases its lease.
     """
     try:
+        if hold is not None and not tmp.is_local and not hold.lease.held():
+            written, plan = (), None  # judged dead, its prefix emptied and maybe another save's now: delete nothing
         store = tmp.store()
         try:
             for name in written:
@@ -377,6 +384,7 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
     save's manifest is there (``save.exists``) or if this save lost its claim (``save.conflict``).
     The names it writes are added to ``written``.
     """
+    _check_held(hold)
     with ChunkWriter(store, opts.max_inflight_bytes) as w:
         for i, a in plan.arrays.items():
             if math.prod(a.shape) == 0:
@@ -407,9 +415,7 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
     store.write(names.COMMIT, COMMIT_TEXT)
     store.sync()
     failpoints.hit("after_commit_marker")
-    if hold is not None and not hold.lease.held():
-        raise SaveError(f"this save lost its claim on {hold.target.final} (judged dead and taken over); "
-                        "nothing was committed", code="save.conflict", file=str(hold.target.final))
+    _check_held(hold)
     if not store.create(names.MANIFEST, manifest.dumps()):
         raise SaveError(f"another save committed {store.location} first; nothing was committed", code="save.exists",
                         file=str(store.location))
@@ -418,11 +424,21 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
     return manifest
 
 
+def _check_held(hold: Hold | None) -> None:
+    if hold is not None and not hold.lease.held():
+        raise SaveError(f"this save lost its claim on {hold.target.final} (judged dead and taken over); "
+                        "nothing was committed", code="save.conflict", file=str(hold.target.final))
+
+
 def commit_failed(final: Location, error: BaseException) -> XckptError:
-    """The error a failed save raises: nothing was committed at ``final``."""
+    """The error a failed save raises: nothing was committed at ``final`` (or, ``save.outcome_unknown``
+    and ``async.timeout`` on a process that lost the coordinating one, the outcome is unknown)."""
     if isinstance(error, CollectiveError) or (isinstance(error, SaveError)
                                               and error.message.startswith(f"save to {final} failed")):
         return error
-    err = SaveError(f"save to {final} failed; nothing was committed: {error}", file=str(final))
+    if isinstance(error, XckptError) and error.code == "save.outcome_unknown":
+        return error
+    code = error.code if isinstance(error, XckptError) else "save.failed"  # e.g. save.exists, save.conflict
+    err = SaveError(f"save to {final} failed; nothing was committed: {error}", code=code, file=str(final))
     err.__cause__ = error
     return err

@@ -38,7 +38,7 @@ from xckpt.engine.commit import (Hold, SaveOptions, array_metadata, check_target
 from xckpt.engine.plan import Descriptors, GlobalPlan, LeafDesc, LocalPlan, digest, local_plan, plan_save
 from xckpt.engine.storage import Location
 from xckpt.engine.write import ChunkWriter
-from xckpt.errors import CoordinationError, SaveError, TreeError, XckptError
+from xckpt.errors import CollectiveError, CoordinationError, SaveError, TreeError, XckptError
 from xckpt.format import dtypes, shard, values as values_format, zarr
 from xckpt.format.manifest import Manifest
 from xckpt.format.regions import Region
@@ -408,7 +408,9 @@ def commit(p: Prepared, local_error: BaseException | None = None) -> Manifest | 
     """Collective step 3: agree that every write succeeded, then commit.
 
     Returns the manifest on the coordinating process, None on the others. On failure nothing
-    is committed, the temporary data is removed, and every process raises the same error.
+    is committed, the temporary data is removed, and every process raises the same error. A
+    process that loses the coordinating process during this step cannot know the outcome: it
+    keeps what it wrote (a committed checkpoint may hold it) and raises ``save.outcome_unknown``.
     """
     started = time.perf_counter()
     values = local_values(p)
@@ -420,7 +422,13 @@ def commit(p: Prepared, local_error: BaseException | None = None) -> Manifest | 
     try:
         try:
             collective.decide_step(p.coord, p.what, lambda: _report_or_raise(p, values, local_error), root)
-        except BaseException:
+        except BaseException as exc:
+            if p.coord.rank != collective.ROOT and not isinstance(exc, CollectiveError) and local_error is None:
+                # the exchange itself broke (the coordinating process died or timed out): whether it
+                # committed is unknown, so this process's objects stay (they age into leftovers)
+                raise SaveError(f"the coordinating process did not report the outcome of the commit ({exc}); the "
+                                f"checkpoint at {p.final} may or may not be committed: load it to find out",
+                                code="save.outcome_unknown", file=str(p.final)) from exc
             if not p.committed:
                 p.discard()
             elif p.hold is not None:

@@ -85,7 +85,9 @@ def s3_spec(url: str, tail: str = "") -> dict[str, Any]:
 
     The endpoint and region come from the standard AWS variables (``AWS_ENDPOINT_URL_S3``
     or ``AWS_ENDPOINT_URL``, ``AWS_REGION`` or ``AWS_DEFAULT_REGION``), so any
-    S3-compatible store works; credentials come from the usual AWS sources.
+    S3-compatible store works; credentials come from the usual AWS sources. ``AWS_MAX_ATTEMPTS``
+    bounds the attempts of each request (TensorStore's default retries a failing request 32 times
+    with a backoff of up to 32 s: a store that stays unreachable holds a save for a quarter of an hour).
     """
     bucket, _, prefix = url[len("s3://"):].partition("/")
     spec: dict[str, Any] = {"driver": "s3", "bucket": bucket,
@@ -96,6 +98,9 @@ def s3_spec(url: str, tail: str = "") -> dict[str, Any]:
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if region:
         spec["aws_region"] = region
+    attempts = os.environ.get("AWS_MAX_ATTEMPTS", "").strip()
+    if attempts.isdigit() and int(attempts) >= 1:
+        spec["context"] = {"s3_request_retries": {"max_retries": int(attempts) - 1}}
     return spec
 
 
@@ -148,6 +153,9 @@ class Store(Protocol):
 
     def sync(self) -> None:
         """Make everything written so far durable (directories included)."""
+
+    def replaced(self) -> bool:
+        """Whether what this store reads is no longer at its location (another save replaced it)."""
 
     def close(self) -> None:
         """Release what the store holds open."""
@@ -497,16 +505,30 @@ class KvStore:
     def write(self, name: str, data: Any, *, atomic: bool = False) -> None:
         """Write an object from one or several parts (every object write is atomic on object stores)."""
         blob = b"".join(bytes(memoryview(p).cast("B")) for p in _parts(data))
-        self._kv.write(name, blob).result()
+        self._put(name, blob)
+
+    def _put(self, name: str, blob: bytes | None, **conditions: Any) -> bytes:
+        """One write (None: a delete) through the driver, its retries included; the new storage generation
+        (empty when a condition failed). A store that stays unreachable is ``io.write``."""
+        try:
+            return self._kv.write(name, blob, **conditions).result().generation
+        except ValueError as exc:
+            raise XckptError(f"cannot write: {exc}", code="io.write", file=self._file(name)) from exc
 
     def create(self, name: str, data: bytes) -> bool:
         """Write an object only if it is absent: a conditional write, atomic where the store honours
-        ``If-None-Match`` (S3 since 2024, and most S3-compatible stores); False when it exists."""
-        return bool(self._kv.write(name, bytes(data), if_equal=ABSENT).result().generation)
+        ``If-None-Match`` (S3 since 2024, and most S3-compatible stores); False when it exists.
+
+        An object already holding exactly ``data`` is this write's own: the store created it on an
+        attempt whose answer was lost, and the driver's retry found it (a manifest names its save's
+        generation, so no other save writes the same bytes)."""
+        if self._put(name, bytes(data), if_equal=ABSENT):
+            return True
+        return self.read(name) == bytes(data)
 
     def delete(self, name: str) -> None:
         """Delete an object (nothing happens when it is missing)."""
-        self._kv.write(name, None).result()
+        self._put(name, None)
 
     def exists(self, name: str) -> bool:
         """Whether an object exists."""
@@ -523,6 +545,10 @@ class KvStore:
 
     def sync(self) -> None:
         """Object writes are durable once they return."""
+
+    def replaced(self) -> bool:
+        """Never: a committed prefix is not replaced in place."""
+        return False
 
     def close(self) -> None:
         """Nothing to release."""

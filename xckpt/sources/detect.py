@@ -6,6 +6,7 @@ from typing import Any
 
 from xckpt.engine.claims import recover
 from xckpt.engine.storage import Location
+from xckpt.errors import XckptError
 from xckpt.format import names
 from xckpt.interop.orbax.checkpoint import open_orbax
 from xckpt.sources.base import Source
@@ -16,7 +17,8 @@ def open_checkpoint(path: Any) -> Source:
     """Open the checkpoint at ``path``: xckpt, or one written by Orbax.
 
     An Orbax ``CheckpointManager`` step directory (``<root>/<step>/default/``) is
-    opened through its single ``default`` item.
+    opened through its single ``default`` item. When a save replaces the checkpoint while
+    it is opened, the error is ``load.replaced`` (:func:`xckpt.load` then starts again).
     """
     loc = Location.of(path)
     recover(loc)  # a replace that died between its two renames left the checkpoint aside
@@ -34,6 +36,13 @@ def open_checkpoint(path: Any) -> Source:
         return open_orbax(loc)
     try:
         return open_native(loc, store)
+    except XckptError as exc:
+        replaced = store.replaced()
+        store.close()
+        if replaced:  # a save swapped another checkpoint in while this one was opened
+            raise XckptError(f"{loc} was replaced while it was opened: {exc.message}", code="load.replaced",
+                             file=str(loc)) from exc
+        raise
     except BaseException:
         store.close()
         raise

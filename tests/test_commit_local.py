@@ -1,0 +1,351 @@
+"""The commit protocol on a local file system (spec section 6): what dead saves leave and who removes it
+(a later save, ``xckpt gc``), one winner among concurrent saves, no torn loads while a checkpoint is
+replaced again and again, and the order of the durable operations (traced with strace)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import xckpt
+from xckpt.cli import main as cli_main
+from xckpt.format.regions import Region
+from xckpt.registry import ArraySource, Shard
+
+#: A process that saves generation ``k`` to a path (``n`` times, generations k, k+1, ...), with overwrite.
+SAVER = r"""
+import sys
+import numpy as np
+import xckpt
+path, k, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for g in range(k, k + n):
+    xckpt.save({f"a{i}": np.full((96, 128), g * 1000 + i, np.float32) for i in range(6)} | {"step": g}, path,
+               overwrite=True)
+print("saved", n, flush=True)
+"""
+
+
+def tree_of(g: int) -> dict:
+    """What :data:`SAVER` saves as generation ``g``."""
+    return {f"a{i}": np.full((96, 128), g * 1000 + i, np.float32) for i in range(6)} | {"step": g}
+
+
+def generation_of(out: dict) -> int | None:
+    """The generation every leaf of a loaded tree agrees on, or None when they disagree (a torn load)."""
+    g = out["step"]
+    for i in range(6):
+        a = out[f"a{i}"]
+        if a.shape != (96, 128) or not np.array_equal(a, np.full((96, 128), g * 1000 + i, np.float32)):
+            return None
+    return g
+
+
+def run_saver(path: Path, k: int, n: int = 1, *, env: dict[str, str] | None = None,
+              timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run :data:`SAVER` in a fresh process (``env`` added to this one's)."""
+    return subprocess.run([sys.executable, "-c", SAVER, str(path), str(k), str(n)], env=dict(os.environ, **(env or {})),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def crash(path: Path, k: int, point: str, **env: str) -> None:
+    """A save of generation ``k`` to ``path`` that dies (SIGKILL) at failpoint ``point``."""
+    res = run_saver(path, k, env={"XCKPT_FAILPOINTS": f"{point}:kill", **env})
+    assert res.returncode == -9, (res.returncode, res.stdout, res.stderr)
+
+
+def hidden(directory: Path) -> list[str]:
+    """The leftover names (``.<name>.xckpt-<kind>-<generation>``) in ``directory``, as ``<name> <kind>``."""
+    out = []
+    for entry in os.listdir(directory):
+        m = re.fullmatch(r"\.(.+)\.xckpt-(tmp|lease|status|old)-[0-9a-f]{32}", entry)
+        if m:
+            out.append(f"{m[1]} {m[2]}")
+    return sorted(out)
+
+
+def assert_holds(path: Path, g: int) -> None:
+    """``path`` holds exactly generation ``g``, and validates deep."""
+    assert generation_of(xckpt.load(path)) == g
+    report = xckpt.validate(path, deep=True)
+    assert report.ok, [str(f) for f in report.findings]
+
+
+class Gate:
+    """An array leaf whose data is fetched only once ``parties`` fetches wait (or ``release`` is called):
+    holds concurrent saves after their planning, so that they really overlap."""
+
+    def __init__(self, parties: int = 1) -> None:
+        self.barrier = threading.Barrier(parties, timeout=30) if parties > 1 else None
+        self.event = threading.Event()
+
+    def release(self) -> None:
+        """Let the fetch return."""
+        self.event.set()
+
+    def source(self, value: float) -> ArraySource:
+        """The leaf: 16 float32 of ``value``."""
+        def fetch() -> np.ndarray:
+            if self.barrier is not None:
+                self.barrier.wait()
+            else:
+                assert self.event.wait(30), "the gate was never opened"
+            return np.full(16, value, np.float32)
+        return ArraySource((16,), "float32", [Shard(Region((0,), (16,)), fetch)])
+
+
+# -- leftovers of dead saves ---------------------------------------------------------------------
+
+
+def test_a_later_save_removes_dead_leftovers_and_never_a_live_saves(tmp_path, monkeypatch):
+    """A save killed before its commit leaves its temporary directory and lease; once they are older
+    than XCKPT_STALE_AFTER_S, the next save to the same parent removes them, while a live save's
+    (renewed by its heartbeat) stay and that save commits."""
+    crash(tmp_path / "dead", 1, "before_publish")
+    assert hidden(tmp_path) == ["dead lease", "dead tmp"] and not (tmp_path / "dead").exists()
+
+    monkeypatch.setenv("XCKPT_STALE_AFTER_S", "1")
+    gate, errors = Gate(), []
+
+    def live() -> None:
+        try:
+            xckpt.save({"x": gate.source(7.0), "w": np.arange(12.0)}, tmp_path / "live")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=live)
+    t.start()
+    try:
+        deadline = time.monotonic() + 20
+        while "live tmp" not in hidden(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(1.6)  # the dead save's lease is now stale; the live one's heartbeat renews it
+        assert hidden(tmp_path) == ["dead lease", "dead tmp", "live lease", "live tmp"]
+        xckpt.save({"y": np.ones(3)}, tmp_path / "other")
+        assert hidden(tmp_path) == ["live lease", "live tmp"]
+    finally:
+        gate.release()
+        t.join(30)
+    assert not errors and not t.is_alive(), errors
+    out = xckpt.load(tmp_path / "live")
+    np.testing.assert_array_equal(out["x"], np.full(16, 7.0, np.float32))
+    np.testing.assert_array_equal(out["w"], np.arange(12.0))
+    assert hidden(tmp_path) == [] and sorted(os.listdir(tmp_path)) == ["live", "other"]
+
+
+def test_gc_lists_removes_dead_leftovers_and_restores_a_side_copy(tmp_path, capsys):
+    """``xckpt gc``: lists every leftover; --dry-run changes nothing; it removes only what is older
+    than --older-than, and moves a side copy back to its missing destination (a replace without
+    renameat2 killed between its two renames) instead of deleting it."""
+    crash(tmp_path / "a", 1, "after_write")  # a new checkpoint, killed: leaves tmp + lease
+    assert run_saver(tmp_path / "b", 5).returncode == 0
+    crash(tmp_path / "b", 6, "after_aside", XCKPT_NO_RENAMEAT2="1")
+    assert not (tmp_path / "b").exists()  # between the two renames: the old checkpoint is aside
+    before = hidden(tmp_path)
+    assert before == ["a lease", "a tmp", "b lease", "b old", "b tmp"]
+
+    assert cli_main(["gc", str(tmp_path), "--dry-run"]) == 0  # default age: an hour, nothing is dead yet
+    lines = capsys.readouterr().out.splitlines()
+    assert sorted(line.split()[0] for line in lines[:-1]) == ["kept"] * 4 + ["would"]
+    assert lines[-1] == "5 leftovers, would remove 0, kept 4 live"
+    assert hidden(tmp_path) == before
+
+    time.sleep(0.3)
+    dry = {(c.leftover.name, c.leftover.kind): c.action for c in xckpt.gc(tmp_path, older_than_s=0.2, dry_run=True)}
+    assert dry == {("a", "lease"): "would remove", ("a", "tmp"): "would remove", ("b", "lease"): "would remove",
+                   ("b", "tmp"): "would remove", ("b", "old"): "would restore"}
+    assert hidden(tmp_path) == before
+
+    assert cli_main(["gc", str(tmp_path), "--older-than", "0.2", "--json"]) == 0
+    done = {(x["name"], x["kind"]): x["action"] for x in json.loads(capsys.readouterr().out)}
+    assert done == {k: v.replace("would ", "").replace("remove", "removed").replace("restore", "restored")
+                    for k, v in dry.items()}
+    assert hidden(tmp_path) == [] and sorted(os.listdir(tmp_path)) == ["b"]
+    assert_holds(tmp_path / "b", 5)
+
+
+def test_gc_of_one_checkpoint_path_and_of_an_empty_directory(tmp_path):
+    """``gc PATH`` where PATH is a checkpoint finds the leftovers beside it (only its own); a directory
+    with none reports none."""
+    crash(tmp_path / "a", 1, "before_publish")
+    crash(tmp_path / "b", 1, "before_publish")
+    time.sleep(0.2)
+    found = xckpt.gc(tmp_path / "a", older_than_s=0.1)
+    assert sorted((c.leftover.name, c.leftover.kind, c.action) for c in found) == [
+        ("a", "lease", "removed"), ("a", "tmp", "removed")]
+    assert hidden(tmp_path) == ["b lease", "b tmp"]
+    (tmp_path / "empty").mkdir()
+    assert xckpt.gc(tmp_path / "empty") == []
+
+
+# -- concurrent writers ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_two_saves_to_one_path_one_commits(tmp_path, overwrite):
+    """Two saves to one path, overlapping (each holds after planning until both got there): exactly one
+    commits, complete; the other fails with save.exists (a new path) or save.conflict (replacing the
+    same checkpoint), leaving nothing behind."""
+    for rnd in range(4):
+        path = tmp_path / f"ckpt{rnd}"
+        if overwrite:
+            xckpt.save({"x": np.zeros(16, np.float32), "who": -1}, path)
+        gate = Gate(parties=2)
+        results: dict[int, BaseException | None] = {}
+
+        def saver(who: int) -> None:
+            try:
+                xckpt.save({"x": gate.source(float(who)), "who": who}, path, overwrite=overwrite)
+                results[who] = None
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                results[who] = exc
+
+        threads = [threading.Thread(target=saver, args=(who,)) for who in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(results) == [1, 2]
+        winners = [who for who, exc in results.items() if exc is None]
+        assert len(winners) == 1, results
+        loser = next(exc for exc in results.values() if exc is not None)
+        assert isinstance(loser, xckpt.XckptError), loser
+        assert loser.code == ("save.conflict" if overwrite else "save.exists"), loser
+        out = xckpt.load(path)
+        assert out["who"] == winners[0]
+        np.testing.assert_array_equal(out["x"], np.full(16, winners[0], np.float32))
+        assert xckpt.validate(path, deep=True).ok
+        assert hidden(tmp_path) == []
+
+
+def test_overwrite_replaces_only_a_committed_checkpoint(tmp_path):
+    """overwrite=True refuses a directory that is not a checkpoint (and a file), deleting nothing."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "keep.txt").write_text("mine")
+    (tmp_path / "file").write_text("also mine")
+    for target in (notes, tmp_path / "file"):
+        with pytest.raises(xckpt.XckptError) as info:
+            xckpt.save({"x": np.ones(3)}, target, overwrite=True)
+        assert info.value.code == "save.not_checkpoint" and str(target) in str(info.value)
+    assert (notes / "keep.txt").read_text() == "mine" and (tmp_path / "file").read_text() == "also mine"
+    assert sorted(os.listdir(tmp_path)) == ["file", "notes"]
+
+
+# -- readers against a writer ------------------------------------------------------------------------
+
+
+def test_loads_against_an_overwriter_are_never_torn(tmp_path):
+    """A process replaces a checkpoint hundreds of times while two threads load it in a loop: every
+    load returns one generation whole (or, replaced under it more often than it retries, a
+    load.replaced error); 0 torn."""
+    path = tmp_path / "ckpt"
+    assert run_saver(path, 0).returncode == 0
+    commits = 300
+    writer = subprocess.Popen([sys.executable, "-c", SAVER, str(path), "1", str(commits)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    stats = {"whole": 0, "torn": 0, "replaced": 0, "generations": set()}
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+
+    def loader() -> None:
+        while writer.poll() is None:
+            try:
+                g = generation_of(xckpt.load(path))
+            except xckpt.XckptError as exc:
+                if exc.code != "load.replaced":
+                    failures.append(exc)
+                    return
+                with lock:
+                    stats["replaced"] += 1
+                continue
+            with lock:
+                if g is None:
+                    stats["torn"] += 1
+                else:
+                    stats["whole"] += 1
+                    stats["generations"].add(g)
+
+    threads = [threading.Thread(target=loader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        out, err = writer.communicate(timeout=240)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+        for t in threads:
+            t.join(60)
+    assert writer.returncode == 0 and out.strip() == f"saved {commits}", err
+    assert not failures, failures
+    print({k: (len(v) if isinstance(v, set) else v) for k, v in stats.items()})
+    assert stats["torn"] == 0, stats
+    assert stats["whole"] >= 100 and len(stats["generations"]) >= 20, stats
+    assert_holds(path, commits)
+    assert hidden(tmp_path) == []
+
+
+# -- durable order ----------------------------------------------------------------------------------
+
+_SYSCALL = re.compile(r"^(?P<pid>\d+)\s+(?:(?P<name>\w+)\((?P<args>.*?)(?: <unfinished \.\.\.>|\) += (?P<ret>-?\d+).*)"
+                      r"|<\.\.\. (?P<resumed>\w+) resumed>.*\) += (?P<ret2>-?\d+).*)$")
+
+
+def _trace(path: Path, k: int, out: Path) -> list[tuple[str, str, int]]:
+    """Run one save under strace; return its completed syscalls in order: ``(name, args, result)``."""
+    res = subprocess.run(["strace", "-f", "-qq", "-y", "-o", str(out), "-e",
+                          "trace=openat,fsync,fdatasync,rename,renameat,renameat2,unlink,unlinkat,rmdir",
+                          sys.executable, "-c", SAVER, str(path), str(k), "1"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    calls, pending = [], {}
+    for line in out.read_text().splitlines():
+        m = _SYSCALL.match(line)
+        if m is None:
+            continue
+        if m["resumed"]:
+            name, args = pending.pop(m["pid"], (m["resumed"], ""))
+            calls.append((name, args, int(m["ret2"])))
+        elif m["ret"] is None:
+            pending[m["pid"]] = (m["name"], m["args"])
+        else:
+            calls.append((m["name"], m["args"], int(m["ret"])))
+    return calls
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (.ci/run installs it)")
+def test_commit_order_data_and_directories_synced_before_the_rename_parent_after(tmp_path):
+    """Traced system calls of a new save and of a replacement: every file and directory of the checkpoint
+    is fsynced before renameat2 moves it into place (NOREPLACE, then EXCHANGE), the parent directory is
+    fsynced after it, and the replaced checkpoint is deleted only after that."""
+    path = tmp_path / "ckpt"
+    for k, flag in ((1, "RENAME_NOREPLACE"), (2, "RENAME_EXCHANGE")):
+        calls = _trace(path, k, tmp_path / f"trace{k}")
+        renames = [(i, a) for i, (n, a, r) in enumerate(calls) if n == "renameat2" and r == 0]
+        assert len(renames) == 1, renames
+        at, args = renames[0]
+        tmp, final, how = re.fullmatch(r'[^,]+, "([^"]+)", [^,]+, "([^"]+)", (\w+)', args).groups()
+        assert final == str(path) and how == flag and os.path.basename(tmp).startswith(".ckpt.xckpt-tmp-")
+        synced = {re.match(r"\d+<([^>]*)>", a)[1]: i for i, (n, a, r) in enumerate(calls)
+                  if n in ("fsync", "fdatasync") and r == 0}
+        objects = [str(p.relative_to(path)) for p in path.rglob("*")] + ["."]
+        assert len(objects) > 20
+        for rel in objects:
+            where = os.path.normpath(os.path.join(tmp, rel))
+            assert where in synced and synced[where] < at, f"{rel} not synced before the commit rename"
+        parent = [i for i, (n, a, r) in enumerate(calls) if n == "fsync" and re.match(r"\d+<([^>]*)>", a)[1] == str(tmp_path) and i > at]
+        assert parent, "the parent directory is not synced after the rename"
+        if how == "RENAME_EXCHANGE":  # the displaced checkpoint (now at tmp) goes only once the swap is durable
+            deletes = [i for i, (n, a, r) in enumerate(calls) if n in ("unlinkat", "unlink", "rmdir") and tmp in a]
+            assert deletes and min(deletes) > parent[0]
+        assert_holds(path, k)
+    assert hidden(tmp_path) == []

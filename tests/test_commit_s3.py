@@ -1,0 +1,585 @@
+"""The commit protocol on an S3 object store (spec 6.2, 6.4, 6.6), against a real moto server on loopback.
+
+TensorStore's s3 driver talks to ``python -m moto.server`` (started as in
+``test_object_store.py``); the connection tests put a small TCP proxy of our own between
+the two that can cut every connection, or drop one chosen response, while a save runs.
+No mocks: every outcome is read back from the store (object listings compared exactly,
+bytes compared, values compared element by element).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import uuid
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+import xckpt
+from xckpt.engine import claims, protocol
+from xckpt.engine.commit import Hold, SaveOptions, check_target
+from xckpt.engine.storage import Location
+from xckpt.format.regions import Region
+from xckpt.registry import ArraySource, Shard
+
+boto3 = pytest.importorskip("boto3")
+pytest.importorskip("moto")
+
+#: What the loser of two saves racing for one prefix may be told (spec 9.2).
+LOST_RACE = {"save.in_progress", "save.exists", "save.conflict"}
+
+
+# -- the store ------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def bucket(moto):
+    """A fresh, empty bucket of its own for one test (so listings of the whole bucket are exact)."""
+    name = f"b-{uuid.uuid4().hex[:12]}"
+    moto.client.create_bucket(Bucket=name)
+    return SimpleNamespace(name=name, client=moto.client, url=f"s3://{name}")
+
+
+def _keys(b, prefix: str = "") -> list[str]:
+    out: list[str] = []
+    for page in b.client.get_paginator("list_objects_v2").paginate(Bucket=b.name, Prefix=prefix):
+        out.extend(o["Key"] for o in page.get("Contents", []))
+    return sorted(out)
+
+
+def _snapshot(b, prefix: str = "") -> dict[str, bytes]:
+    """Every object under ``prefix``, by key, with its bytes."""
+    return {k: b.client.get_object(Bucket=b.name, Key=k)["Body"].read() for k in _keys(b, prefix)}
+
+
+def _names(b, prefix: str) -> list[str]:
+    """The object names under ``prefix/``, relative to it."""
+    p = prefix.rstrip("/") + "/"
+    return [k[len(p):] for k in _keys(b, p)]
+
+
+def _outside(snapshot: dict[str, bytes], prefix: str) -> dict[str, bytes]:
+    p = prefix.rstrip("/") + "/"
+    return {k: v for k, v in snapshot.items() if not k.startswith(p)}
+
+
+def _put(b, key: str, data: bytes) -> None:
+    b.client.put_object(Bucket=b.name, Key=key, Body=data)
+
+
+def _claim_record(generation: str, heartbeat: float) -> bytes:
+    """A claim as a save writes it (spec 6.4: generation, host, process, last heartbeat)."""
+    return json.dumps({"generation": generation, "host": "elsewhere", "pid": 1, "heartbeat": heartbeat}).encode()
+
+
+# -- trees ----------------------------------------------------------------------------------------
+
+
+def _tree(seed: int, *, extra: bool = False, n: int = 48) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    t: dict[str, Any] = {"params": {"w": rng.standard_normal((n, 32)).astype(np.float32),
+                                    "b": np.arange(32, dtype=np.int64) * seed},
+                         "step": seed, "name": f"run-{seed}"}
+    if extra:
+        t["opt"] = {"mu": rng.standard_normal((16, 8)).astype(np.float64)}
+    return t
+
+
+def _assert_same(got: Any, want: Any) -> None:
+    """Element by element for arrays, equality for values, the same keys everywhere."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(got) == sorted(want)
+        for k in want:
+            _assert_same(got[k], want[k])
+    elif isinstance(want, np.ndarray):
+        assert isinstance(got, np.ndarray) and got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert type(got) is type(want) and got == want
+
+
+def _committed(b, url: str, want: Any) -> None:
+    """``url`` holds a complete checkpoint of ``want``: it loads exactly, validates deep, and no claim is left."""
+    _assert_same(xckpt.load(url), want)
+    report = xckpt.validate(url, deep=True)
+    assert report.ok, [str(f) for f in report.findings]
+    prefix = url[len(b.url) + 1:]
+    assert "xckpt.json" in _names(b, prefix) and claims.CLAIM not in _names(b, prefix)
+
+
+def _reference_names(b, tree: Any) -> list[str]:
+    """The exact objects a successful save of ``tree`` writes (saved into a scratch bucket of its own)."""
+    ref = SimpleNamespace(name=f"r-{uuid.uuid4().hex[:12]}", client=b.client)
+    ref.client.create_bucket(Bucket=ref.name)
+    xckpt.save(tree, f"s3://{ref.name}/ckpt")
+    return _names(ref, "ckpt")
+
+
+def _populated(b) -> Any:
+    """``run1/notes.txt``, a committed checkpoint at ``run1/step_100`` and ``other/x``; returns step_100's tree."""
+    _put(b, "run1/notes.txt", b"lr=3e-4, do not delete\n")
+    _put(b, "other/x", bytes(range(256)) * 8)
+    tree = _tree(100)
+    xckpt.save(tree, f"{b.url}/run1/step_100")
+    return tree
+
+
+def _failing_source() -> ArraySource:
+    def boom() -> np.ndarray:
+        raise RuntimeError("device lost")
+
+    return ArraySource((64,), "float32", [Shard(Region((0,), (64,)), boom)])
+
+
+# -- 1. objects outside the checkpoint survive --------------------------------------------------
+
+
+def test_save_beside_other_objects_touches_only_its_prefix(bucket):
+    """A save to ``run1/step_200`` writes exactly a checkpoint's objects there and leaves every other object
+    byte-identical; ``run1/step_10`` (a string prefix of ``step_100``) is a free destination too."""
+    t100 = _populated(bucket)
+    before = _snapshot(bucket)
+    t200 = _tree(200)
+    xckpt.save(t200, f"{bucket.url}/run1/step_200")
+    after = _snapshot(bucket)
+    assert _outside(after, "run1/step_200") == before
+    assert _names(bucket, "run1/step_200") == _names(bucket, "run1/step_100")  # same structure, same objects
+    _committed(bucket, f"{bucket.url}/run1/step_200", t200)
+    _committed(bucket, f"{bucket.url}/run1/step_100", t100)
+
+    t10 = _tree(10, n=8)
+    xckpt.save(t10, f"{bucket.url}/run1/step_10")
+    assert _outside(_snapshot(bucket), "run1/step_10") == after
+    _committed(bucket, f"{bucket.url}/run1/step_10", t10)
+
+
+@pytest.mark.parametrize("failure", ["source", "mid_write", "after_write", "after_values", "after_commit_marker"])
+def test_failed_save_removes_only_what_it_wrote(bucket, monkeypatch, failure):
+    """A save that fails (a leaf whose data cannot be fetched, or a failpoint raising at a later step) leaves
+    nothing under its prefix, claim included, and every object outside it byte-identical; the prefix is usable."""
+    _populated(bucket)
+    before = _snapshot(bucket)
+    url = f"{bucket.url}/run1/step_300"
+    tree = _tree(300, extra=True)
+    if failure == "source":
+        tree["bad"] = _failing_source()
+    else:
+        monkeypatch.setenv("XCKPT_FAILPOINTS", f"{failure}:raise")
+    with pytest.raises(xckpt.XckptError) as info:
+        xckpt.save(tree, url)
+    assert ("device lost" if failure == "source" else f"failpoint {failure}") in str(info.value)
+    assert _keys(bucket, "run1/step_300") == []
+    assert _snapshot(bucket) == before
+    with pytest.raises(xckpt.XckptError) as missing:
+        xckpt.load(url)
+    assert missing.value.code == "manifest.missing"
+
+    monkeypatch.delenv("XCKPT_FAILPOINTS", raising=False)
+    tree.pop("bad", None)
+    xckpt.save(tree, url)
+    _committed(bucket, url, tree)
+    assert _outside(_snapshot(bucket), "run1/step_300") == before
+
+
+def test_overwrite_of_committed_prefix_is_refused(bucket):
+    """``overwrite=True`` onto a committed prefix is ``save.exists`` (no atomic replace on S3): nothing changes."""
+    t100 = _populated(bucket)
+    before = _snapshot(bucket)
+    for overwrite in (True, False):
+        with pytest.raises(xckpt.XckptError) as info:
+            xckpt.save(_tree(101), f"{bucket.url}/run1/step_100", overwrite=overwrite)
+        assert info.value.code == "save.exists"
+        assert _snapshot(bucket) == before
+    _committed(bucket, f"{bucket.url}/run1/step_100", t100)
+
+
+@pytest.mark.parametrize("where", ["run1", "run1/", "", "/"])
+def test_non_empty_prefix_without_checkpoint_is_refused(bucket, where):
+    """A prefix holding objects but no checkpoint (``run1``, or the bucket root) is ``save.not_empty``, and
+    nothing is written or deleted anywhere in the bucket."""
+    t100 = _populated(bucket)
+    before = _snapshot(bucket)
+    with pytest.raises(xckpt.XckptError) as info:
+        xckpt.save(_tree(1), bucket.url + ("/" + where if where else ""))
+    assert info.value.code == "save.not_empty"
+    assert _snapshot(bucket) == before
+    _committed(bucket, f"{bucket.url}/run1/step_100", t100)
+
+
+# -- 2. one winner ------------------------------------------------------------------------------
+
+
+def _race(fns: list[Callable[[], Any]], timeout: float = 60) -> list[tuple[Any, BaseException | None]]:
+    """Run the functions on threads released together; (result, error) of each."""
+    start = threading.Barrier(len(fns))
+    out: list[tuple[Any, BaseException | None]] = [(None, None)] * len(fns)
+
+    def body(i: int) -> None:
+        start.wait()
+        try:
+            out[i] = (fns[i](), None)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            out[i] = (None, exc)
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a save hung"
+    return out
+
+
+def test_concurrent_saves_to_one_prefix_have_one_winner(bucket):
+    """Two savers race for one new prefix, five rounds (same and different structures): exactly one commits,
+    the other gets save.in_progress / save.exists / save.conflict; the prefix holds exactly the winner's
+    objects, which load with the winner's values and validate deep."""
+    _put(bucket, "other/x", b"keep")
+    winners = []
+    for r in range(5):
+        url = f"{bucket.url}/race/step_{r}"
+        trees = [_tree(10 * r + 1), _tree(10 * r + 2, extra=r % 2 == 1)]
+        results = _race([lambda t=t: xckpt.save(t, url) for t in trees])
+        won = [i for i, (_, err) in enumerate(results) if err is None]
+        assert len(won) == 1, [str(e) for _, e in results]
+        lost = results[1 - won[0]][1]
+        assert isinstance(lost, xckpt.XckptError) and lost.code in LOST_RACE, repr(lost)
+        winners.append(won[0])
+        _committed(bucket, url, trees[won[0]])
+        assert _names(bucket, f"race/step_{r}") == _reference_names(bucket, trees[won[0]])
+    assert _keys(bucket, "other/") == ["other/x"]
+    print("winners by round:", winners)
+
+
+@pytest.mark.parametrize("how", ["old heartbeat", "small stale age"])
+def test_stale_claim_is_taken_over(bucket, monkeypatch, how):
+    """A claim whose heartbeat is older than the stale age belongs to a dead save: a new save removes what the
+    dead one left under the prefix (and only there), takes the prefix and commits exactly its own objects."""
+    _put(bucket, "run/notes.txt", b"keep me")
+    _put(bucket, "run/step_50x/obj", b"a neighbour whose name starts like the prefix")
+    if how == "old heartbeat":
+        beat = time.time() - 2 * claims.STALE_AFTER_S
+    else:
+        monkeypatch.setenv("XCKPT_STALE_AFTER_S", "0.5")
+        beat = time.time()
+    _put(bucket, "run/step_50/.xckpt-claim", _claim_record(uuid.uuid4().hex, beat))
+    _put(bucket, "run/step_50/params.w/c/0/0", b"half a chunk of a dead save")
+    _put(bucket, "run/step_50/junk/zarr.json", b"{}")
+    before = _outside(_snapshot(bucket), "run/step_50")
+    if how == "small stale age":
+        time.sleep(0.7)
+    tree = _tree(50)
+    xckpt.save(tree, f"{bucket.url}/run/step_50")
+    _committed(bucket, f"{bucket.url}/run/step_50", tree)
+    assert _names(bucket, "run/step_50") == _reference_names(bucket, tree)
+    assert {k: v for k, v in _snapshot(bucket).items() if k.startswith("run/") and not k.startswith("run/step_50/")} \
+        == before
+
+
+def test_live_claim_is_refused(bucket):
+    """A claim with a fresh heartbeat is a save in progress: another save gets save.in_progress and writes or
+    deletes nothing, the claim and the objects under it included."""
+    _put(bucket, "run/step_60/.xckpt-claim", _claim_record(uuid.uuid4().hex, time.time()))
+    _put(bucket, "run/step_60/params.w/zarr.json", b"{}")
+    _put(bucket, "run/other", b"x")
+    before = _snapshot(bucket)
+    with pytest.raises(xckpt.XckptError) as info:
+        xckpt.save(_tree(60), f"{bucket.url}/run/step_60")
+    assert info.value.code == "save.in_progress"
+    assert _snapshot(bucket) == before
+
+
+def test_claim_after_a_commit_is_refused(bucket):
+    """A save that checked an empty prefix, then lost the race to a save that committed there before it claimed
+    the prefix, must not claim (nor later write into) the committed prefix: save.exists, nothing changes."""
+    url = f"{bucket.url}/run/step_70"
+    target = check_target(Location(url), SaveOptions())  # the prefix is empty: this save may go on
+    tree = _tree(70)
+    xckpt.save(tree, url)  # meanwhile, another save commits there
+    before = _snapshot(bucket)
+    with pytest.raises(xckpt.XckptError) as info:
+        hold = Hold(target, claims.new_generation(), 3600.0)
+        hold.end()
+    assert info.value.code == "save.exists"
+    assert _snapshot(bucket) == before
+    _committed(bucket, url, tree)
+
+
+def test_stale_claim_judged_twice_is_removed_once(bucket):
+    """Two cleaners (two saves, or a save and ``xckpt gc``) that judged the same claim dead: the first takes the
+    prefix over and commits; the second, acting on its older judgement, must remove nothing of that checkpoint."""
+    _put(bucket, "run/step_80/.xckpt-claim", _claim_record(uuid.uuid4().hex, time.time() - 2 * claims.STALE_AFTER_S))
+    _put(bucket, "run/step_80/params.w/c/0/0", b"left by the dead save")
+    judged = [x for x in claims.scan(Location(f"{bucket.url}/run"), name="step_80") if x.kind == "claim"]
+    assert len(judged) == 1 and judged[0].stale
+    tree = _tree(80)
+    xckpt.save(tree, f"{bucket.url}/run/step_80")  # the first cleaner: takes over, commits
+    before = _snapshot(bucket)
+    claims.remove(judged[0])  # the second cleaner
+    assert _snapshot(bucket) == before
+    _committed(bucket, f"{bucket.url}/run/step_80", tree)
+
+
+def test_save_judged_dead_removes_nothing_of_the_new_owner(bucket, monkeypatch):
+    """A save stalls past the stale age; another save takes its prefix over and commits. When the stalled one
+    then fails, its cleanup must not delete the new owner's objects (same names: same structure)."""
+    url = f"{bucket.url}/run/step_90"
+    slow_tree = _tree(91)
+    slow = protocol.prepare(slow_tree, url, options=SaveOptions(stale_after_s=3600.0))  # heartbeat every 60 s
+    protocol.write(slow)
+    assert claims.CLAIM in _names(bucket, "run/step_90") and "params.w/c/0/0" in _names(bucket, "run/step_90")
+    monkeypatch.setenv("XCKPT_STALE_AFTER_S", "0.3")  # the other save judges the stalled one dead
+    time.sleep(0.5)
+    tree = _tree(92)
+    xckpt.save(tree, url)
+    before = _snapshot(bucket)
+    with pytest.raises(xckpt.XckptError):
+        protocol.commit(slow, RuntimeError("device lost after a long stall"))
+    assert _snapshot(bucket) == before
+    _committed(bucket, url, tree)
+
+
+# -- 3. connections that drop -------------------------------------------------------------------
+
+
+class CutProxy:
+    """A TCP proxy 127.0.0.1:port -> the moto server that a test can cut.
+
+    ``cut_after(n)``: once ``n`` more request bytes went through, every connection is closed and new ones
+    are closed as soon as they are accepted, until ``restore()``. ``drop_response(marker, nth)``: the response to
+    the ``nth`` next request whose first bytes contain ``marker`` is not delivered (its connection is closed once
+    the request reached the server): the request took effect, the client never heard.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target = target_port
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(128)
+        self.listener.settimeout(0.1)
+        self.port = self.listener.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.lock = threading.Lock()
+        self.conns: set[socket.socket] = set()
+        self.sent = 0  # request bytes forwarded
+        self.limit: int | None = None
+        self.down = False
+        self.cuts = 0
+        self.drop_marker: bytes | None = None
+        self.drop_nth = 0
+        self.dropped = 0
+        self.closed = False
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def cut_after(self, n: int) -> None:
+        with self.lock:
+            self.limit = self.sent + n
+
+    def cut(self) -> None:
+        with self.lock:
+            self.down = True
+            self.limit = None
+            self.cuts += 1
+            conns, self.conns = list(self.conns), set()
+        for s in conns:
+            _kill(s)
+
+    def restore(self) -> None:
+        with self.lock:
+            self.down = False
+            self.limit = None
+
+    def drop_response(self, marker: bytes, nth: int = 1) -> None:
+        with self.lock:
+            self.drop_marker, self.drop_nth = marker, nth
+
+    def close(self) -> None:
+        self.closed = True
+        self.cut()
+        self.thread.join(5)
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            with self.lock:
+                down = self.down
+            if down:
+                _kill(client)
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                _kill(client)
+                continue
+            pair = {"doomed": False}
+            with self.lock:
+                self.conns.update((client, upstream))
+            threading.Thread(target=self._pump, args=(client, upstream, True, pair), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False, pair), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, request: bool, pair: dict[str, bool]) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                cut = False
+                with self.lock:
+                    if request:
+                        if self.drop_marker is not None and self.drop_marker in data[:1024]:
+                            self.drop_nth -= 1
+                            if self.drop_nth == 0:
+                                pair["doomed"], self.drop_marker = True, None
+                        self.sent += len(data)
+                        if self.limit is not None and self.sent >= self.limit:
+                            cut = True
+                    elif pair["doomed"]:
+                        self.dropped += 1
+                        pair["doomed"] = False
+                        _kill(src)
+                        _kill(dst)
+                        return
+                if cut:
+                    self.cut()
+                    return
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _kill(src)
+            _kill(dst)
+            with self.lock:
+                self.conns.discard(src)
+                self.conns.discard(dst)
+
+
+def _kill(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    s.close()
+
+
+@pytest.fixture()
+def proxy(moto, monkeypatch):
+    """A :class:`CutProxy` in front of the moto server; xckpt's s3 driver goes through it for this test."""
+    p = CutProxy(moto.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", p.endpoint)
+    yield p
+    p.close()
+
+
+def _in_thread(fn: Callable[[], Any], timeout: float) -> tuple[Any, BaseException | None, float]:
+    """``fn()`` on a thread, bounded: (result, error, seconds); fails the test if it is still running."""
+    box: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            box["error"] = exc
+
+    started = time.monotonic()
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"still running after {timeout} s"
+    return box.get("result"), box.get("error"), time.monotonic() - started
+
+
+def test_connection_cut_mid_save_commits_nothing(bucket, proxy, monkeypatch):
+    """Every connection to the store is cut 1 MiB into the upload of a 4 MiB save and stays down: the save fails
+    with an XckptError (io.write) at once (``AWS_MAX_ATTEMPTS=1``: no retries), nothing is committed and nothing
+    outside its prefix changes; once the network is back and the dead save's claim (its release could not get
+    through) is stale, a save to the same prefix removes the leftovers and commits exactly."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv("XCKPT_STALE_AFTER_S", "0.5")
+    _put(bucket, "keep/notes.txt", b"keep")
+    keep_tree = _tree(1)
+    xckpt.save(keep_tree, f"{bucket.url}/keep/step_1")  # through the proxy, still up
+    before = _snapshot(bucket)
+    rng = np.random.default_rng(7)
+    tree = {"w": rng.standard_normal((1024, 1024)).astype(np.float32), "b": np.arange(1000, dtype=np.int32),
+            "step": 7}
+    url = f"{bucket.url}/run/step_7"
+
+    proxy.cut_after(1 << 20)
+    _, err, took = _in_thread(lambda: xckpt.save(tree, url), timeout=60)
+    assert proxy.cuts == 1
+    assert isinstance(err, xckpt.XckptError) and err.code in ("io.write", "save.failed"), repr(err)
+    assert took < 10
+    assert "run/step_7/xckpt.json" not in _keys(bucket, "run/")
+    assert _outside(_snapshot(bucket), "run/step_7") == before
+
+    assert claims.CLAIM in _names(bucket, "run/step_7")  # the cut kept the failed save from releasing its claim
+    proxy.restore()
+    time.sleep(0.7)  # the dead save's claim goes stale
+    _, err, _ = _in_thread(lambda: xckpt.save(tree, url), timeout=60)
+    assert err is None, repr(err)
+    _committed(bucket, url, tree)
+    assert _names(bucket, "run/step_7") == _reference_names(bucket, tree)
+    assert _outside(_snapshot(bucket), "run/step_7") == before
+    _committed(bucket, f"{bucket.url}/keep/step_1", keep_tree)
+
+
+def test_connection_dropped_once_is_retried(bucket, proxy, monkeypatch):
+    """Every connection is cut once, 1 MiB into the upload, and the network comes straight back: the s3 driver
+    retries and the save commits exactly."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "3")
+    tree = {"w": np.random.default_rng(8).standard_normal((1024, 1024)).astype(np.float32), "step": 8}
+    url = f"{bucket.url}/run/step_8"
+    proxy.cut_after(1 << 20)
+
+    def restore_soon() -> None:
+        while proxy.cuts == 0:
+            time.sleep(0.01)
+        proxy.restore()
+
+    threading.Thread(target=restore_soon, daemon=True).start()
+    _, err, _ = _in_thread(lambda: xckpt.save(tree, url), timeout=60)
+    assert proxy.cuts == 1
+    assert err is None, repr(err)
+    _committed(bucket, url, tree)
+    assert _names(bucket, "run/step_8") == _reference_names(bucket, tree)
+
+
+@pytest.mark.parametrize("name,nth", [("xckpt.json", 1), (".xckpt-claim", 1), (".xckpt-claim", 2)],
+                         ids=["manifest", "claim", "claim renewal"])
+def test_lost_answer_to_a_conditional_write_is_not_a_conflict(bucket, proxy, monkeypatch, name, nth):
+    """The store creates the manifest (the commit) or the claim, or renews the claim, but the connection drops
+    before the answer arrives; the driver retries the conditional write and finds the object changed. It is this
+    save's own doing: the save must commit (not report save.exists / save.in_progress / save.conflict, never
+    delete its own committed objects, and not leave its claim behind)."""
+    tree: dict[str, Any] = _tree(9)
+    url = f"{bucket.url}/run/step_9"
+    if nth == 2:  # the first renewal of the claim: a heartbeat every 0.1 s, and a save that lasts 3 s
+        monkeypatch.setenv("XCKPT_STALE_AFTER_S", "0.8")
+        slow = np.arange(256, dtype=np.float32)
+
+        def fetch() -> np.ndarray:
+            time.sleep(3)
+            return slow
+
+        tree["slow"] = ArraySource(slow.shape, "float32", [Shard(Region((0,), slow.shape), fetch)])
+    proxy.drop_response(f"PUT /{bucket.name}/run/step_9/{name} ".encode(), nth)
+    _, err, _ = _in_thread(lambda: xckpt.save(tree, url), timeout=60)
+    assert proxy.dropped == 1
+    assert err is None, repr(err)
+    if nth == 2:
+        tree["slow"] = slow
+    _committed(bucket, url, tree)
+    assert _names(bucket, "run/step_9") == _reference_names(bucket, tree)

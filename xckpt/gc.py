@@ -1,0 +1,57 @@
+"""Finding and removing what dead saves left behind (``xckpt gc``).
+
+A save that dies (killed, or its node lost) can leave beside its destination a temporary
+directory, a lease, a status directory or a side copy (``.<name>.xckpt-<kind>-<generation>``),
+and on an object store a claimed prefix. A later save to the same parent removes those whose
+lease went unrenewed for longer than the stale age; :func:`gc` does it on demand.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from xckpt.engine import claims
+from xckpt.engine.storage import Location
+
+
+@dataclass(frozen=True)
+class Collected:
+    """One leftover and what :func:`gc` did with it."""
+
+    leftover: claims.Leftover
+    action: str  # "removed", "restored" (a side copy moved back to its missing destination), "kept" (live)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able description."""
+        return {**self.leftover.to_json(), "action": self.action}
+
+
+def gc(path: Any, *, older_than_s: float | None = None, dry_run: bool = False) -> list[Collected]:
+    """Remove the leftovers of dead saves in the directory (or object-store prefix) ``path``, and those
+    beside ``path`` itself when it names a checkpoint; returns every leftover found, with what was done.
+
+    A leftover is dead when its save's lease was not renewed for ``older_than_s`` seconds
+    (default ``XCKPT_STALE_AFTER_S``, an hour); a live one is kept. A side copy whose
+    destination is missing is the checkpoint itself: it is restored, never removed.
+    ``dry_run`` only reports ("would remove", "would restore").
+    """
+    loc = Location.of(path)
+    found = {x.path: x for x in claims.scan(loc, stale_after=older_than_s)}
+    parent, _, name = loc.url.rstrip("/").rpartition("/")
+    if parent and name:
+        found.update((x.path, x) for x in claims.scan(Location(parent), stale_after=older_than_s, name=name))
+    out = []
+    for x in sorted(found.values(), key=lambda x: x.path):
+        final = os.path.join(os.path.dirname(x.path), x.name)
+        if x.kind == "old" and not os.path.lexists(final):
+            restored = dry_run or claims.recover(Location(final))
+            out.append(Collected(x, ("would restore" if dry_run else "restored") if restored else "kept"))
+        elif x.stale:
+            if not dry_run:
+                claims.remove(x)
+            out.append(Collected(x, "would remove" if dry_run else "removed"))
+        else:
+            out.append(Collected(x, "kept"))
+    return out
