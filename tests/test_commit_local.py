@@ -349,3 +349,19 @@ def test_commit_order_data_and_directories_synced_before_the_rename_parent_after
             assert deletes and min(deletes) > parent[0]
         assert_holds(path, k)
     assert hidden(tmp_path) == []
+
+
+def test_a_load_waits_for_this_process_pending_save_async_to_the_path(tmp_path):
+    """A load of a path this process is still saving to asynchronously (replacing generation 1 by 2) waits
+    for that save and returns generation 2 whole (loads of other paths go ahead meanwhile)."""
+    path = tmp_path / "ckpt"
+    xckpt.save({"w": np.full((2048, 2048), 1.0, np.float32), "step": 1}, path)
+    xckpt.save({"x": np.arange(5)}, tmp_path / "other")
+    handle = xckpt.save_async({"w": np.full((2048, 2048), 2.0, np.float32), "step": 2}, path, overwrite=True)
+    other = xckpt.load(tmp_path / "other")
+    np.testing.assert_array_equal(other["x"], np.arange(5))
+    out = xckpt.load(path)
+    assert handle.done() and out["step"] == 2
+    np.testing.assert_array_equal(out["w"], np.full((2048, 2048), 2.0, np.float32))
+    handle.wait()
+    assert hidden(tmp_path) == []
