@@ -243,6 +243,8 @@ def run_kill(zygote: Zygote, root: Path, k: Kill, template: tuple[Path, str]) ->
             assert (r["signal"] == 9 and r["harness_killed"]) or (r["exit"] == 0 and not r["result"]["ok"]), why
         else:  # a survivor: its collective failed when the peer died; it did not hang, and it did not commit
             assert r["exit"] == 0 and r["result"] is not None and r["result"]["ok"] is False, why
+            # rank 0 knows nothing was committed (coord.lost); rank 1 cannot know (save.outcome_unknown)
+            assert r["result"]["code"] == ("coord.lost" if r["rank"] == 0 else "save.outcome_unknown"), why
 
     # what is at the path, on disk, before anything opens it
     left = leftovers(parent)

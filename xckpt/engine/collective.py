@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
 
 import msgpack
 
-from xckpt.errors import CollectiveError, XckptError
+from xckpt.errors import CollectiveError, CoordinationError, XckptError
 
 T = TypeVar("T")
 ROOT = 0
@@ -147,14 +147,26 @@ def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
+def exchange(fn: Callable[[], T]) -> T:
+    """Run one message exchange of the coordinator; a transport failure (a process died, a timeout of
+    the framework's process group) becomes ``coord.lost``, an :class:`~xckpt.errors.CoordinationError`."""
+    try:
+        return fn()
+    except XckptError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch.distributed and XLA raise RuntimeError and others
+        raise CoordinationError(f"lost contact with the other processes ({type(exc).__name__}: {exc})",
+                                code="coord.lost") from exc
+
+
 def all_gather(coord: Coordinator, obj: Any) -> list[Any]:
     """Gather a plain object from every process, on every process."""
-    return [unpack(b) for b in coord.all_gather_bytes(pack(obj))]
+    return [unpack(b) for b in exchange(lambda: coord.all_gather_bytes(pack(obj)))]
 
 
 def broadcast(coord: Coordinator, obj: Any, root: int = ROOT) -> Any:
     """Broadcast a plain object from ``root``."""
-    return unpack(coord.broadcast_bytes(pack(obj) if coord.rank == root else None, root))
+    return unpack(exchange(lambda: coord.broadcast_bytes(pack(obj) if coord.rank == root else None, root)))
 
 
 def describe(exc: BaseException) -> dict[str, Any]:
@@ -180,7 +192,8 @@ def _raise(what: str, failures: dict[int, dict[str, Any]], local: BaseException 
 def _gather(coord: Coordinator, fn: Callable[[], Any]) -> tuple[BaseException | None, list[dict[str, Any]] | None]:
     """Run ``fn`` and gather ``{"ok": result}`` or ``{"error": ...}`` from every process to the coordinating one."""
     result, local = _run(fn)
-    got = coord.gather_bytes(pack({"ok": result} if local is None else {"error": describe(local)}), ROOT)
+    got = exchange(lambda: coord.gather_bytes(pack({"ok": result} if local is None else {"error": describe(local)}),
+                                              ROOT))
     return local, None if got is None else [unpack(b) for b in got]
 
 
@@ -228,7 +241,7 @@ def answer_step(coord: Coordinator, what: str, fn: Callable[[], Sequence[Any]] |
                 items.append(packed[id(a)])
         else:
             items = [pack({"error": describe(local)})] * coord.world_size
-    got = unpack(coord.scatter_bytes(items, ROOT))
+    got = unpack(exchange(lambda: coord.scatter_bytes(items, ROOT)))
     if "error" in got:
         _raise(what, {ROOT: got["error"]}, local, coord.world_size)
     return got["ok"]
