@@ -151,6 +151,12 @@ class Lease:
             pass
 
 
+def claimed_by(prefix: Location) -> str | None:
+    """The generation of the save whose claim an object-store prefix holds (None: no readable claim)."""
+    res = open_kvstore(prefix.kvstore()).read(CLAIM).result()
+    return _generation_of(bytes(res.value)) if res.state == "value" else None
+
+
 def _generation_of(record: bytes) -> str | None:
     try:
         obj = json.loads(record.decode())

@@ -266,16 +266,19 @@ def plan_objects(plan: GlobalPlan) -> Iterator[str]:
 
 
 def discard(tmp: Location, written: Iterable[str], *, hold: Hold | None = None,
-            plan: GlobalPlan | None = None) -> None:
+            plan: GlobalPlan | None = None, generation: str | None = None) -> None:
     """Remove what a failed save wrote (best effort, never anything else).
 
     Every process deletes the objects it wrote (``written``); the coordinating process
     (``hold``) also removes the temporary directory (file systems) or every object the plan
     could have had any process write (object stores, where processes that died cannot clean
-    up), then releases its lease.
+    up), then releases its lease. On an object store nothing is deleted once the prefix's
+    claim is no longer this save's (``generation``): judged dead and taken over, its object
+    names may be another save's now.
     """
     try:
-        if hold is not None and not tmp.is_local and not hold.lease.held():
+        if not tmp.is_local and (hold is not None and not hold.lease.held()
+                                 or hold is None and generation and claims.claimed_by(tmp) != generation):
             written, plan = (), None  # judged dead, its prefix emptied and maybe another save's now: delete nothing
         store = tmp.store()
         try:

@@ -73,7 +73,7 @@ class Prepared:
 
     def discard(self) -> None:
         """Remove what this process wrote for a failed save (the coordinating process: all of it)."""
-        discard(self.tmp, self.written, hold=self.hold, plan=self.plan)
+        discard(self.tmp, self.written, hold=self.hold, plan=self.plan, generation=self.generation)
 
     @property
     def what(self) -> str:
