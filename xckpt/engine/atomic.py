@@ -59,6 +59,17 @@ def rename_noreplace(src: str, dst: str) -> None:
     _call(src, dst, _RENAME_NOREPLACE)
 
 
+def move_new(src: str, dst: str) -> None:
+    """Move ``src`` to ``dst`` only if nothing is at ``dst`` (:class:`FileExistsError` otherwise): atomically
+    with ``renameat2``, else by checking first and renaming (a race between the two is then possible)."""
+    try:
+        rename_noreplace(src, dst)
+    except Unsupported:
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, "exists", dst) from None
+        os.rename(src, dst)
+
+
 def exchange(a: str, b: str) -> None:
     """Swap what the names ``a`` and ``b`` point to, in one step (both must exist)."""
     _call(a, b, _RENAME_EXCHANGE)

@@ -46,7 +46,7 @@ from xckpt.engine.protocol import Prepared
 from xckpt.engine.storage import Location
 from xckpt.engine.threads import yield_cpu
 from xckpt.engine.write import ChunkWriter
-from xckpt.errors import CollectiveError, CoordinationError, XckptError
+from xckpt.errors import CollectiveError, CoordinationError
 from xckpt.format import shard
 
 #: How long a process waits for the others (their status; the outcome of the commit), in seconds.
@@ -285,7 +285,7 @@ class Pending:
         finally:
             store.close()
         if outcome is None:
-            if _committed_generation(p.final) == p.generation:
+            if identity(p.final) == p.generation:
                 return  # committed; the outcome was gone before this process looked
             self._unknown = self._error is None  # a process whose own part failed knows nothing is committed
             raise CoordinationError(f"rank 0 did not report the outcome of the commit within {self._timeout_s:g} s "
@@ -293,16 +293,6 @@ class Pending:
                                     "to find out", code="async.timeout", file=str(self._status))
         if outcome["error"] is not None:
             raise CoordinationError(outcome["error"])
-
-
-def _committed_generation(final: Location) -> str | None:
-    store = final.store()
-    try:
-        return identity(store)
-    except XckptError:
-        return None
-    finally:
-        store.close()
 
 
 def _remove_dir(loc: Location) -> None:

@@ -98,11 +98,8 @@ class Lease:
                 os.close(fd)
             return
         kv = open_kvstore(self.final.kvstore())
-        stamp = kv.write(CLAIM, _record(self.generation), if_equal=ABSENT).result().generation
-        if not stamp:  # another save's claim; or this one's, created by an attempt whose answer was lost
-            res = kv.read(CLAIM).result()
-            if res.state == "value" and _generation_of(bytes(res.value)) == self.generation:
-                stamp = res.stamp.generation
+        # empty: another save's claim; or this one's, created by an attempt whose answer was lost
+        stamp = kv.write(CLAIM, _record(self.generation), if_equal=ABSENT).result().generation or self._own(kv)
         if not stamp:
             raise SaveError(f"another save is writing to {self.final} (it holds {self.final}/{CLAIM}); "
                             "nothing was written", code="save.in_progress", file=str(self.final.child(CLAIM)))
@@ -121,11 +118,8 @@ class Lease:
                 self.lost = True
             return
         kv = open_kvstore(self.final.kvstore())
-        stamp = kv.write(CLAIM, _record(self.generation), if_equal=self._stamp).result().generation
-        if not stamp:  # taken over; or renewed by an attempt whose answer was lost, then retried
-            res = kv.read(CLAIM).result()
-            if res.state == "value" and _generation_of(bytes(res.value)) == self.generation:
-                stamp = res.stamp.generation
+        # empty: taken over; or renewed by an attempt whose answer was lost, then retried
+        stamp = kv.write(CLAIM, _record(self.generation), if_equal=self._stamp).result().generation or self._own(kv)
         if stamp:
             self._stamp = stamp
         else:
@@ -137,8 +131,12 @@ class Lease:
             return False
         if self.final.is_local:
             return os.path.exists(self._path)
-        res = open_kvstore(self.final.kvstore()).read(CLAIM).result()
-        return res.state == "value" and _generation_of(bytes(res.value)) == self.generation
+        return self._own(open_kvstore(self.final.kvstore())) is not None
+
+    def _own(self, kv: Any) -> bytes | None:
+        """The storage stamp of the prefix's claim when it is this save's, else None."""
+        claim = _read_claim(kv)
+        return claim[1] if claim is not None and claim[0] == self.generation else None
 
     def release(self) -> None:
         """Give the lease up (best effort: a lease left behind only ages into a leftover)."""
@@ -151,10 +149,19 @@ class Lease:
             pass
 
 
+def _read_claim(kv: Any) -> tuple[str, bytes] | None:
+    """``(generation, storage stamp)`` of the claim in an opened prefix (generation "" when unreadable);
+    None when there is none."""
+    res = kv.read(CLAIM).result()
+    if res.state != "value":
+        return None
+    return _generation_of(bytes(res.value)) or "", res.stamp.generation
+
+
 def claimed_by(prefix: Location) -> str | None:
     """The generation of the save whose claim an object-store prefix holds (None: no readable claim)."""
-    res = open_kvstore(prefix.kvstore()).read(CLAIM).result()
-    return _generation_of(bytes(res.value)) if res.state == "value" else None
+    claim = _read_claim(open_kvstore(prefix.kvstore()))
+    return claim[0] or None if claim is not None else None
 
 
 def _generation_of(record: bytes) -> str | None:
@@ -287,11 +294,10 @@ def remove(leftover: Leftover) -> None:
     """
     if leftover.kind == "claim":
         kv = open_kvstore(Location(leftover.path).kvstore())
-        res = kv.read(CLAIM).result()
-        if (res.state != "value" or (_generation_of(bytes(res.value)) or "") != leftover.generation
-                or (leftover.stamp is not None and res.stamp.generation != leftover.stamp)):
+        claim = _read_claim(kv)
+        if claim is None or claim[0] != leftover.generation or leftover.stamp not in (None, claim[1]):
             return
-        mine = kv.write(CLAIM, _record(new_generation()), if_equal=res.stamp.generation).result().generation
+        mine = kv.write(CLAIM, _record(new_generation()), if_equal=claim[1]).result().generation
         if not mine:
             return
         keys = [k for k in kv.list().result() if k.decode() != CLAIM]
@@ -329,12 +335,7 @@ def recover(final: Location) -> bool:
         if not any(os.path.exists(os.path.join(old.path, n)) for n in (names.MANIFEST, names.DCP_METADATA)):
             continue
         try:
-            atomic.rename_noreplace(old.path, final.local_path)
-        except atomic.Unsupported:
-            try:
-                os.rename(old.path, final.local_path)
-            except OSError:
-                return False
+            atomic.move_new(old.path, final.local_path)
         except OSError:
             return False
         atomic.sync_dir(parent or ".")

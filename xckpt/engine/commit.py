@@ -24,7 +24,7 @@ import numpy as np
 from xckpt._version import __version__
 from xckpt.engine import atomic, claims, failpoints
 from xckpt.engine.plan import ArrayPlan, GlobalPlan, LeafLayout
-from xckpt.engine.storage import LocalStore, Location, Store
+from xckpt.engine.storage import Location, Store
 from xckpt.engine.write import ChunkWriter
 from xckpt.errors import CollectiveError, SaveError, XckptError
 from xckpt.format import dtypes, names, orbax_view, values as values_format, zarr
@@ -67,28 +67,28 @@ class Target:
     kind: str = "xckpt"  # what it writes and may replace: "xckpt", or "dcp" (a torch DCP directory)
 
 
-def identity(store: Store) -> str | None:
-    """Which committed checkpoint a store holds: its manifest's generation (format 1.1), else a digest of
-    its manifest; None when it holds no manifest."""
-    data = store.read(names.MANIFEST)
-    if data is None:
+def identity(loc: Location, kind: str = "xckpt") -> str | None:
+    """Which committed checkpoint ``loc`` holds: its manifest's generation (format 1.1), else a digest of
+    its manifest (kind "dcp": of DCP's ``.metadata``); None when it holds none or cannot be read."""
+    try:
+        store = loc.store()
+    except XckptError:
         return None
     try:
-        generation = json.loads(data.decode("utf-8")).get("generation")
-    except (UnicodeDecodeError, ValueError, AttributeError):
-        generation = None
-    return generation if isinstance(generation, str) else hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-def _identity_at(path: str, kind: str = "xckpt") -> str | None:
-    store = LocalStore(path)
-    try:
-        if kind == "dcp":
-            data = store.read(names.DCP_METADATA)
-            return None if data is None else hashlib.blake2b(data, digest_size=16).hexdigest()
-        return identity(store)
+        data = store.read(names.DCP_METADATA if kind == "dcp" else names.MANIFEST)
+    except XckptError:
+        return None
     finally:
         store.close()
+    if data is None:
+        return None
+    generation = None
+    if kind == "xckpt":
+        try:
+            generation = json.loads(data.decode("utf-8")).get("generation")
+        except (UnicodeDecodeError, ValueError, AttributeError):
+            generation = None
+    return generation if isinstance(generation, str) else hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt") -> Target:
@@ -110,7 +110,7 @@ def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt") -> Tar
         if not opts.overwrite:
             raise SaveError(f"{path} already exists; pass overwrite=True to replace it", code="save.exists",
                             file=path)
-        held = _identity_at(path, kind) if os.path.isdir(path) and not os.path.islink(path) else None
+        held = identity(final, kind) if os.path.isdir(path) and not os.path.islink(path) else None
         if held is None:
             what = "a committed xckpt checkpoint" if kind == "xckpt" else "a torch DCP checkpoint"
             raise SaveError(f"{path} is not {what}; overwrite=True replaces only one, so nothing was written",
@@ -162,12 +162,7 @@ def publish(tmp: Location, target: Target, generation: str, rank: int = 0) -> No
             except OSError:
                 pass
         try:
-            try:
-                atomic.rename_noreplace(src, dst)
-            except atomic.Unsupported:
-                if os.path.lexists(dst):
-                    raise FileExistsError(errno.EEXIST, "exists", dst) from None
-                os.rename(src, dst)  # refuses a non-empty directory at dst
+            atomic.move_new(src, dst)
         except OSError as exc:
             if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
                 raise SaveError(f"another save committed {dst} first; nothing was committed", code="save.exists",
@@ -185,7 +180,7 @@ def publish(tmp: Location, target: Target, generation: str, rank: int = 0) -> No
         raise SaveError(f"{dst} disappeared while this save replaced it; nothing was committed",
                         code="save.conflict", file=dst) from None
     failpoints.hit("after_exchange", rank)
-    if _identity_at(src, target.kind) != target.replaces:  # another save replaced it since this one began
+    if identity(Location(src), target.kind) != target.replaces:  # another save replaced it since this one began
         atomic.exchange(src, dst)
         raise SaveError(f"another save replaced {dst} while this one was writing; nothing was committed",
                         code="save.conflict", file=dst)
@@ -204,7 +199,7 @@ def _publish_aside(src: str, dst: str, target: Target, generation: str, rank: in
                         code="save.conflict", file=dst) from None
     atomic.sync_dir(os.path.dirname(dst) or ".")
     failpoints.hit("after_aside", rank)
-    if _identity_at(aside, target.kind) != target.replaces:
+    if identity(Location(aside), target.kind) != target.replaces:
         os.rename(aside, dst)
         raise SaveError(f"another save replaced {dst} while this one was writing; nothing was committed",
                         code="save.conflict", file=dst)

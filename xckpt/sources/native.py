@@ -72,7 +72,7 @@ class NativeCheckpoint:
 
     def replaced(self) -> bool:
         """Whether the checkpoint at its path was replaced or removed since it was opened."""
-        return isinstance(self.store, LocalStore) and self.store.replaced()
+        return self.store.replaced()
 
     def _kvstore(self, path: str) -> dict[str, Any]:
         """The kvstore spec of a directory of the opened checkpoint (through the opened directory itself)."""
