@@ -184,7 +184,7 @@ def test_core_imports_neither_torch_nor_jax(tmp_path):
 def test_manifest_is_json_with_keys_as_lists(tmp_path):
     xckpt.save({"model": {"layers.0.weight": np.ones((2, 2))}}, tmp_path / "c")
     manifest = json.loads((tmp_path / "c" / "xckpt.json").read_text())
-    assert manifest["format"] == "xckpt" and manifest["version"] == "1.1"
+    assert manifest["format"] == "xckpt" and manifest["version"] == "1.2"
     (leaf,) = manifest["leaves"]
     assert leaf["key"] == ["model", "layers.0.weight"] and leaf["path"] == "model.layers.0.weight"
     assert leaf["shape"] == [2, 2] and leaf["dtype"] == "float64"

@@ -23,6 +23,7 @@ from xckpt.validate import Finding, Report
 
 CONF = Path(__file__).resolve().parents[1] / "spec" / "conformance"
 SHARDED = CONF / "valid" / "sharded" / "checkpoint"
+SHARDED_1_1 = CONF / "valid_1.1" / "sharded" / "checkpoint"
 ZSTD = CONF / "valid" / "zstd" / "checkpoint"
 
 
@@ -98,12 +99,25 @@ def test_string_value_sharing_an_orbax_name_with_an_array(tmp_path: Path) -> Non
 
 
 def test_array_path_that_is_not_the_joined_key(tmp_path: Path) -> None:
-    ckpt = _copy(SHARDED, tmp_path / "c")
+    ckpt = _copy(SHARDED_1_1, tmp_path / "c")  # format 1.1: chunk objects carry no place tag
     os.rename(ckpt / "v", ckpt / "vv")
     _edit_json(ckpt / naming.MANIFEST, lambda m: m["leaves"][1].update(path="vv"))
     report = xckpt.validate(ckpt)
     assert report.codes() == ["manifest.path_name"] and report.findings[0].leaf == "v"
     np.testing.assert_array_equal(xckpt.load(ckpt)["v"], np.arange(10) * 3 - 7)  # readers follow 'path'
+
+
+def test_a_renamed_array_directory_is_refused_by_its_place_tags(tmp_path: Path) -> None:
+    ckpt = _copy(SHARDED, tmp_path / "c")
+    os.rename(ckpt / "v", ckpt / "vv")
+    _edit_json(ckpt / naming.MANIFEST, lambda m: m["leaves"][1].update(path="vv"))
+    report = xckpt.validate(ckpt)
+    # the 3 chunk objects moved with the directory: their place tags still name 'v/c/...'
+    assert report.codes() == ["manifest.path_name"] + ["chunk.place"] * 3
+    assert [f.file for f in report.findings[1:]] == [str(ckpt / "vv" / "c" / str(i)) for i in range(3)]
+    with pytest.raises(XckptError) as err:
+        xckpt.load(ckpt)
+    assert err.value.code == "chunk.place" and err.value.leaf == "v"
 
 
 @pytest.mark.parametrize("edit, code", [
@@ -183,7 +197,7 @@ def test_deeply_nested_manifests_are_refused_not_crashed_on(tmp_path: Path, dept
     _write_nested(ckpt, depth)
     report = xckpt.validate(ckpt)
     if code is None:  # readable; only the Orbax files and the commit marker are missing
-        assert report.codes() == ["commit.missing", "orbax.missing"], report.codes()
+        assert report.codes() == ["commit.missing", "orbax.missing", "orbax.checkpoint_metadata"], report.codes()
         loaded = xckpt.load(ckpt)
         for _ in range(depth):
             assert type(loaded) is list and len(loaded) == 1

@@ -1,4 +1,4 @@
-"""The validator: does a directory conform to the xckpt spec (``spec/xckpt-1.1.md``)?
+"""The validator: does a directory conform to the xckpt spec (``spec/xckpt-1.2.md``)?
 
 Every finding has a stable code (listed in the spec) and names the file and leaf.
 Without ``deep``, only metadata and shard indexes are read: every offset in every
@@ -96,13 +96,27 @@ def validate(path: Any, deep: bool = False) -> Report:
             vals = read_values(loc, store, m)
         except XckptError as exc:
             add(Finding(exc.code, exc.message, exc.file, exc.leaf))
+        gen = m.tag_generation  # every chunk object names its place (format 1.2)
         for e in m.arrays():
             report.arrays += 1
-            _check_leaf(loc, store, e, deep, report)
-        _check_orbax(loc, store, m, vals, report, deep)
+            _check_leaf(loc, store, e, deep, report, gen)
+        _check_orbax(loc, store, m, vals, report, deep, gen)
+        _check_checkpoint_metadata(loc, store, report)
     finally:
         store.close()
+        _dedupe(report)
     return report
+
+
+def _dedupe(report: Report) -> None:
+    """One finding per code and file (a link is found both by the directory walk and by the read refusing it)."""
+    seen: set[tuple[str, str | None]] = set()
+    kept = []
+    for f in report.findings:
+        if (f.code, f.file) not in seen:
+            seen.add((f.code, f.file))
+            kept.append(f)
+    report.findings[:] = kept
 
 
 def _check_files(loc: Location, m: Manifest, report: Report) -> None:
@@ -152,7 +166,8 @@ def _check_names(loc: Location, m: Manifest, report: Report) -> None:
         seen.setdefault(name, key_str(e.key))
 
 
-def _check_leaf(loc: Location, store: Store, e: ArrayEntry, deep: bool, report: Report) -> None:
+def _check_leaf(loc: Location, store: Store, e: ArrayEntry, deep: bool, report: Report,
+                gen: str | None) -> None:
     """A leaf's Zarr nodes: one array, or a group whose segment arrays tile it."""
     if e.segments is not None:
         meta = _read_json(loc, store, f"{e.path}/zarr.json", e, report)
@@ -163,7 +178,7 @@ def _check_leaf(loc: Location, store: Store, e: ArrayEntry, deep: bool, report: 
                                            "Zarr v3 group", str(loc.child(f"{e.path}/zarr.json")), key_str(e.key)))
             return
     for a in e.arrays():
-        _check_array(loc, store, e, a, deep, report)
+        _check_array(loc, store, e, a, deep, report, gen)
 
 
 def _read_json(loc: Location, store: Store, name: str, e: ArrayEntry, report: Report) -> dict[str, Any] | None:
@@ -188,7 +203,8 @@ def _read_json(loc: Location, store: Store, name: str, e: ArrayEntry, report: Re
     return meta
 
 
-def _check_array(loc: Location, store: Store, e: ArrayEntry, a: StoredArray, deep: bool, report: Report) -> None:
+def _check_array(loc: Location, store: Store, e: ArrayEntry, a: StoredArray, deep: bool, report: Report,
+                 gen: str | None) -> None:
     add = report.findings.append
     leaf = key_str(e.key)
     meta = _read_json(loc, store, f"{a.path}/zarr.json", e, report)
@@ -210,13 +226,13 @@ def _check_array(loc: Location, store: Store, e: ArrayEntry, a: StoredArray, dee
         stored.discard(full)
         report.chunks += 1
         valid = tuple(min(c, n - i * c) for i, c, n in zip(idx, a.chunk_shape, a.shape))
-        _check_shard(loc, store, full, geom, valid, leaf, deep, report)
+        _check_shard(loc, store, full, geom, valid, leaf, deep, report, gen)
     for extra in sorted(stored):
         add(Finding("chunk.unexpected", "object is not a chunk of this array's grid", str(loc.child(extra)), leaf))
 
 
 def _check_shard(loc: Location, store: Store, name: str, geom: shard.Geometry, valid: tuple[int, ...], leaf: str,
-                 deep: bool, report: Report) -> None:
+                 deep: bool, report: Report, gen: str | None) -> None:
     add = report.findings.append
     file = str(loc.child(name))
     try:
@@ -228,10 +244,10 @@ def _check_shard(loc: Location, store: Store, name: str, geom: shard.Geometry, v
         add(Finding("chunk.missing", "object disappeared", file, leaf))
         return
     try:
-        size = blob.size if blob.size is not None else geom.max_nbytes
-        tail = blob.read_tail(min(geom.index_nbytes, blob.size)) if blob.size is not None else \
-            blob.read_tail(geom.index_nbytes)
-        index = shard.parse_index(geom, tail, size, valid, file=file, leaf=leaf)
+        place = None if gen is None else shard.place_of(gen, name)
+        n_tail = shard.tail_nbytes(geom, place)
+        tail = blob.read_tail(min(n_tail, blob.size)) if blob.size is not None else blob.read_tail(n_tail)
+        index = shard.parse_index(geom, tail, blob.size, valid, place=place, file=file, leaf=leaf)
         if deep:
             for k, _, _ in geom.inner_chunks(valid):
                 off, nbytes = int(index[k, 0]), int(index[k, 1])
@@ -245,20 +261,23 @@ def _check_shard(loc: Location, store: Store, name: str, geom: shard.Geometry, v
         blob.close()
 
 
-def _read_file(loc: Location, store: Store, name: str, report: Report) -> bytes | None:
+def _read_file(loc: Location, store: Store, name: str, report: Report) -> tuple[bool, bytes | None]:
+    """Whether a file could be read (a finding is added when not), and its bytes (None when missing)."""
     try:
-        return store.read(name)
+        return True, store.read(name)
     except XckptError as exc:
         report.findings.append(Finding(exc.code, exc.message, exc.file or str(loc.child(name))))
-        return b""
+        return False, None
 
 
 def _check_orbax(loc: Location, store: Store, m: Manifest, vals: dict[int, Any] | None, report: Report,
-                 deep: bool) -> None:
+                 deep: bool, gen: str | None) -> None:
     """The Orbax view: _METADATA, _strings.json and the 0-d mirrors agree with the manifest and values."""
     add = report.findings.append
     file = str(loc.child(naming.ORBAX_METADATA))
-    raw = _read_file(loc, store, naming.ORBAX_METADATA, report)
+    readable, raw = _read_file(loc, store, naming.ORBAX_METADATA, report)
+    if not readable:
+        return
     if raw is None:
         add(Finding("orbax.missing", "_METADATA is missing; Orbax cannot restore this checkpoint", file))
         return
@@ -286,12 +305,45 @@ def _check_orbax(loc: Location, store: Store, m: Manifest, vals: dict[int, Any] 
                                     if isinstance(e, ValueEntry) and e.type == "str"}, report)
     for i, e in enumerate(m.leaves):
         if isinstance(e, ValueEntry):
-            _check_mirror(loc, store, e, vals[i], deep, report)
+            _check_mirror(loc, store, e, vals[i], deep, report, gen)
+
+
+#: Members of Orbax's ``_CHECKPOINT_METADATA`` and the JSON types they must have when present.
+_CHECKPOINT_METADATA_TYPES: dict[str, tuple[type, ...]] = {
+    "item_handlers": (str, dict, type(None)), "metrics": (dict,), "performance_metrics": (dict,),
+    "init_timestamp_nsecs": (int, type(None)), "commit_timestamp_nsecs": (int, type(None)),
+    "custom_metadata": (dict, type(None))}
+
+
+def _check_checkpoint_metadata(loc: Location, store: Store, report: Report) -> None:
+    """``_CHECKPOINT_METADATA`` (what Orbax's ``CheckpointManager`` reads of a step) is a JSON object whose
+    known members have their types."""
+    name = naming.ORBAX_CHECKPOINT_METADATA
+    file = str(loc.child(name))
+    readable, raw = _read_file(loc, store, name, report)
+    if not readable:
+        return
+    if raw is None:
+        report.findings.append(Finding("orbax.checkpoint_metadata", f"{name} is missing (Orbax's CheckpointManager "
+                                       "reads it)", file))
+        return
+    try:
+        meta = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        report.findings.append(Finding("orbax.checkpoint_metadata", f"{name} is not valid JSON: {exc}", file))
+        return
+    wrong = [k for k, types in _CHECKPOINT_METADATA_TYPES.items()
+             if isinstance(meta, dict) and k in meta and (not isinstance(meta[k], types) or isinstance(meta[k], bool))]
+    if not isinstance(meta, dict) or wrong:
+        what = f"member {wrong[0]!r} has the wrong type" if wrong else "it is not a JSON object"
+        report.findings.append(Finding("orbax.checkpoint_metadata", f"{name}: {what}", file))
 
 
 def _check_strings(loc: Location, store: Store, expected: dict[str, str], report: Report) -> None:
     file = str(loc.child("_strings.json"))
-    raw = _read_file(loc, store, "_strings.json", report)
+    readable, raw = _read_file(loc, store, "_strings.json", report)
+    if not readable:
+        return
     if raw is None:
         report.findings.append(Finding("orbax.strings_missing", "_strings.json is missing; Orbax cannot restore "
                                        "the string values", file))
@@ -305,7 +357,8 @@ def _check_strings(loc: Location, store: Store, expected: dict[str, str], report
         report.findings.append(Finding("orbax.mismatch", "_strings.json does not hold the string values", file))
 
 
-def _check_mirror(loc: Location, store: Store, e: ValueEntry, value: Any, deep: bool, report: Report) -> None:
+def _check_mirror(loc: Location, store: Store, e: ValueEntry, value: Any, deep: bool, report: Report,
+                  gen: str | None) -> None:
     """A numeric value that fits Orbax's scalar must have a 0-d mirror array holding exactly it."""
     add = report.findings.append
     leaf = key_str(e.key)
@@ -318,13 +371,13 @@ def _check_mirror(loc: Location, store: Store, e: ValueEntry, value: Any, deep: 
     dtype = _MIRROR_DTYPES[e.type]
     before = len(report.findings)
     entry = ArrayEntry(e.key, e.orbax_path, (), dtype, dtype, (), ())
-    _check_array(loc, store, entry, entry.arrays()[0], deep, report)
+    _check_array(loc, store, entry, entry.arrays()[0], deep, report, gen)
     if len(report.findings) > before:
         return
     file = str(loc.child(e.orbax_path))
     got = np.empty((), dtype=dtype)
     try:
-        read_regions(store, [ReadRequest(entry, Region((), ()), got)], lambda n: str(loc.child(n)))
+        read_regions(store, [ReadRequest(entry, Region((), ()), got)], lambda n: str(loc.child(n)), generation=gen)
     except XckptError as exc:
         add(Finding("orbax.mismatch", f"scalar mirror cannot be read: {exc.message}", file, leaf))
         return

@@ -1,10 +1,13 @@
 """Converting between stock DCP checkpoints (``FileSystemWriter`` output) and xckpt.
 
-``dcp -> xckpt``: DCP's ``.metadata`` is a pickle and its chunks are ``torch.save``
-blobs; reading them is what converting a DCP checkpoint means, so this direction
-uses DCP's own ``FileSystemReader`` (tensors and values through ``torch.load`` with
-``weights_only=True``). Each stored DCP chunk becomes one region of the xckpt
-array, read when the writer gets to it, so memory stays near one chunk.
+``dcp -> xckpt``: the checkpoint is read without trusting it (:mod:`.dcp_metadata`):
+DCP's ``.metadata`` pickle through an unpickler that builds only the classes DCP
+metadata is made of, ``.metadata`` and the ``.distcp`` data files opened relative to
+the checkpoint directory without following links or blocking, each stored range
+checked against its file before it is read. Each stored item is a ``torch.save``
+blob, loaded with ``torch.load(weights_only=True)`` (torch's own restricted
+unpickler). Each stored DCP chunk becomes one region of the xckpt array, read when
+the writer gets to it, so memory stays near one chunk.
 
 ``xckpt -> dcp``: ``torch.distributed.checkpoint.save`` with ``FileSystemWriter``
 and a planner that reads each array from xckpt only when DCP writes it (the state
@@ -16,17 +19,19 @@ Neither direction unpickles anything from an xckpt checkpoint.
 from __future__ import annotations
 
 import io
-import os
 import shutil
+import zipfile
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, WriteItem
+from torch.distributed.checkpoint.planner import WriteItem
 
 from xckpt.engine.collective import LocalCoordinator
 from xckpt.engine.claims import new_generation
@@ -41,77 +46,81 @@ from xckpt.format.tree import unflatten
 from xckpt.registry import Shard
 from xckpt.sources.detect import open_checkpoint
 
+from .dcp_metadata import DcpDirectory
 from .dcp_tree import as_leaf, insert, key_of, listify
 from .tensors import from_numpy, logical_dtype, to_host, torch_dtype
 
 
-class _Sink:
-    """The minimal load planner ``FileSystemReader.read_data`` needs to read one item."""
-
-    def __init__(self, target: torch.Tensor | None = None) -> None:
-        self.target = target
-        self.value: Any = None
-
-    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
-        """The tensor to read into."""
-        assert self.target is not None
-        return self.target
-
-    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
-        """Nothing to do: the data is already in place."""
-
-    def load_bytes(self, item: ReadItem, stream: io.BytesIO) -> None:
-        """A DCP value: ``torch.load`` restricted to plain data (``weights_only=True``)."""
-        try:
-            self.value = torch.load(stream, weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - reported as an xckpt error
-            raise UnsupportedError(f"DCP value {item.storage_index.fqn!r} is not plain data "
-                                   f"(weights_only load failed: {exc})", code="convert.dcp_value") from exc
+def _torch_load(data: bytes, what: str, path: str, code: str) -> Any:
+    """``torch.load(weights_only=True)`` of one stored item, refusing zip members that are not stored
+    uncompressed (``torch.save`` never compresses; a compressed member could expand without bound)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            packed = [i.filename for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED]
+    except (zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise UnsupportedError(f"{what} is not torch.save data ({exc})", code=code, file=path) from None
+    if packed:
+        raise UnsupportedError(f"{what} holds compressed members {packed[:3]}; torch.save writes none",
+                               code=code, file=path)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - reported as an xckpt error
+        raise UnsupportedError(f"{what} is not plain data (weights_only load failed: {exc})", code=code,
+                               file=path) from exc
 
 
-def _read_chunk(reader: FileSystemReader, fqn: str, region: Region, dtype: torch.dtype) -> np.ndarray:
-    target = torch.empty(region.sizes, dtype=dtype)
-    offsets = torch.Size(region.offsets)
-    zeros = torch.Size([0] * len(region.offsets))
-    item = ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, offsets), zeros, MetadataIndex(fqn, offsets), zeros,
-                    torch.Size(region.sizes))
-    reader.read_data(LoadPlan([item]), _Sink(target)).wait()  # type: ignore[arg-type]
-    return to_host(target)
+def _read_chunk(d: DcpDirectory, info: _StorageInfo, fqn: str, region: Region, dtype: torch.dtype) -> np.ndarray:
+    path = d.path(info.relative_path)
+    what = f"DCP chunk at {region.offsets} of {fqn!r}"
+    t = _torch_load(d.read(info), what, path, "convert.dcp_chunk")
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dtype != dtype \
+            or tuple(t.shape) != tuple(region.sizes):
+        desc = (f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                else f"a {type(t).__name__}")
+        raise UnsupportedError(f"{what} holds {desc}, not the {dtype} chunk of shape {tuple(region.sizes)} "
+                               "its metadata records", code="convert.dcp_chunk", file=path)
+    return to_host(t.detach().contiguous())
 
 
-def _read_value(reader: FileSystemReader, fqn: str) -> Any:
-    sink = _Sink()
-    item = ReadItem(LoadItemType.BYTE_IO, MetadataIndex(fqn), torch.Size([0]), MetadataIndex(fqn),
-                    torch.Size([0]), torch.Size([0]))
-    reader.read_data(LoadPlan([item]), sink).wait()  # type: ignore[arg-type]
-    return sink.value
+def _read_value(d: DcpDirectory, info: _StorageInfo, fqn: str) -> Any:
+    return _torch_load(d.read(info), f"DCP value {fqn!r}", d.path(info.relative_path), "convert.dcp_value")
 
 
 def dcp_to_xckpt(src: str, dst: str, *, overwrite: bool = False) -> None:
-    """Convert the DCP checkpoint directory ``src`` into an xckpt checkpoint at ``dst``."""
-    if not os.path.isfile(os.path.join(src, ".metadata")):
-        raise XckptError(f"{src} is not a DCP checkpoint (no .metadata)", code="convert.not_dcp", file=src)
-    reader = FileSystemReader(src)
-    md = reader.read_metadata()  # DCP's own format: a pickle (this is the conversion the user asked for)
-    reader.set_up_storage_reader(md, True)
-    mappings = md.planner_data if isinstance(md.planner_data, dict) else {}
-    tree: dict[Any, Any] = {}
-    for fqn, smd in md.state_dict_metadata.items():
-        if isinstance(smd, TensorStorageMetadata):
-            dt = smd.properties.dtype
-            shape = tuple(int(s) for s in smd.size)
-            shards = []
-            for c in smd.chunks:
-                region = Region(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
-                shards.append(Shard(region, lambda f=fqn, r=region, d=dt: _read_chunk(reader, f, r, d)))
-            leaf: Any = LazySource(shape, logical_dtype(dt), shards, {"framework": "torch", "via": "dcp"})
-        elif isinstance(smd, BytesStorageMetadata):
-            leaf = as_leaf(_read_value(reader, fqn))
-        else:
-            raise UnsupportedError(f"unknown DCP storage metadata {type(smd).__name__}", leaf=fqn)
-        insert(tree, key_of(fqn, mappings), leaf)
-    save(listify(tree), dst, coordinator=LocalCoordinator(),
-         options=SaveOptions(overwrite=overwrite, metadata={"converted_from": "torch.distributed.checkpoint"}))
+    """Convert the DCP checkpoint directory ``src`` into an xckpt checkpoint at ``dst``.
+
+    Nothing in ``src`` is trusted (:mod:`.dcp_metadata`): the metadata and every stored
+    range are checked before the destination is touched.
+    """
+    with DcpDirectory(src) as d:
+        md = d.read_metadata()  # restricted unpickler; checked
+        storage: dict[MetadataIndex, _StorageInfo] = md.storage_data
+        mappings = md.planner_data if isinstance(md.planner_data, dict) else {}
+        wanted: list[_StorageInfo] = []
+        for fqn, smd in md.state_dict_metadata.items():
+            if isinstance(smd, TensorStorageMetadata):
+                wanted.extend(storage[MetadataIndex(fqn, c.offsets)] for c in smd.chunks)
+            else:
+                wanted.append(storage[MetadataIndex(fqn)])
+        d.check_ranges(wanted)  # every data file a regular file, every range within it, before reading
+        tree: dict[Any, Any] = {}
+        for fqn, smd in md.state_dict_metadata.items():
+            if isinstance(smd, TensorStorageMetadata):
+                dt = smd.properties.dtype
+                shape = tuple(int(s) for s in smd.size)
+                shards = []
+                for c in smd.chunks:
+                    region = Region(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
+                    info = storage[MetadataIndex(fqn, c.offsets)]
+                    shards.append(Shard(region, lambda i=info, f=fqn, r=region, t=dt: _read_chunk(d, i, f, r, t)))
+                leaf: Any = LazySource(shape, logical_dtype(dt), shards, {"framework": "torch", "via": "dcp"})
+            elif isinstance(smd, BytesStorageMetadata):
+                leaf = as_leaf(_read_value(d, storage[MetadataIndex(fqn)], fqn))
+            else:  # check_metadata admits no other kind
+                raise UnsupportedError(f"unknown DCP storage metadata {type(smd).__name__}", leaf=fqn)
+            insert(tree, key_of(fqn, mappings), leaf)
+        save(listify(tree), dst, coordinator=LocalCoordinator(),
+             options=SaveOptions(overwrite=overwrite, metadata={"converted_from": "torch.distributed.checkpoint"}))
 
 
 class _LazyXckptPlanner(DefaultSavePlanner):
@@ -165,8 +174,14 @@ def _to_dcp(ckpt: Any, dst: str, overwrite: bool) -> None:
 
     hold = Hold(target, new_generation(), opts.stale_after())
     try:
-        dcp.save(state, storage_writer=FileSystemWriter(hold.tmp.local_path, single_file_per_rank=False),
-                 planner=_LazyXckptPlanner(entries, read), no_dist=True)
+        try:
+            dcp.save(state, storage_writer=FileSystemWriter(hold.tmp.local_path, single_file_per_rank=False),
+                     planner=_LazyXckptPlanner(entries, read), no_dist=True)
+        except CheckpointException as exc:  # DCP wraps what reading the source raised: raise that
+            cause = next((e for e, _ in exc.failures.values() if isinstance(e, XckptError)), None)
+            if cause is None:
+                raise
+            raise cause from None
         publish(hold.tmp, target, hold.generation)
     except BaseException:
         shutil.rmtree(hold.tmp.local_path, ignore_errors=True)

@@ -119,7 +119,7 @@ class XckptStorageWriter(StorageWriter):
         self._hold = Hold(target, new_generation(), self.options.stale_after())
         self._tmp = self._hold.tmp
         return [dataclasses.replace(p, storage_data={"tmp": self._tmp.url, "descs": d.to_wire(), "fqns": fqns,
-                                                     "answer": a})
+                                                     "answer": a, "generation": self._hold.generation})
                 for p, (d, fqns), a in zip(plans, described, answers)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -162,7 +162,7 @@ class XckptStorageWriter(StorageWriter):
         jobs = plan_chunks(local, descs, lambda pos, piece: to_host(planner.resolve_data(items[(fqns[pos], piece)])),
                            self.options.compression)
         store = tmp.store(create=True)
-        w = ChunkWriter(store, self.options.max_inflight_bytes)
+        w = ChunkWriter(store, data["generation"], self.options.max_inflight_bytes)
         try:
             with w:
                 for name, meta in zarr_files(local, descs, self.options.compression):

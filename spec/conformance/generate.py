@@ -25,16 +25,16 @@ manifest's ``generation`` (random) and the Orbax timestamps in ``_CHECKPOINT_MET
 from __future__ import annotations
 
 import argparse
+import contextlib
 import filecmp
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
 import threading
 from collections import namedtuple
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import crc32c
 import ml_dtypes
@@ -45,7 +45,7 @@ from xckpt.engine.commit import SaveOptions
 from xckpt.engine import protocol
 from xckpt.engine.storage import Location
 from xckpt.engine.write import ChunkWriter
-from xckpt.format import names as naming, values as xvalues, zarr as arrays
+from xckpt.format import names as naming, shard, values as xvalues, zarr as arrays
 from xckpt.format.dtypes import logical_name
 from xckpt.format.regions import Region
 from xckpt.format.tree import Value
@@ -55,7 +55,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PRODUCER = {"library": "xckpt", "library_version": "conformance", "framework": "numpy",
             "framework_version": "conformance", "generator": "spec/conformance/generate.py"}
 FIXED_NS = 1_700_000_000_000_000_000
-FIXED_GENERATION = b"0123456789abcdef0123456789abcdef"
+FIXED_GENERATION = "0123456789abcdef0123456789abcdef"
+#: The generation of another save of the same tree (for chunk objects transplanted between checkpoints).
+OTHER_GENERATION = "fedcba9876543210fedcba9876543210"
 _MISSING = 2**64 - 1
 
 #: The logical dtypes of format 1.0 (a fixed list: the vectors must not depend on ml_dtypes' version).
@@ -84,16 +86,23 @@ def _host_shards_source(x: HostShards) -> ArraySource:
 register_source(lambda x: isinstance(x, HostShards), _host_shards_source)
 
 
+@contextlib.contextmanager
+def _generation(generation: str) -> Iterator[None]:
+    """Saves in this block get ``generation`` (the vectors must not change from one run to the next; the
+    generation is in every chunk object's place tag, so it is chosen before the save, not edited after)."""
+    random = protocol.new_generation
+    protocol.new_generation = lambda: generation
+    try:
+        yield
+    finally:
+        protocol.new_generation = random
+
+
 def _save_one(tree: Any, path: str, coord: Any, **options: Any) -> None:
     protocol.save(tree, path, coordinator=coord, options=SaveOptions(producer=dict(PRODUCER), **options))
 
 
 def _normalise(path: str) -> None:
-    manifest = os.path.join(path, naming.MANIFEST)
-    with open(manifest, "rb") as f:
-        data = f.read()
-    with open(manifest, "wb") as f:
-        f.write(re.sub(rb'"generation":"[0-9a-f]{32}"', b'"generation":"' + FIXED_GENERATION + b'"', data, count=1))
     name = os.path.join(path, naming.ORBAX_CHECKPOINT_METADATA)
     with open(name) as f:
         meta = json.load(f)
@@ -102,9 +111,10 @@ def _normalise(path: str) -> None:
         f.write(json.dumps(meta))
 
 
-def save(tree: Any, path: str, **options: Any) -> None:
-    """Save as one process, then fix the timestamps."""
-    _save_one(tree, path, LocalCoordinator(), **options)
+def save(tree: Any, path: str, generation: str = FIXED_GENERATION, **options: Any) -> None:
+    """Save as one process with a fixed generation, then fix the timestamps."""
+    with _generation(generation):
+        _save_one(tree, path, LocalCoordinator(), **options)
     _normalise(path)
 
 
@@ -121,10 +131,11 @@ def save_ranks(trees: list[Any], path: str, **options: Any) -> None:
             group.barrier.abort()
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(len(trees))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with _generation(FIXED_GENERATION):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     if errors:
         raise errors[0]
     _normalise(path)
@@ -321,12 +332,12 @@ VALID: dict[str, Callable[[str], tuple[Any, str]]] = {
 
 # --------------------------------------------------------------------------- invalid vectors
 
-def base(path: str) -> None:
+def base(path: str, generation: str = FIXED_GENERATION, scale: int = 1) -> None:
     """The checkpoint each invalid vector corrupts: 'w' in 2 shards of 2 inner chunks, 'b', values."""
-    tree = {"w": HostShards(np.arange(16, dtype=np.float32).reshape(4, 4),
+    tree = {"w": HostShards(np.arange(16, dtype=np.float32).reshape(4, 4) * scale,
                             [Region((0, 0), (2, 4)), Region((2, 0), (2, 4))]),
             "b": np.arange(4, dtype=np.int32), "step": 3, "name": "run-1", "opt": [None, 0.5]}
-    save(tree, path, inner_chunk_bytes=16)
+    save(tree, path, generation, inner_chunk_bytes=16)
 
 
 def read(path: str, name: str) -> bytes:
@@ -355,8 +366,9 @@ def leaf(m: dict[str, Any], key: list[Any]) -> dict[str, Any]:
 
 
 def edit_index(path: str, name: str, n_inner: int, fn: Callable[[list[list[int]]], None],
-               fix_crc: bool = True) -> None:
-    """Change the (offset, nbytes) pairs of a shard index; recompute its crc32c unless told not to."""
+               fix_crc: bool = True, shift: int = 0) -> None:
+    """Change the (offset, nbytes) pairs of a shard index; recompute its crc32c and the place tag unless told
+    not to (so that only the defect under test remains). ``shift`` inserts that many zero bytes at the start."""
     data = bytearray(read(path, name))
     start = len(data) - (16 * n_inner + 4)
     pairs = np.frombuffer(bytes(data[start:-4]), dtype="<u8").reshape(-1, 2).tolist()
@@ -364,7 +376,10 @@ def edit_index(path: str, name: str, n_inner: int, fn: Callable[[list[list[int]]
     body = np.array(pairs, dtype="<u8").tobytes()
     crc = crc32c.crc32c(body) if fix_crc else int.from_bytes(data[-4:], "little")
     data[start:] = body + crc.to_bytes(4, "little")
-    write(path, name, bytes(data))
+    if fix_crc:
+        index = np.frombuffer(bytes(data[start:]), dtype=np.uint8)
+        data[start - shard.TAG_NBYTES:start] = shard.place_tag(shard.place_of(FIXED_GENERATION, name), index).tobytes()
+    write(path, name, bytes(b"\0" * shift + data))
 
 
 def rewrite_values(path: str, fn: Callable[[dict[int, Any]], None]) -> None:
@@ -442,6 +457,39 @@ def _index_long(pairs: list[list[int]]) -> None:
     pairs[0][1] += 4
 
 
+def _index_gap(pairs: list[list[int]]) -> None:
+    for pair in pairs:  # the object gets 8 bytes in front that no entry covers
+        pair[0] += 8
+
+
+def _swap_chunks(p: str) -> None:
+    """Swap two chunk objects of 'w' of the same size (rows 0-1 and rows 2-3)."""
+    a, b = read(p, "w/c/0/0"), read(p, "w/c/1/0")
+    write(p, "w/c/0/0", b)
+    write(p, "w/c/1/0", a)
+
+
+def _transplant_chunk(p: str) -> None:
+    """Replace w/c/1/0 by the same object of another save of the same tree shapes (other data and generation)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        other = os.path.join(tmp, "other")
+        base(other, OTHER_GENERATION, scale=2)
+        write(p, "w/c/1/0", read(other, "w/c/1/0"))
+
+
+def _without_tag(p: str) -> None:
+    """A chunk object as a 1.1 writer wrote it (no place tag) in a 1.2 checkpoint."""
+    data = read(p, "w/c/0/0")
+    end = len(data) - (16 * 2 + 4)
+    write(p, "w/c/0/0", data[:end - shard.TAG_NBYTES] + data[end:])
+
+
+def _surrogate_key(p: str) -> None:
+    """The key of 'step' spelled with a lone UTF-16 surrogate escape (valid JSON, not valid Unicode)."""
+    raw = read(p, naming.MANIFEST)
+    write(p, naming.MANIFEST, raw.replace(b'"step"', b'"\\ud800"'))
+
+
 # name -> (code, deep, load, description, corruption applied to a copy of the base checkpoint);
 # load: True when loading the whole checkpoint fails with the same code, a code when it fails with
 # another one, False when the defect does not stop a load (it concerns Orbax, or bytes no read touches).
@@ -458,7 +506,7 @@ INVALID: dict[str, Invalid] = {
                             lambda p: write(p, naming.MANIFEST, b"[]\n")),
     "wrong_format": ("manifest.format", False, True, "format is 'zarr', not 'xckpt'",
                      lambda p: edit_manifest(p, lambda m: m.update(format="zarr"))),
-    "unknown_version": ("manifest.version", False, True, "version '2.0', which a 1.0/1.1 reader must refuse",
+    "unknown_version": ("manifest.version", False, True, "version '2.0', which a 1.0/1.1/1.2 reader must refuse",
                         lambda p: edit_manifest(p, lambda m: m.update(version="2.0"))),
     "schema_unknown_field": ("manifest.schema", False, True, "a leaf entry has a field the schema does not allow",
                              lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(order="F"))),
@@ -502,8 +550,9 @@ INVALID: dict[str, Invalid] = {
                     lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(path="sub/w"))),
     "path_reserved": ("path.unsafe", False, True, "an array path that is a reserved name ('_METADATA')",
                       lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(path="_METADATA"))),
-    "path_name": ("manifest.path_name", False, False,
-                  "array 'b' stored under 'bias' rather than its key joined with '.' (Orbax would not find it)",
+    "path_name": ("manifest.path_name", False, "chunk.place",
+                  "array 'b' stored under 'bias' rather than its key joined with '.' (Orbax would not find it); "
+                  "its chunk objects' place tags still name 'b/...', so a load refuses them",
                   lambda p: (os.rename(os.path.join(p, "b"), os.path.join(p, "bias")),
                              edit_manifest(p, lambda m: leaf(m, ["b"]).update(path="bias")))),
     "symlink": ("path.link", False, True, "a chunk object that is a symbolic link (to another chunk)",
@@ -568,6 +617,24 @@ INVALID: dict[str, Invalid] = {
                          lambda p: _zarr_json(p, "w", lambda z: z["codecs"][0]["configuration"]["codecs"].pop())),
     "chunk_unexpected": ("chunk.unexpected", False, False, "an extra object w/c/2/0 outside the chunk grid",
                          lambda p: write(p, "w/c/2/0", read(p, "w/c/1/0"))),
+    "chunk_swapped": ("chunk.place", False, True, "two chunk objects of one array (same size, valid indexes and "
+                      "checksums) swapped: each one's place tag names the other place", _swap_chunks),
+    "chunk_transplanted": ("chunk.place", False, True, "w/c/1/0 copied from another save of the same shapes: its "
+                           "place tag names the other save's generation", _transplant_chunk),
+    "chunk_no_tag": ("chunk.place", False, True, "a chunk object without its place tag (as format 1.1 wrote it) "
+                     "in a format 1.2 checkpoint", _without_tag),
+    "index_gap": ("chunk.gap", False, True, "the inner chunks (index and tag rewritten) leave 8 bytes at the start "
+                  "of the object that no entry covers", lambda p: edit_index(p, "w/c/0/0", 2, _index_gap, shift=8)),
+    "manifest_surrogate": ("manifest.unicode", False, True, "a key holding a lone UTF-16 surrogate ('\\ud800'), "
+                           "valid JSON but not valid UTF-8", _surrogate_key),
+    "generation_missing": ("manifest.schema", False, True, "a format 1.2 manifest without its generation",
+                           lambda p: edit_manifest(p, lambda m: m.pop("generation"))),
+    "orbax_checkpoint_metadata_missing": ("orbax.checkpoint_metadata", False, False,
+                                          "_CHECKPOINT_METADATA removed (Orbax's CheckpointManager lists steps by it)",
+                                          lambda p: os.remove(os.path.join(p, naming.ORBAX_CHECKPOINT_METADATA))),
+    "orbax_checkpoint_metadata_invalid": ("orbax.checkpoint_metadata", False, False,
+                                          "_CHECKPOINT_METADATA is not a JSON object",
+                                          lambda p: write(p, naming.ORBAX_CHECKPOINT_METADATA, b"garbage")),
     "orbax_metadata_missing": ("orbax.missing", False, False, "_METADATA removed: Orbax could not restore it",
                                lambda p: os.remove(os.path.join(p, naming.ORBAX_METADATA))),
     "orbax_metadata_invalid": ("orbax.invalid", False, False, "_METADATA is not JSON",
@@ -590,7 +657,7 @@ INVALID: dict[str, Invalid] = {
 
 def _rewrite_mirror(p: str, name: str, value: np.generic) -> None:
     meta = arrays.zarr_metadata([], str(value.dtype), [], [])
-    with ChunkWriter(Location.of(p).store()) as w:
+    with ChunkWriter(Location.of(p).store(), FIXED_GENERATION) as w:
         w.file(f"{name}/zarr.json", arrays.encode_metadata(meta))
         w.chunk(f"{name}/c", arrays.geometry(str(value.dtype), (), (), "none"), np.asarray(value), name)
 

@@ -141,7 +141,7 @@ class Pending:
         w = None
         try:
             store = p.tmp.store(create=True)
-            w = ChunkWriter(store, p.options.max_inflight_bytes, background=True)
+            w = ChunkWriter(store, p.generation, p.options.max_inflight_bytes, background=True)
             with w:
                 for name, data in protocol.metadata_files(p):
                     w.file(name, data)

@@ -383,7 +383,7 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
     The names it writes are added to ``written``.
     """
     _check_held(hold)
-    with ChunkWriter(store, opts.max_inflight_bytes) as w:
+    with ChunkWriter(store, generation, opts.max_inflight_bytes) as w:
         for i, a in plan.arrays.items():
             if math.prod(a.shape) == 0:
                 for seg in range(-1 if a.segmented else 0, len(a.segments)):

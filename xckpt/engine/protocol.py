@@ -312,7 +312,7 @@ def write(p: Prepared) -> int:
     started = time.perf_counter()
     failpoints.hit("after_plan", p.coord.rank)
     store = p.tmp.store(create=True)
-    w = ChunkWriter(store, p.options.max_inflight_bytes)
+    w = ChunkWriter(store, p.generation, p.options.max_inflight_bytes)
     try:
         with w:
             for name, data in metadata_files(p):

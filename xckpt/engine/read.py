@@ -3,7 +3,7 @@
 A request names an array leaf, a region of it and an output array of the region's shape
 (any strides: a slice of a preallocated tensor is fine). :func:`read_regions` finds the
 chunk objects the regions touch, and on a few threads opens each object once, checks its
-index (:func:`xckpt.format.shard.parse_index`), reads only the inner chunks the requests
+index and place tag (:func:`xckpt.format.shard.parse_index`), reads only the inner chunks the requests
 need, checks each one's crc32c and copies the needed part into the outputs. An inner chunk
 that an output needs whole and contiguous is read straight into it. Host memory beyond the
 outputs is one inner chunk per thread.
@@ -22,7 +22,7 @@ from xckpt.engine import threads as pools
 from xckpt.errors import DataError, IntegrityError, XckptError
 from xckpt.format import shard, zarr as zarr_format
 from xckpt.format.manifest import ArrayEntry, StoredArray
-from xckpt.format.regions import Region, chunks_of, intersect
+from xckpt.format.regions import Region, chunk_indices, chunks_of, intersect
 from xckpt.format.tree import key_str
 
 #: Objects at most this large are read with one request.
@@ -171,8 +171,9 @@ class _Scratch(threading.local):
 
 
 def _read_object(store: Store, obj: _Object, scratch: _Scratch, file: Callable[[str], str],
-                 fill: bool = True) -> int:
-    """Open one object, check its index, fill every part (unless ``fill`` is False); returns the bytes read."""
+                 generation: str | None, fill: bool = True) -> int:
+    """Open one object, check its index (and its place tag, with ``generation``), fill every part (unless
+    ``fill`` is False); returns the bytes read."""
     where = file(obj.name)
     try:
         blob = store.open(obj.name)
@@ -181,16 +182,17 @@ def _read_object(store: Store, obj: _Object, scratch: _Scratch, file: Callable[[
     if blob is None:
         raise DataError("chunk object is missing", code="chunk.missing", file=where, leaf=obj.leaf)
     geom = obj.geom
+    place = None if generation is None else shard.place_of(generation, obj.name)
+    n_tail = shard.tail_nbytes(geom, place)
     try:
         whole = None
-        if blob.size is not None and blob.size <= SMALL_OBJECT:
+        if blob.size is not None and (blob.size <= SMALL_OBJECT or blob.size < n_tail):
             whole = np.empty(blob.size, dtype=np.uint8)
             blob.read_into(0, whole)
-            tail = whole[blob.size - geom.index_nbytes:] if blob.size >= geom.index_nbytes else whole
+            tail = whole[blob.size - n_tail:] if blob.size >= n_tail else whole
         else:
-            tail = blob.read_tail(geom.index_nbytes)
-        size = blob.size if blob.size is not None else _size_bound(geom)
-        index = shard.parse_index(geom, tail, size, obj.valid)
+            tail = blob.read_tail(n_tail)
+        index = shard.parse_index(geom, tail, blob.size, obj.valid, place=place)
         done = whole.size if whole is not None else tail.size
         if not fill:
             return done
@@ -222,11 +224,6 @@ def _read_object(store: Store, obj: _Object, scratch: _Scratch, file: Callable[[
         blob.close()
 
 
-def _size_bound(geom: shard.Geometry) -> int:
-    """Where a store cannot tell an object's size: the largest a valid object can be."""
-    return geom.max_nbytes if geom.compression == "none" else 2**63 - 1
-
-
 def _read_direct(blob: Blob, off: int, nbytes: int, out: np.ndarray, geom: shard.Geometry) -> None:
     """Read an uncompressed inner chunk straight into ``out``, then check its crc32c."""
     raw = out.reshape(-1).view(np.uint8)
@@ -239,9 +236,28 @@ def _read_direct(blob: Blob, off: int, nbytes: int, out: np.ndarray, geom: shard
         raise IntegrityError("inner chunk crc32c does not match", code="chunk.crc32c")
 
 
+def check_objects(store: Store, entry: ArrayEntry, a: StoredArray, file: Callable[[str], str], *,
+                  generation: str | None = None) -> None:
+    """Check one stored array of a leaf without reading its data: its ``zarr.json``, and every chunk object
+    (a regular file, its index and, with ``generation``, its place tag); for readers that then hand the
+    array to TensorStore, which does not know where an object belongs."""
+    _check_array(store, _Array(a.path, zarr_format.zarr_metadata(
+        a.shape, entry.storage_dtype, a.chunk_shape, a.inner_chunk_shape, entry.compression), entry), file)
+    geom = zarr_format.geometry(entry.storage_dtype, a.chunk_shape, a.inner_chunk_shape, entry.compression)
+    scratch = _Scratch()
+    for idx in chunk_indices(a.shape, a.chunk_shape):
+        start = tuple(i * c for i, c in zip(idx, a.chunk_shape))
+        valid = tuple(min(c, n - s) for c, n, s in zip(a.chunk_shape, a.shape, start))
+        obj = _Object(f"{a.path}/{zarr_format.chunk_key(idx)}", geom, valid, entry, [])
+        _read_object(store, obj, scratch, file, generation, fill=False)
+
+
 def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[str], str], *,
-                 precheck: bool = False) -> int:
+                 generation: str | None = None, precheck: bool = False) -> int:
     """Fill every request's ``out`` from the arrays in ``store``; returns the bytes read.
+
+    ``generation``: the checkpoint's (format 1.2 and later), whose every chunk object must carry the
+    place tag naming it (:func:`xckpt.format.shard.place_of`); None for older formats.
 
     Raises a specific :class:`~xckpt.errors.XckptError` (naming the object and the leaf) for
     a missing, truncated or corrupt object; outputs are then partly written. With
@@ -256,12 +272,12 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
     total = 0
     for fill in ((False, True) if precheck else (True,)):
         big = [o for o in objects if o.geom.max_nbytes >= SMALL_OBJECT]
-        futures = [ex.submit(_read_object, store, o, scratch, file, fill) for o in big]
+        futures = [ex.submit(_read_object, store, o, scratch, file, generation, fill) for o in big]
         first: BaseException | None = None
         try:  # small objects and metadata on this thread: their cost is Python, threads only contend
             if not fill or not precheck:
                 total += sum(_check_array(store, a, file) for a in arrays)
-            total += sum(_read_object(store, o, scratch, file, fill) for o in objects
+            total += sum(_read_object(store, o, scratch, file, generation, fill) for o in objects
                          if o.geom.max_nbytes < SMALL_OBJECT)
         except BaseException as exc:  # noqa: BLE001 - raised once no thread writes into the outputs
             first = exc

@@ -157,6 +157,10 @@ class Store(Protocol):
     def replaced(self) -> bool:
         """Whether what this store reads is no longer at its location (another save replaced it)."""
 
+    def kvstore(self, sub: str = "") -> dict[str, Any]:
+        """The TensorStore kvstore spec of the directory ``sub`` of what this store reads, for reads
+        handed to TensorStore."""
+
     def close(self) -> None:
         """Release what the store holds open."""
 
@@ -255,6 +259,12 @@ class LocalStore:
         if fd is not None and os.path.isdir(f"/proc/self/fd/{fd}"):
             return f"/proc/self/fd/{fd}"
         return self.root
+
+    def kvstore(self, sub: str = "") -> dict[str, Any]:
+        """The ``file`` kvstore spec of the directory ``sub``, through the directory this store opened
+        (:meth:`pinned_path`), so that a checkpoint put at the same path meanwhile is never mixed in."""
+        tail = sub.strip("/") + "/" if sub.strip("/") else ""
+        return {"driver": "file", "path": self.pinned_path().rstrip("/") + "/" + tail}
 
     # -- directories -----------------------------------------------------------------------------
 
@@ -549,6 +559,10 @@ class KvStore:
     def replaced(self) -> bool:
         """Never: a committed prefix is not replaced in place."""
         return False
+
+    def kvstore(self, sub: str = "") -> dict[str, Any]:
+        """The kvstore spec of the prefix ``sub`` under this root."""
+        return self.location.kvstore(sub)
 
     def close(self) -> None:
         """Nothing to release."""

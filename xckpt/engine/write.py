@@ -73,8 +73,10 @@ class ChunkWriter:
     nothing writes into a directory that is about to be cleaned up.
     """
 
-    def __init__(self, store: Store, max_inflight_bytes: int = MAX_INFLIGHT_BYTES, background: bool = False) -> None:
+    def __init__(self, store: Store, generation: str, max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+                 background: bool = False) -> None:
         self.store = store
+        self.generation = generation  # the save's: every chunk object's place tag names it
         self.bytes_written = 0  # array bytes (chunk payloads), not counting indexes and metadata
         self.names: list[str] = []  # every object it began to write (for the cleanup of a failed save)
         self._room = _Room(max_inflight_bytes)
@@ -96,12 +98,14 @@ class ChunkWriter:
             self._pending.popleft().result()
 
     def chunk(self, name: str, geom: shard.Geometry, data: np.ndarray, leaf: str) -> None:
-        """Encode and write one chunk object (``data``: the chunk clipped to the array, storage dtype)."""
+        """Encode and write one chunk object (``data``: the chunk clipped to the array, storage dtype), tagged
+        with its place (:func:`xckpt.format.shard.place_of`)."""
         self._room.take(data.nbytes)
+        place = shard.place_of(self.generation, name)
 
         def run() -> None:
             try:
-                parts = shard.encode_parts(geom, data, _scratch.get(geom.scratch_nbytes))
+                parts = shard.encode_parts(geom, data, _scratch.get(geom.scratch_nbytes), place)
                 self._put(name, parts, leaf, data.nbytes)
             finally:
                 self._room.give(data.nbytes)

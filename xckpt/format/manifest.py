@@ -5,7 +5,7 @@ the document checks every field (JSON integers only where the spec says integer,
 member the format does not define, bounds before any arithmetic), then the parts are
 checked against each other (tree and leaves agree, paths stay inside the checkpoint,
 segments tile their leaf) before anything else is trusted. The same rules are published
-as a JSON Schema (``spec/manifest-1.1.schema.json``); the test suite holds the two to agreeing.
+as a JSON Schema (``spec/manifest-1.2.schema.json``); the test suite holds the two to agreeing.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from xckpt.format.values import VALUE_TYPES
 
 FORMAT = "xckpt"
 #: The version this writer writes.
-VERSION = "1.1"
-#: Versions this reader reads (1.1 added segmented arrays).
-SUPPORTED_VERSIONS = ("1.0", "1.1")
+VERSION = "1.2"
+#: Versions this reader reads (1.1 added segmented arrays and the generation; 1.2 requires the
+#: generation and tags every chunk object with its place, see :mod:`xckpt.format.shard`).
+SUPPORTED_VERSIONS = ("1.0", "1.1", "1.2")
 #: A save's generation: 128 random bits, as lowercase hex.
 GENERATION = re.compile(r"[0-9a-f]{32}")
 #: Largest number of elements (and of bytes) a leaf may declare: 2**53, JSON's exact-integer range.
@@ -35,6 +36,8 @@ MAX_ELEMENTS = 2**53
 MAX_CHUNKS = 2**24
 #: Most dimensions an array may have.
 MAX_RANK = 64
+#: A JSON escape of a UTF-16 surrogate, the only way a JSON document can hold a lone one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,12 @@ class Manifest:
     values: dict[str, Any] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     version: str = VERSION
-    generation: str | None = None  # 32 hex digits naming this save (format 1.1; absent in 1.0)
+    generation: str | None = None  # 32 hex digits naming this save (format 1.1; required from 1.2)
+
+    @property
+    def tag_generation(self) -> str | None:
+        """The generation its chunk objects' place tags name (format 1.2 and later), else None."""
+        return None if self.version in ("1.0", "1.1") else self.generation
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as a JSON object."""
@@ -197,6 +205,12 @@ class _Parser:
             self.fail(where, f"expected a string, got {type(v).__name__}")
         if nonempty and not v:
             self.fail(where, "expected a non-empty string")
+        return self.text(v, where)
+
+    def text(self, v: str, where: str) -> str:
+        """A string that is valid Unicode (JSON's ``\\ud800`` escapes can make a lone surrogate)."""
+        if not _encodable(v):
+            self.fail(where, "a string holds a lone surrogate (not valid UTF-8)", "manifest.unicode")
         return v
 
     def count(self, v: Any, where: str, *, minimum: int = 0, maximum: int = MAX_ELEMENTS - 1) -> int:
@@ -217,7 +231,9 @@ class _Parser:
         return tuple(self.count(x, f"{where}/{i}", minimum=minimum) for i, x in enumerate(v))
 
     def key_part(self, v: Any, where: str) -> str | int:
-        if isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)):
+        if isinstance(v, str):
+            return self.text(v, where)
+        if isinstance(v, int) and not isinstance(v, bool):
             return v
         self.fail(where, "a key part is a string or an integer")
 
@@ -322,6 +338,29 @@ class _Parser:
         return e
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_text(obj: Any, p: "_Parser", where: str) -> None:
+    """Every string of a JSON document (keys included) is valid Unicode; walked without recursion."""
+    stack = [(obj, where)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            p.text(v, at)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                p.text(k, at)
+                stack.append((x, f"{at}/{k}"))
+        elif isinstance(v, list):
+            stack.extend((x, f"{at}/{i}") for i, x in enumerate(v))
+
+
 def parse(data: bytes, *, file: str = names.MANIFEST) -> Manifest:
     """Parse and check manifest bytes; raise a specific :class:`~xckpt.errors.XckptError` on any defect."""
     try:
@@ -342,7 +381,11 @@ def parse(data: bytes, *, file: str = names.MANIFEST) -> Manifest:
     if _depth(obj.get("tree")) > MAX_DEPTH:
         raise ManifestError(f"tree nests deeper than {MAX_DEPTH} levels", code="manifest.tree", file=file)
     p = _Parser(file)
-    p.object(obj, "<root>", ("format", "version", "producer", "tree", "leaves"),
+    if _SURROGATE_ESCAPE.search(data):  # only a \\uD800-\\uDFFF escape can make a lone surrogate
+        _check_text(obj, p, "<root>")
+    required = ("format", "version", "producer", "tree", "leaves") + (() if version in ("1.0", "1.1") else
+                                                                       ("generation",))
+    p.object(obj, "<root>", required,
              ("format", "version", "producer", "tree", "leaves", "values", "metadata")
              + (() if version == "1.0" else ("generation",)))
     generation = obj.get("generation")

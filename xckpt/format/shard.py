@@ -2,12 +2,18 @@ r"""One stored chunk object: Zarr v3's ``sharding_indexed`` codec, encoded and c
 
 An array's chunk is one object. Its bytes, as Zarr v3 (``index_location: end``) lays them out::
 
-    [inner chunk 0][inner chunk 1]...[index: n x (offset u64 LE, nbytes u64 LE)][crc32c of the index, u32 LE]
+    [inner chunk 0][inner chunk 1]...[place tag][index: n x (offset u64 LE, nbytes u64 LE)][crc32c of the index, u32 LE]
 
 Inner chunks are numbered in C order of the inner grid. Each encoded inner chunk is its
 payload (the elements in C order, little-endian; compressed by zstd when the array says so)
 followed by the crc32c of the payload (u32 LE); ``nbytes`` counts both. An index entry of
 two ``2**64 - 1`` marks an inner chunk that is not stored (only allowed wholly outside the array).
+
+The *place tag* (format 1.2) binds the object to its place: 16 bytes, ``XCKPLACE``, then the
+crc32c (u32 LE) of the save's generation, the object's name in the checkpoint and the index
+(:func:`place_crc`), then 4 zero bytes. No index entry points at it, so zarr-python and
+TensorStore skip it; a chunk object swapped within an array, or copied from another
+checkpoint, carries a tag that names another place, and the reader refuses it (``chunk.place``).
 
 Writing streams: :func:`encode_parts` yields the object one inner chunk at a time, each
 copied into a small buffer and checksummed while it is in the cache, so a writer never
@@ -32,6 +38,9 @@ from xckpt.errors import DataError, IntegrityError, XckptError
 #: Index entry of an inner chunk that is not stored.
 MISSING = 2**64 - 1
 _CRC = 4
+#: The place tag's first bytes, and its size.
+TAG_MAGIC = b"XCKPLACE"
+TAG_NBYTES = 16
 
 
 def checksum(data: np.ndarray) -> int:
@@ -107,8 +116,28 @@ def _fill(geom: Geometry, data: np.ndarray, sl: tuple[slice, ...], view: np.ndar
         np.copyto(view, part, casting="equiv")
 
 
-def encode_parts(geom: Geometry, data: np.ndarray, scratch: np.ndarray) -> Iterator[np.ndarray]:
-    """The bytes of one chunk's object, inner chunk by inner chunk, then the index.
+def place_crc(place: bytes, index: np.ndarray) -> int:
+    """The crc32c a place tag holds: of ``place`` (the generation, a NUL, the object's name) and the index."""
+    return crc32c.crc32c(index, crc32c.crc32c(place))
+
+
+def place_of(generation: str, name: str) -> bytes:
+    """What a chunk object's tag binds it to: its save's generation and its name in the checkpoint."""
+    return generation.encode() + b"\0" + name.encode()
+
+
+def place_tag(place: bytes, index: np.ndarray) -> np.ndarray:
+    """The 16-byte place tag of an object whose index (crc32c included) is ``index``."""
+    tag = np.zeros(TAG_NBYTES, dtype=np.uint8)
+    tag[:8] = np.frombuffer(TAG_MAGIC, dtype=np.uint8)
+    tag[8:12] = _le32(place_crc(place, index))
+    return tag
+
+
+def encode_parts(geom: Geometry, data: np.ndarray, scratch: np.ndarray,
+                 place: bytes | None = None) -> Iterator[np.ndarray]:
+    """The bytes of one chunk's object, inner chunk by inner chunk, then the place tag (when ``place``
+    is given: :func:`place_of`) and the index.
 
     ``data`` is the chunk clipped to the array (every dimension at most the chunk's), in the
     storage dtype; parts of inner chunks outside it are zero-filled and inner chunks wholly
@@ -137,6 +166,8 @@ def encode_parts(geom: Geometry, data: np.ndarray, scratch: np.ndarray) -> Itera
     tail = np.empty(geom.index_nbytes, dtype=np.uint8)
     tail[:-_CRC] = raw_index
     tail[-_CRC:] = _le32(checksum(raw_index))
+    if place is not None:
+        yield place_tag(place, tail)
     yield tail
 
 
@@ -144,31 +175,47 @@ def _le32(value: int) -> np.ndarray:
     return np.frombuffer(value.to_bytes(4, "little"), dtype=np.uint8)
 
 
-def encode(geom: Geometry, data: np.ndarray) -> np.ndarray:
-    """The whole object of one chunk (see :func:`encode_parts` for ``data``)."""
+def encode(geom: Geometry, data: np.ndarray, place: bytes | None = None) -> np.ndarray:
+    """The whole object of one chunk (see :func:`encode_parts` for ``data`` and ``place``)."""
     scratch = np.empty(geom.inner_nbytes + _CRC, dtype=np.uint8)
-    return np.concatenate([np.array(part, copy=True) for part in encode_parts(geom, data, scratch)])
+    return np.concatenate([np.array(part, copy=True) for part in encode_parts(geom, data, scratch, place)])
 
 
-def parse_index(geom: Geometry, tail: bytes | np.ndarray, size: int, valid: tuple[int, ...], *,
-                file: str | None = None, leaf: str | None = None) -> np.ndarray:
-    """The checked ``(n, 2)`` index of an object of ``size`` bytes, from its last ``index_nbytes`` bytes.
+def tail_nbytes(geom: Geometry, place: bytes | None) -> int:
+    """Bytes at the end of an object that :func:`parse_index` needs: the index, and the tag when checked."""
+    return geom.index_nbytes + (TAG_NBYTES if place is not None else 0)
 
-    Raises a specific error when the index's crc32c fails, an entry points outside the data
-    part of the object, two entries overlap, an uncompressed entry has the wrong size, or an
-    inner chunk that intersects the array (``valid``: the chunk clipped to it) is not stored.
+
+def parse_index(geom: Geometry, tail: bytes | np.ndarray, size: int | None, valid: tuple[int, ...], *,
+                place: bytes | None = None, file: str | None = None, leaf: str | None = None) -> np.ndarray:
+    """The checked ``(n, 2)`` index of an object of ``size`` bytes, from its last
+    :func:`tail_nbytes` bytes (``size`` None: a store that cannot tell it without reading the object).
+
+    Raises a specific error when the index's crc32c fails, the place tag (checked when ``place``
+    is given) names another place, an entry points outside the data part of the object, the
+    entries overlap or leave a gap, an uncompressed entry has the wrong size, or an inner
+    chunk that intersects the array (``valid``: the chunk clipped to it) is not stored.
     """
-    if size < geom.index_nbytes:
-        raise DataError(f"object has {size} bytes, less than its {geom.index_nbytes}-byte shard index",
+    need_bytes = tail_nbytes(geom, place)
+    known = size is not None
+    if size is None:  # the largest a valid object can be
+        size = geom.max_nbytes + need_bytes - geom.index_nbytes if geom.compression == "none" else 2**63 - 1
+    if size < need_bytes:
+        raise DataError(f"object has {size} bytes, less than its {need_bytes}-byte shard index",
                         code="chunk.truncated", file=file, leaf=leaf)
     raw = np.frombuffer(tail, dtype=np.uint8) if isinstance(tail, bytes) else tail
-    if raw.size != geom.index_nbytes:
+    if raw.size != need_bytes:
         raise DataError("shard index is truncated", code="chunk.truncated", file=file, leaf=leaf)
+    tag, raw = raw[:need_bytes - geom.index_nbytes], raw[need_bytes - geom.index_nbytes:]
     body = raw[:-_CRC]
     if checksum(body) != int.from_bytes(raw[-_CRC:].tobytes(), "little"):
         raise IntegrityError("shard index crc32c does not match", code="chunk.crc32c", file=file, leaf=leaf)
+    if place is not None and tag.tobytes() != place_tag(place, raw).tobytes():
+        why = "has no place tag" if tag[:8].tobytes() != TAG_MAGIC else "belongs to another place or checkpoint"
+        raise IntegrityError(f"chunk object {why} (its tag does not name this object of this save)",
+                             code="chunk.place", file=file, leaf=leaf)
     index = body.view("<u8").reshape(-1, 2).astype(np.uint64)
-    data_end = size - geom.index_nbytes
+    data_end = size - need_bytes
     present = (index[:, 0] != MISSING) | (index[:, 1] != MISSING)
     need = np.zeros(geom.n_inner, dtype=bool)
     for k, _, _ in geom.inner_chunks(valid):
@@ -186,8 +233,14 @@ def parse_index(geom: Geometry, tail: bytes | np.ndarray, size: int, valid: tupl
         raise DataError(f"an inner chunk does not have the {geom.inner_nbytes + _CRC} bytes of an uncompressed one",
                         code="chunk.truncated" if short else "chunk.size", file=file, leaf=leaf)
     order = np.argsort(offs, kind="stable")
-    if offs.size > 1 and np.any(offs[order][1:] < offs[order][:-1] + lens[order][:-1]):
+    starts, ends = offs[order], offs[order] + lens[order]
+    if offs.size > 1 and np.any(starts[1:] < ends[:-1]):
         raise DataError("two inner chunks of the shard overlap", code="chunk.overlap", file=file, leaf=leaf)
+    covered = int(lens.sum()) if offs.size else 0
+    gap = (offs.size and (int(starts[0]) != 0 or np.any(starts[1:] != ends[:-1]))) or (known and covered != data_end)
+    if gap:  # the inner chunks must tile the data bytes, [0, data_end), exactly
+        raise DataError(f"the inner chunks leave a gap in the {data_end} data bytes of the object",
+                        code="chunk.gap", file=file, leaf=leaf)
     return index
 
 

@@ -14,12 +14,11 @@ from typing import Any, Sequence
 import crc32c
 import tensorstore as ts
 
-from xckpt.engine.read import ReadRequest, read_regions
-from xckpt.engine.storage import LocalStore, Location, Store
-from xckpt.errors import DataError, IntegrityError, ManifestError, NotACheckpointError, XckptError
+from xckpt.engine.read import ReadRequest, check_objects, read_regions
+from xckpt.engine.storage import Location, Store
+from xckpt.errors import DataError, IntegrityError, ManifestError, NotACheckpointError
 from xckpt.format import manifest as manifest_format, names, values as values_format, zarr
 from xckpt.format.manifest import ArrayEntry, Manifest, ValueEntry
-from xckpt.format.regions import chunk_indices
 from xckpt.format.tree import key_str
 from xckpt.engine.views import context
 
@@ -46,24 +45,20 @@ class NativeCheckpoint:
 
         ``precheck`` opens every object and checks its index before any output is written.
         """
-        return read_regions(self.store, requests, lambda name: str(self.loc.child(name)), precheck=precheck)
+        return read_regions(self.store, requests, lambda name: str(self.loc.child(name)), precheck=precheck,
+                            generation=self.manifest.tag_generation)
 
     def open_array(self, entry: ArrayEntry) -> "ts.Future[ts.TensorStore]":
         """A TensorStore view of an array leaf (segments concatenated), after checking that every object
-        it may read is a regular file inside the checkpoint."""
+        it may read is a regular file inside the checkpoint, and every chunk object's index and place tag
+        (TensorStore checks the crc32c of what it decodes, not where an object belongs)."""
         parts = []
         for a in entry.arrays():
-            for name in [f"{a.path}/{zarr.METADATA}"] + [f"{a.path}/{zarr.chunk_key(i)}"
-                                                         for i in chunk_indices(a.shape, a.chunk_shape)]:
-                try:
-                    blob = self.store.open(name)  # refuses links and special files
-                except XckptError as exc:
-                    raise exc.at(leaf=key_str(entry.key)) from None
-                if blob is not None:
-                    blob.close()
             meta = zarr.zarr_metadata(a.shape, entry.storage_dtype, a.chunk_shape, a.inner_chunk_shape,
                                       entry.compression)
-            spec = {"driver": "zarr3", "kvstore": self._kvstore(a.path), "fill_missing_data_reads": False,
+            check_objects(self.store, entry, a, lambda name: str(self.loc.child(name)),
+                          generation=self.manifest.tag_generation)
+            spec = {"driver": "zarr3", "kvstore": self.store.kvstore(a.path), "fill_missing_data_reads": False,
                     "metadata": {k: v for k, v in meta.items() if k not in ("zarr_format", "node_type")}}
             parts.append((a, ts.open(spec, open=True, read=True, context=context())))
         if len(parts) == 1:
@@ -73,12 +68,6 @@ class NativeCheckpoint:
     def replaced(self) -> bool:
         """Whether the checkpoint at its path was replaced or removed since it was opened."""
         return self.store.replaced()
-
-    def _kvstore(self, path: str) -> dict[str, Any]:
-        """The kvstore spec of a directory of the opened checkpoint (through the opened directory itself)."""
-        if isinstance(self.store, LocalStore):
-            return {"driver": "file", "path": f"{self.store.pinned_path().rstrip('/')}/{path.rstrip('/')}/"}
-        return self.loc.kvstore(path)
 
     def close(self) -> None:
         """Release the store's open directories."""

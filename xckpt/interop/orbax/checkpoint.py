@@ -27,7 +27,7 @@ import tensorstore as ts
 
 from xckpt.engine.copy import copy_checkpoint
 from xckpt.engine.read import ReadRequest
-from xckpt.engine.storage import Location, Store
+from xckpt.engine.storage import LocalStore, Location, Store
 from xckpt.engine.views import read_views, translate
 from xckpt.errors import DataError, ManifestError, NotACheckpointError, XckptWarning
 from xckpt.format import manifest as manifest_mod, names as naming
@@ -35,6 +35,7 @@ from xckpt.format.manifest import ArrayEntry, Entry, Manifest, ValueEntry
 from xckpt.format.tree import key_str
 
 from xckpt.interop.orbax.arrays import ARRAY_TYPES, entry_for, read_array_infos, read_shardings
+from xckpt.interop.orbax.files import check_tree
 from xckpt.interop.orbax.metadata import OCDBT_MANIFEST, apply_rich_types, build_tree, check_names, finish, parse_metadata, read_records
 
 
@@ -75,8 +76,8 @@ class OrbaxCheckpoint:
     def kvstore_spec(self, path: str = "") -> dict[str, Any]:
         """The kvstore spec of ``path`` (a directory) inside the checkpoint, through OCDBT if used."""
         if not self.ocdbt:
-            return self.loc.kvstore(path)
-        out: dict[str, Any] = {"driver": "ocdbt", "base": self.loc.kvstore(), "cache_pool": "cache_pool#ocdbt"}
+            return self.store.kvstore(path)
+        out: dict[str, Any] = {"driver": "ocdbt", "base": self.store.kvstore(), "cache_pool": "cache_pool#ocdbt"}
         if path:
             out["path"] = path.rstrip("/") + "/"
         return out
@@ -115,18 +116,35 @@ class OrbaxCheckpoint:
 
 
 def open_orbax(path: Any) -> OrbaxCheckpoint:
-    """Open the Orbax checkpoint at ``path`` (a directory holding ``_METADATA``) for reading."""
+    """Open the Orbax checkpoint at ``path`` (a directory holding ``_METADATA``) for reading.
+
+    A local checkpoint is walked once first (:func:`~xckpt.interop.orbax.files.check_tree`):
+    a symbolic link (``path.link``) or a FIFO, socket or device (``path.special``) anywhere in it
+    is refused before TensorStore opens anything by path.
+    """
     loc = Location.of(path)
     store = loc.store()
+    try:
+        return _open(loc, store)
+    except BaseException:
+        store.close()
+        raise
+
+
+def _open(loc: Location, store: Store) -> OrbaxCheckpoint:
     meta_file = str(loc.child(naming.ORBAX_METADATA))
-    raw = store.read(naming.ORBAX_METADATA)
+    raw = store.read(naming.ORBAX_METADATA)  # never through a link, never from a special file
     if raw is None:
         raise NotACheckpointError(f"{loc} holds no Orbax checkpoint (no {naming.ORBAX_METADATA})",
                                   code="orbax.missing", file=meta_file)
     meta = parse_metadata(raw, meta_file)
+    records = read_records(meta, meta_file)
+    if isinstance(store, LocalStore):
+        arrays_at = {r.name: key_str(r.key) for r in records if r.value_type in ARRAY_TYPES + ("scalar",)}
+        check_tree(store.pinned_path(), loc.local_path, arrays_at)
     if not store.exists(naming.COMMIT):
         warnings.warn(f"{loc}: {naming.COMMIT} is missing; Orbax treats this checkpoint as unfinished",
-                      XckptWarning, stacklevel=3)
+                      XckptWarning, stacklevel=4)
     has_ocdbt = store.exists(OCDBT_MANIFEST)
     if meta.get("use_ocdbt") is True and not has_ocdbt:
         raise DataError(f"_METADATA says use_ocdbt but {OCDBT_MANIFEST} is missing (an unfinished or "
@@ -135,7 +153,6 @@ def open_orbax(path: Any) -> OrbaxCheckpoint:
     zarr3 = meta.get("use_zarr3", False)
     if not isinstance(zarr3, bool):
         raise ManifestError(f"use_zarr3 is {zarr3!r}, not a boolean", code="orbax.invalid", file=meta_file)
-    records = read_records(meta, meta_file)
     root = build_tree(records, meta_file)
     apply_rich_types(root, meta.get("value_metadata_tree"))
     tree, ordered = finish(root, ())

@@ -1,0 +1,479 @@
+"""Reading a stock DCP checkpoint (``FileSystemWriter`` output) without trusting it.
+
+DCP's ``.metadata`` is a pickle. Converting a DCP checkpoint is the only place xckpt
+parses a pickle, and it does so with :class:`MetadataUnpickler`, which builds nothing
+but the plain data DCP metadata is made of:
+
+* ``torch.distributed.checkpoint.metadata``: ``Metadata``, ``TensorStorageMetadata``,
+  ``BytesStorageMetadata``, ``ChunkStorageMetadata``, ``TensorProperties``,
+  ``MetadataIndex``, ``StorageMeta``; ``_MEM_FORMAT_ENCODING`` (reconstructed: a member
+  looked up by its integer value only);
+* ``torch.distributed.checkpoint.filesystem._StorageInfo``;
+* ``torch.Size``; the ``torch.dtype`` objects (pickled as ``torch.<name>``: admitted only
+  when ``torch.<name>`` is a ``torch.dtype`` object, looked up without importing anything);
+* ``torch.serialization._get_layout`` (reconstructed: a ``torch.layout`` by its name only);
+* ``pathlib.PosixPath``, ``pathlib.WindowsPath``, ``pathlib.PurePosixPath``,
+  ``pathlib.PureWindowsPath`` (also under ``pathlib._local``; ``StorageMeta.checkpoint_id``),
+  reconstructed as pure paths from strings only;
+* ``collections.OrderedDict``.
+
+Every other global is refused before it is looked up (``convert.dcp_pickle``, naming the
+file and the ``module.name``), and so are the opcodes that reach outside the pickle
+(persistent ids, the copyreg extension registry, protocol 0/1 instance creation,
+out-of-band buffers). ``REDUCE`` and ``NEWOBJ`` may call admitted objects only, and
+``BUILD`` may only set the fields of a freshly created instance of one of the admitted
+dataclasses (never the attributes of a class, of a shared object such as a dtype or an
+enum member, nor names that are not fields). The result must be a ``Metadata``
+(``convert.dcp_metadata``) whose parts have the types and bounds conversion relies on
+(:func:`check_metadata`).
+
+The pickle is read with the pure-Python unpickler of the standard library (the same
+machine as ``pickle.Unpickler``) because only it lets ``BUILD``, ``REDUCE`` and ``NEWOBJ``
+be checked; DCP metadata is small, so its speed does not matter.
+
+:class:`DcpDirectory` opens ``.metadata`` and the data files relative to a descriptor of
+the checkpoint directory, never following a link (``path.link``) and never opening
+anything but a regular file (``path.special``) or blocking on one; each stored range is
+checked against the file's size before it is read (``chunk.truncated``). The directory
+itself may be reached through links.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import io
+import os
+import pathlib
+import pickle
+import stat
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesStorageMetadata, ChunkStorageMetadata,
+                                                   Metadata, MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+
+from xckpt.errors import DataError, ResourceError, UnsafePathError, UnsupportedError, XckptError
+
+__all__ = ["ADMITTED", "MAX_METADATA_BYTES", "METADATA_NAME", "REFUSED_OPCODES", "DcpDirectory", "MetadataUnpickler",
+           "check_metadata", "check_storage_name", "load_metadata"]
+
+#: The largest ``.metadata`` file read (bytes).
+MAX_METADATA_BYTES = 1 << 30
+#: DCP's metadata file name.
+METADATA_NAME = ".metadata"
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+_MD = "torch.distributed.checkpoint.metadata"
+#: The dataclasses a DCP metadata pickle creates and fills (``NEWOBJ`` + ``BUILD``).
+_DATACLASSES: tuple[type, ...] = (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
+                                  TensorProperties, MetadataIndex, StorageMeta, _StorageInfo)
+_FIELDS: dict[type, frozenset[str]] = {c: frozenset(f.name for f in dataclasses.fields(c)) for c in _DATACLASSES}
+
+
+def _describe(obj: Any) -> str:
+    """What ``obj`` is, for messages, without calling anything of it (no ``repr``)."""
+    if isinstance(obj, type):
+        return f"the class {obj.__module__}.{obj.__qualname__}"
+    return f"a {type(obj).__module__}.{type(obj).__qualname__} object"
+
+
+def _pickle_error(message: str) -> UnsupportedError:
+    return UnsupportedError(message, code="convert.dcp_pickle")
+
+
+def _layout(name: Any) -> torch.layout:
+    """``torch.serialization._get_layout``, reconstructed: a ``torch.layout`` by its name, nothing else."""
+    layout = _LAYOUTS.get(name) if type(name) is str else None
+    if layout is None:
+        raise _pickle_error(f"the layout {name[:80]!r} is not a torch layout" if type(name) is str
+                            else f"a layout named by {_describe(name)}")
+    return layout
+
+
+def _mem_format(value: Any) -> _MEM_FORMAT_ENCODING:
+    """``_MEM_FORMAT_ENCODING(value)``, reconstructed: a member looked up by its integer value only."""
+    if type(value) is not int:
+        raise _pickle_error(f"_MEM_FORMAT_ENCODING of {_describe(value)}, not an integer")
+    return _MEM_FORMAT_ENCODING(value)
+
+
+def _path_maker(cls: type) -> Callable[..., Any]:
+    def make(*parts: Any) -> Any:
+        if not all(type(p) is str for p in parts):
+            raise _pickle_error("a pickled path made of something other than strings: "
+                                f"{[_describe(p) for p in parts][:5]}")
+        return cls(*parts)
+    make.__name__ = f"pure_{cls.__name__}"
+    return make
+
+
+_LAYOUTS: dict[str, torch.layout] = {
+    str(v): v for v in (getattr(torch, n, None) for n in ("strided", "sparse_coo", "sparse_csr", "sparse_csc",
+                                                          "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged"))
+    if isinstance(v, torch.layout)}
+_POSIX_PATH = _path_maker(pathlib.PurePosixPath)
+_WINDOWS_PATH = _path_maker(pathlib.PureWindowsPath)
+
+#: (module, name) -> the object the unpickler gets for it. dtypes are admitted separately (``torch.<dtype>``).
+ADMITTED: dict[tuple[str, str], Any] = {
+    (_MD, "Metadata"): Metadata,
+    (_MD, "TensorStorageMetadata"): TensorStorageMetadata,
+    (_MD, "BytesStorageMetadata"): BytesStorageMetadata,
+    (_MD, "ChunkStorageMetadata"): ChunkStorageMetadata,
+    (_MD, "TensorProperties"): TensorProperties,
+    (_MD, "MetadataIndex"): MetadataIndex,
+    (_MD, "StorageMeta"): StorageMeta,
+    (_MD, "_MEM_FORMAT_ENCODING"): _mem_format,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): _layout,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    **{(m, n): maker for m in ("pathlib", "pathlib._local")
+       for n, maker in (("PosixPath", _POSIX_PATH), ("PurePosixPath", _POSIX_PATH),
+                        ("WindowsPath", _WINDOWS_PATH), ("PureWindowsPath", _WINDOWS_PATH))},
+}
+#: What ``NEWOBJ`` may create: the admitted classes.
+_NEW_OK: tuple[type, ...] = _DATACLASSES + (torch.Size, collections.OrderedDict)
+#: What ``REDUCE`` may call: the admitted classes and reconstructions.
+_CALL_OK: frozenset[int] = frozenset(id(v) for v in ADMITTED.values())
+#: Opcodes refused outright (by their name in :mod:`pickle`).
+REFUSED_OPCODES = ("PERSID", "BINPERSID", "INST", "OBJ", "EXT1", "EXT2", "EXT4", "NEXT_BUFFER", "READONLY_BUFFER")
+
+
+def _dtype(name: str) -> torch.dtype | None:
+    value = vars(torch).get(name)  # no import: torch's lazy attributes are not resolved
+    return value if isinstance(value, torch.dtype) else None
+
+
+class MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
+    """An unpickler that builds DCP metadata and nothing else (see the module docstring).
+
+    ``file`` names the pickle in errors.
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
+    def __init__(self, stream: io.BufferedIOBase | io.BytesIO, *, file: str) -> None:
+        super().__init__(stream)
+        self.file = file
+
+    def find_class(self, module: str, name: str) -> Any:
+        """The admitted object for ``module.name``; anything else is refused (``convert.dcp_pickle``)."""
+        found = ADMITTED.get((module, name))
+        if found is None and module == "torch":
+            found = _dtype(name)
+        if found is None:
+            raise UnsupportedError(f"the DCP metadata pickle refers to {f'{module}.{name}'[:200]}, which is not one of the "
+                                   "classes DCP metadata is made of; refused without importing it",
+                                   code="convert.dcp_pickle", file=self.file)
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        """Refused: DCP metadata has no persistent ids."""
+        raise UnsupportedError("the DCP metadata pickle uses a persistent id", code="convert.dcp_pickle",
+                               file=self.file)
+
+    def _refuse_opcode(self) -> None:
+        raise UnsupportedError("the DCP metadata pickle uses an opcode DCP metadata never needs (persistent id, "
+                               "extension registry, protocol 0/1 instance, or out-of-band buffer)",
+                               code="convert.dcp_pickle", file=self.file)
+
+    def _load_reduce(self) -> None:
+        args = self.stack.pop()
+        func = self.stack[-1]
+        if id(func) not in _CALL_OK or type(args) is not tuple:
+            raise UnsupportedError(f"the DCP metadata pickle calls {_describe(func)} (with {_describe(args)}), "
+                                   "which is not an admitted class", code="convert.dcp_pickle", file=self.file)
+        self.stack[-1] = func(*args)
+
+    def _new(self, cls: Any, args: Any, kwargs: Any) -> None:
+        if not (isinstance(cls, type) and cls in _NEW_OK) or type(args) is not tuple or type(kwargs) is not dict:
+            raise UnsupportedError(f"the DCP metadata pickle creates an instance of {_describe(cls)}, which is not "
+                                   "an admitted class", code="convert.dcp_pickle", file=self.file)
+        self.append(cls.__new__(cls, *args, **kwargs))
+
+    def _load_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        self._new(cls, args, {})
+
+    def _load_newobj_ex(self) -> None:
+        kwargs = self.stack.pop()
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        self._new(cls, args, kwargs)
+
+    def _load_build(self) -> None:
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        cls = type(inst)
+        if cls not in _FIELDS:
+            raise UnsupportedError(f"the DCP metadata pickle sets the state of {_describe(inst)} (only new "
+                                   "instances of the admitted dataclasses may be filled)",
+                                   code="convert.dcp_pickle", file=self.file)
+        if cls is TensorProperties:
+            if type(state) is not tuple or len(state) != 5:
+                raise XckptError(f"TensorProperties state is {_describe(state)}, not a 5-tuple",
+                                 code="convert.dcp_metadata", file=self.file)
+            TensorProperties.__setstate__(inst, state)
+            return
+        if state is None:
+            return
+        if type(state) is not dict or not all(type(k) is str and k in _FIELDS[cls] for k in state):
+            names = [k[:40] if type(k) is str else _describe(k) for k in state] if type(state) is dict else []
+            extra = [k for k in names if k not in _FIELDS[cls]][:5]
+            raise UnsupportedError(f"the DCP metadata pickle sets the state of a {cls.__name__} from "
+                                   f"{_describe(state)}" + (f" with names that are not its fields: {extra}" if extra
+                                                            else ""), code="convert.dcp_pickle", file=self.file)
+        inst.__dict__.update(state)
+
+
+MetadataUnpickler.dispatch[pickle.REDUCE[0]] = MetadataUnpickler._load_reduce
+MetadataUnpickler.dispatch[pickle.NEWOBJ[0]] = MetadataUnpickler._load_newobj
+MetadataUnpickler.dispatch[pickle.NEWOBJ_EX[0]] = MetadataUnpickler._load_newobj_ex
+MetadataUnpickler.dispatch[pickle.BUILD[0]] = MetadataUnpickler._load_build
+for _op in REFUSED_OPCODES:
+    MetadataUnpickler.dispatch[getattr(pickle, _op)[0]] = MetadataUnpickler._refuse_opcode
+
+
+def load_metadata(data: bytes, *, file: str) -> Metadata:
+    """Unpickle DCP metadata with :class:`MetadataUnpickler` and check it (:func:`check_metadata`).
+
+    Raises ``convert.dcp_pickle`` for anything outside the admitted classes and opcodes,
+    ``convert.dcp_metadata`` for a pickle that cannot be read or is not valid DCP metadata.
+    """
+    try:
+        md = MetadataUnpickler(io.BytesIO(data), file=file).load()
+    except XckptError as exc:
+        raise exc.at(file=file) from None
+    except Exception as exc:  # noqa: BLE001 - whatever a malformed pickle raises
+        raise XckptError(f"the DCP metadata cannot be unpickled: {type(exc).__name__}: {exc}",
+                         code="convert.dcp_metadata", file=file) from None
+    if type(md) is not Metadata:
+        raise XckptError(f"the DCP metadata pickle holds a {type(md).__name__}, not a "
+                         "torch.distributed.checkpoint.metadata.Metadata", code="convert.dcp_metadata", file=file)
+    check_metadata(md, file=file)
+    return md
+
+
+def check_storage_name(name: Any, *, file: str) -> str:
+    """``name`` if it is a plain file name in the checkpoint directory (a ``_StorageInfo.relative_path``).
+
+    Refuses (``path.unsafe``) an empty name, ``.``, ``..``, and names holding ``/``, ``\\`` or NUL.
+    """
+    if type(name) is not str:
+        raise XckptError(f"a DCP storage path is a {type(name).__name__}, not a string",
+                         code="convert.dcp_metadata", file=file)
+    if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        raise UnsafePathError(f"the DCP storage path {name!r} is not a plain file name in the checkpoint",
+                              code="path.unsafe", file=file)
+    return name
+
+
+def _int(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _dims(v: Any) -> bool:
+    return isinstance(v, (tuple, list)) and all(_int(x) for x in v)
+
+
+def check_metadata(md: Metadata, *, file: str) -> None:
+    """Check the parts of DCP metadata conversion uses (``convert.dcp_metadata``; ``path.unsafe`` for
+    storage paths; ``convert.dcp_transform`` for stored data written through a DCP extension).
+
+    Each entry of ``state_dict_metadata`` is a tensor (dtype, non-negative size, chunks of its rank
+    within it) or a value; each chunk and value has a storage entry; storage entries name plain
+    files with non-negative integer offset and length; flattening paths are tuples of str/int.
+    """
+    try:
+        _check_metadata(md, file)
+    except XckptError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a part missing, or of a type without the expected behaviour
+        raise XckptError(f"invalid DCP metadata: {type(exc).__name__}: {exc}", code="convert.dcp_metadata",
+                         file=file) from None
+
+
+def _check_metadata(md: Metadata, file: str) -> None:
+    def bad(what: str) -> XckptError:
+        return XckptError(f"invalid DCP metadata: {what}", code="convert.dcp_metadata", file=file)
+
+    sdm, storage, planner = md.state_dict_metadata, md.storage_data, md.planner_data
+    if not isinstance(sdm, dict) or not all(type(k) is str for k in sdm):
+        raise bad("state_dict_metadata is not a dict of names")
+    if not isinstance(storage, dict):
+        raise bad("storage_data is not a dict")
+    if planner is not None and not isinstance(planner, dict):
+        raise bad("planner_data is not a dict")
+    for index, info in storage.items():
+        if type(index) is not MetadataIndex or type(index.fqn) is not str or not (
+                index.offset is None or _dims(index.offset)):
+            raise bad(f"storage key {index!r:.80} is not a MetadataIndex")
+        if type(info) is not _StorageInfo or not (_int(info.offset) and _int(info.length)):
+            raise bad(f"storage entry of {index.fqn!r} is not a _StorageInfo with integer offset and length")
+        check_storage_name(info.relative_path, file=file)
+        transforms = getattr(info, "transform_descriptors", None)
+        if transforms is not None and (not isinstance(transforms, (list, tuple)) or len(transforms)):
+            raise UnsupportedError(f"the data of {index.fqn!r} was written through DCP extensions "
+                                   f"{transforms!r:.80}; xckpt reads plain torch.save data only",
+                                   code="convert.dcp_transform", file=file)
+    for fqn, smd in sdm.items():
+        path = planner.get(fqn) if planner else None
+        if path is not None and not (isinstance(path, (tuple, list)) and all(type(p) in (str, int) for p in path)):
+            raise bad(f"the flattening path of {fqn!r} is not a tuple of names and indices")
+        if type(smd) is BytesStorageMetadata:
+            if MetadataIndex(fqn) not in storage:
+                raise bad(f"value {fqn!r} has no storage entry")
+            continue
+        if type(smd) is not TensorStorageMetadata:
+            raise bad(f"{fqn!r} has storage metadata of type {type(smd).__name__}")
+        props = smd.properties
+        if type(props) is not TensorProperties or not isinstance(getattr(props, "dtype", None), torch.dtype):
+            raise bad(f"tensor {fqn!r} has no dtype")
+        if not _dims(smd.size) or not isinstance(smd.chunks, list):
+            raise bad(f"tensor {fqn!r} has an invalid size or chunk list")
+        for c in smd.chunks:
+            if type(c) is not ChunkStorageMetadata or not (_dims(c.offsets) and _dims(c.sizes)) \
+                    or not len(c.offsets) == len(c.sizes) == len(smd.size) \
+                    or any(o + s > d for o, s, d in zip(c.offsets, c.sizes, smd.size)):
+                raise bad(f"a chunk of tensor {fqn!r} does not lie within its shape {tuple(smd.size)}")
+            if MetadataIndex(fqn, c.offsets) not in storage:
+                raise bad(f"chunk at {tuple(c.offsets)} of tensor {fqn!r} has no storage entry")
+
+
+class DcpDirectory:
+    """A DCP checkpoint directory, read without following links, blocking, or reading out of bounds.
+
+    The directory is opened once (its own path may go through links); ``.metadata`` and the data
+    files are opened relative to that descriptor with ``O_NOFOLLOW | O_NONBLOCK`` and must be
+    regular files. Usable as a context manager; safe to read from several threads.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        try:
+            self._fd: int | None = os.open(self.root, _DIR_FLAGS)
+        except (FileNotFoundError, NotADirectoryError):
+            raise XckptError(f"{self.root} is not a DCP checkpoint (not a directory)", code="convert.not_dcp",
+                             file=self.root) from None
+        except OSError as exc:
+            raise XckptError(f"cannot open {self.root}: {exc.strerror}", code="io.read", file=self.root) from None
+
+    def __enter__(self) -> "DcpDirectory":
+        """This directory (closed on exit)."""
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        """Close the directory descriptor."""
+        self.close()
+
+    def close(self) -> None:
+        """Close the directory descriptor."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def path(self, name: str) -> str:
+        """The path of ``name`` in the checkpoint, for messages."""
+        return os.path.join(self.root, name)
+
+    def _open(self, name: str) -> tuple[int, int]:
+        """An open regular file ``name`` and its size; ``FileNotFoundError`` when it is missing."""
+        assert self._fd is not None, "DcpDirectory is closed"
+        path = self.path(name)
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=self._fd)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            try:
+                st = os.stat(name, dir_fd=self._fd, follow_symlinks=False)
+            except OSError:
+                st = None
+            if exc.errno == errno.ELOOP or (st is not None and stat.S_ISLNK(st.st_mode)):
+                raise UnsafePathError(f"{path} is a symbolic link; a DCP checkpoint is read from plain files only",
+                                      code="path.link", file=path) from None
+            if st is not None and not stat.S_ISREG(st.st_mode):
+                raise UnsafePathError(f"{path} is not a regular file", code="path.special", file=path) from None
+            raise XckptError(f"cannot open {path}: {exc.strerror}", code="io.read", file=path) from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise UnsafePathError(f"{path} is not a regular file", code="path.special", file=path)
+        return fd, st.st_size
+
+    def read_metadata(self) -> Metadata:
+        """``.metadata``, size-capped (``resource.too_large``), unpickled and checked (:func:`load_metadata`)."""
+        path = self.path(METADATA_NAME)
+        try:
+            fd, size = self._open(METADATA_NAME)
+        except FileNotFoundError:
+            raise XckptError(f"{self.root} is not a DCP checkpoint (no .metadata)", code="convert.not_dcp",
+                             file=self.root) from None
+        try:
+            if size > MAX_METADATA_BYTES:
+                raise ResourceError(f"the DCP metadata is {size} bytes, above the {MAX_METADATA_BYTES} read",
+                                    code="resource.too_large", file=path)
+            data = _pread(fd, 0, size, path)
+        finally:
+            os.close(fd)
+        return load_metadata(data, file=path)
+
+    def size_of(self, name: str) -> int:
+        """The size of the data file ``name`` (a plain file name), checked to be a regular file."""
+        check_storage_name(name, file=self.path(name))
+        try:
+            fd, size = self._open(name)
+        except FileNotFoundError:
+            raise DataError("a DCP data file is missing", code="chunk.missing", file=self.path(name)) from None
+        os.close(fd)
+        return size
+
+    def check_ranges(self, infos: Iterable[_StorageInfo]) -> None:
+        """Check that every stored range lies within its file (``chunk.truncated``), opening each file once."""
+        sizes: dict[str, int] = {}
+        for info in infos:
+            name = info.relative_path
+            if name not in sizes:
+                sizes[name] = self.size_of(name)
+            _check_range(info, sizes[name], self.path(name))
+
+    def read(self, info: _StorageInfo) -> bytes:
+        """Exactly the bytes of one stored item, after checking its range against the file's size."""
+        name = check_storage_name(info.relative_path, file=self.path(str(info.relative_path)))
+        path = self.path(name)
+        try:
+            fd, size = self._open(name)
+        except FileNotFoundError:
+            raise DataError("a DCP data file is missing", code="chunk.missing", file=path) from None
+        try:
+            _check_range(info, size, path)
+            return _pread(fd, info.offset, info.length, path)
+        finally:
+            os.close(fd)
+
+
+def _check_range(info: _StorageInfo, size: int, path: str) -> None:
+    if info.offset + info.length > size:
+        raise DataError(f"a stored DCP item at bytes {info.offset}..{info.offset + info.length} lies beyond the "
+                        f"end of its {size}-byte file", code="chunk.truncated", file=path)
+
+
+def _pread(fd: int, offset: int, length: int, path: str) -> bytes:
+    parts: list[bytes] = []
+    done = 0
+    while done < length:
+        part = os.pread(fd, length - done, offset + done)
+        if not part:
+            raise DataError(f"the file ends {length - done} bytes short of a stored DCP item",
+                            code="chunk.truncated", file=path)
+        parts.append(part)
+        done += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)

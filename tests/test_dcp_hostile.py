@@ -1,0 +1,455 @@
+"""``xckpt convert --from dcp`` trusts nothing in the DCP checkpoint it reads.
+
+Real checkpoints written by ``torch.distributed.checkpoint.save`` (``FileSystemWriter``)
+are converted exactly; crafted ``.metadata`` pickles never run code, build only DCP's
+own classes, and must yield a ``Metadata``; links, FIFOs and out-of-range or escaping
+storage entries are refused before anything outside the checkpoint is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import shutil
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
+from torch.distributed.checkpoint.filesystem import _StorageInfo  # noqa: E402
+from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, ChunkStorageMetadata,  # noqa: E402
+                                                   Metadata, MetadataIndex, StorageMeta)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType  # noqa: E402
+
+import xckpt  # noqa: E402
+from xckpt.convert import convert  # noqa: E402
+from xckpt.errors import XckptError  # noqa: E402
+from xckpt_torch import dcp_metadata  # noqa: E402
+from xckpt_torch.tensors import to_host  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("every_checkpoint_validates")
+
+BIG_ROWS = 7
+
+
+class _SplitPlanner(DefaultSavePlanner):
+    """Stores ``big`` as two chunks (rows 0-2 and 3-6), as a sharded (DTensor) save would."""
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = []
+        for it in plan.items:
+            if it.index.fqn != "big":
+                items.append(it)
+                continue
+            td = it.tensor_data
+            for start, n in ((0, 3), (3, td.size[0] - 3)):
+                off = torch.Size([start] + [0] * (len(td.size) - 1))
+                sz = torch.Size([n] + list(td.size[1:]))
+                items.append(WriteItem(MetadataIndex("big", off), WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(ChunkStorageMetadata(off, sz), td.properties,
+                                                                   td.size)))
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def resolve_data(self, write_item):
+        if write_item.index.fqn == "big":
+            c = write_item.tensor_data.chunk
+            return self.state_dict["big"].narrow(0, c.offsets[0], c.sizes[0]).clone()
+        return super().resolve_data(write_item)
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(7)
+    f = torch.randn(3, 4, generator=g)
+    f[0, 0], f[0, 1], f[0, 2] = float("nan"), float("inf"), -0.0
+    return {
+        "f32": f,
+        "f64": torch.randn(5, generator=g, dtype=torch.float64),
+        "bf16": torch.randn(2, 3, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(4, generator=g).to(torch.float16),
+        "i64": torch.arange(-3, 3, dtype=torch.int64) * (2 ** 40),
+        "i32": torch.tensor([-(2 ** 31), 2 ** 31 - 1], dtype=torch.int32),
+        "i8": torch.tensor([-128, 0, 127], dtype=torch.int8),
+        "u8": torch.tensor([0, 255], dtype=torch.uint8),
+        "b": torch.tensor([True, False, True]),
+        "c64": torch.randn(3, generator=g, dtype=torch.complex64),
+        "f8": torch.randn(4, generator=g).to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+        "big": torch.arange(BIG_ROWS * 5, dtype=torch.float32).reshape(BIG_ROWS, 5),
+        "step": 12,
+        "name": "hostile-test",
+        "cfg": {"lr": 0.5, "betas": (0.9, 0.99), "tags": ["a", "b"]},
+    }
+
+
+def _save(path, *, single_file: bool = True) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
+        dcp.save(_state(), storage_writer=FileSystemWriter(str(path), single_file_per_rank=single_file),
+                 planner=_SplitPlanner(), no_dist=True)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A real DCP checkpoint (one data file), written once."""
+    path = tmp_path_factory.mktemp("dcp") / "ckpt"
+    _save(path)
+    return path
+
+
+@pytest.fixture()
+def ckpt(base, tmp_path):
+    """A private copy of the real checkpoint, to tamper with."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(base, path)
+    return path
+
+
+def _convert(src, dst) -> None:
+    convert(str(src), str(dst), source="dcp")
+
+
+def _fails(src, dst, code: str) -> XckptError:
+    """Converting ``src`` fails with ``code``, and nothing is committed at ``dst``."""
+    with pytest.raises(XckptError) as err:
+        _convert(src, dst)
+    assert err.value.code == code, str(err.value)
+    assert not os.path.exists(os.path.join(dst, "xckpt.json"))
+    return err.value
+
+
+def _check_exact(conv: dict) -> None:
+    want = _state()
+    for name, t in want.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        got, exp = conv[name], to_host(t)
+        assert got.dtype == exp.dtype and got.shape == exp.shape, name
+        assert got.tobytes() == np.ascontiguousarray(exp).tobytes(), name  # bit for bit (NaN, -0.0 included)
+        if exp.dtype.kind in "biuc" or exp.dtype == np.float32:
+            np.testing.assert_array_equal(got, exp)
+    assert conv["step"] == 12 and conv["name"] == "hostile-test"
+    assert conv["cfg"] == {"lr": 0.5, "betas": (0.9, 0.99), "tags": ["a", "b"]}
+
+
+def _md(path) -> Metadata:
+    """The checkpoint's metadata, read the trusting way (the test wrote it)."""
+    with open(path / ".metadata", "rb") as f:
+        return pickle.load(f)
+
+
+def _write_md(path, md) -> None:
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+
+
+def _atime_tracks(path) -> bool:
+    """Whether reading ``path`` updates its access time here (relatime: when atime <= mtime)."""
+    os.utime(path, (0, 1))
+    with open(path, "rb") as f:
+        f.read()
+    tracks = os.stat(path).st_atime != 0
+    os.utime(path, (0, 1))
+    return tracks
+
+
+# -- (a) real checkpoints convert exactly ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("single_file", [True, False])
+def test_real_dcp_converts_exactly(tmp_path, single_file):
+    src = tmp_path / "src"
+    _save(src, single_file=single_file)
+    files = len(list(src.glob("__*.distcp")))
+    assert files == 1 if single_file else files > 10
+    md = _md(src)
+    assert len(md.state_dict_metadata["big"].chunks) == 2
+    _convert(src, tmp_path / "out")
+    _check_exact(xckpt.load(tmp_path / "out"))
+
+
+def test_real_metadata_uses_only_admitted_globals(base):
+    """Every global in a real ``.metadata`` is admitted, and the restricted load equals pickle's."""
+    data = (base / ".metadata").read_bytes()
+    seen: list[tuple[str, str]] = []
+
+    class Recorder(dcp_metadata.MetadataUnpickler):
+        def find_class(self, module, name):
+            seen.append((module, name))
+            return super().find_class(module, name)
+
+    import io
+    md = Recorder(io.BytesIO(data), file="x").load()
+    assert ("torch.distributed.checkpoint.metadata", "Metadata") in seen
+    assert ("torch", "bfloat16") in seen and ("torch.serialization", "_get_layout") in seen
+    assert md == pickle.loads(data)
+    assert dcp_metadata.load_metadata(data, file="x") == md
+
+
+# -- (b) crafted pickles never run code -----------------------------------------------------------
+
+
+def _s(text: str) -> bytes:
+    b = text.encode()
+    return b"\x8c" + bytes([len(b)]) + b  # SHORT_BINUNICODE
+
+
+def _call(module: str, name: str, *args: str) -> bytes:
+    """A protocol-4 pickle calling ``module.name(*args)``."""
+    return b"\x80\x04" + _s(module) + _s(name) + b"\x93(" + b"".join(_s(a) for a in args) + b"tR."
+
+
+def _payloads(marker: str) -> dict[str, tuple[bytes, str]]:
+    """Pickles that would create ``marker``, each with the global the refusal must name."""
+    touch = f"touch {marker}"
+    py = f"open({marker!r}, 'w').close()"
+    return {
+        "os.system": (_call("os", "system", touch), "os.system"),
+        "posix.system": (_call("posix", "system", touch), "posix.system"),
+        "eval": (_call("builtins", "eval", py), "builtins.eval"),
+        "exec": (_call("builtins", "exec", py), "builtins.exec"),
+        "subprocess": (_call("subprocess", "getoutput", touch), "subprocess.getoutput"),
+        "dotted": (_call("torch.distributed.checkpoint.metadata", "os.system", touch),
+                   "torch.distributed.checkpoint.metadata.os.system"),
+        "torch.load": (_call("torch", "load", marker), "torch.load"),
+        "getattr": (_call("builtins", "getattr", "x", "y"), "builtins.getattr"),
+        "import": (_call("builtins", "__import__", "os"), "builtins.__import__"),
+        "protocol2": (b"\x80\x02cos\nsystem\n(" + _s(touch) + b"tR.", "os.system"),
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(_payloads("m")))
+def test_crafted_pickle_runs_nothing(ckpt, tmp_path, kind):
+    marker = tmp_path / "pwned"
+    payload, name = _payloads(str(marker))[kind]
+    (ckpt / ".metadata").write_bytes(payload)
+    err = _fails(ckpt, tmp_path / "out", "convert.dcp_pickle")
+    assert not marker.exists()
+    assert err.file == str(ckpt / ".metadata")
+    assert name in str(err)
+
+
+class Metadata_:
+    """An object claiming to be DCP's ``Metadata`` whose ``__reduce__`` calls a disallowed function."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+Metadata_.__name__ = Metadata_.__qualname__ = "Metadata"
+
+
+def test_reduce_with_admitted_name_but_other_callable(ckpt, tmp_path):
+    """A real Metadata carrying an object (named like an admitted class) whose reduce calls os.system."""
+    marker = tmp_path / "pwned"
+    md = _md(ckpt)
+    md.planner_data["step"] = Metadata_(str(marker))
+    _write_md(ckpt, md)
+    err = _fails(ckpt, tmp_path / "out", "convert.dcp_pickle")
+    assert "system" in str(err)
+    assert not marker.exists()
+
+
+def test_build_may_not_touch_classes_or_shared_objects(ckpt, tmp_path):
+    """BUILD on an admitted class, an enum member or a dtype, or with non-field names, is refused."""
+    md_mod = "torch.distributed.checkpoint.metadata"
+    before = Metadata.__init__
+    on_class = b"\x80\x04" + _s(md_mod) + _s("Metadata") + b"\x93N}" + _s("__init__") + _s("x") + b"s\x86b."
+    on_member = (b"\x80\x04" + _s(md_mod) + _s("_MEM_FORMAT_ENCODING") + b"\x93K\x00\x85R}" + _s("_value_")
+                 + b"K\x05sb.")
+    on_dtype = b"\x80\x04" + _s("torch") + _s("float32") + b"\x93}" + _s("x") + b"K\x01sb."
+    extra = b"\x80\x04" + _s(md_mod) + _s("StorageMeta") + b"\x93)\x81}" + _s("__setstate__") + b"K\x01sb."
+    for payload in (on_class, on_member, on_dtype, extra):
+        (ckpt / ".metadata").write_bytes(payload)
+        _fails(ckpt, tmp_path / "out", "convert.dcp_pickle")
+    assert Metadata.__init__ is before
+    assert _MEM_FORMAT_ENCODING(0).value == 0 and not hasattr(torch.float32, "x")
+
+
+def test_refused_opcodes_and_calls(ckpt, tmp_path):
+    persistent = b"\x80\x04" + _s("x") + b"Q."
+    extension = b"\x80\x04\x82\x01."
+    inst = b"(ios\nsystem\nS'true'\n."
+    call_dtype = b"\x80\x04" + _s("torch") + _s("float32") + b"\x93)R."
+    bad_layout = _call("torch.serialization", "_get_layout", "torch.load")
+    bad_path = b"\x80\x04" + _s("pathlib") + _s("PosixPath") + b"\x93K\x01\x85R."
+    for payload in (persistent, extension, inst, call_dtype, bad_layout, bad_path):
+        (ckpt / ".metadata").write_bytes(payload)
+        _fails(ckpt, tmp_path / "out", "convert.dcp_pickle")
+
+
+def test_value_payload_is_loaded_weights_only(ckpt, tmp_path):
+    """A stored value whose torch.save pickle would run code: torch's weights_only load refuses it."""
+    import io
+    marker = tmp_path / "pwned"
+    buf = io.BytesIO()
+    torch.save(Metadata_(str(marker)), buf)
+    extra = ckpt / "__9_0.distcp"
+    extra.write_bytes(buf.getvalue())
+    md = _md(ckpt)
+    md.storage_data[MetadataIndex("step")] = _StorageInfo(extra.name, 0, len(buf.getvalue()))
+    _write_md(ckpt, md)
+    _fails(ckpt, tmp_path / "out", "convert.dcp_value")
+    assert not marker.exists()
+
+
+# -- (c) the pickle must hold valid Metadata -------------------------------------------------------
+
+
+@pytest.mark.parametrize("obj", [{"state_dict_metadata": {}}, 42, None, StorageMeta(), torch.Size([1])])
+def test_not_metadata(ckpt, tmp_path, obj):
+    (ckpt / ".metadata").write_bytes(pickle.dumps(obj))
+    err = _fails(ckpt, tmp_path / "out", "convert.dcp_metadata")
+    assert err.file == str(ckpt / ".metadata")
+
+
+def test_inconsistent_or_broken_metadata(ckpt, tmp_path):
+    good = (ckpt / ".metadata").read_bytes()
+    (ckpt / ".metadata").write_bytes(good[: len(good) // 2])
+    _fails(ckpt, tmp_path / "out", "convert.dcp_metadata")
+    md = pickle.loads(good)
+    md.state_dict_metadata["big"].chunks[1].sizes = torch.Size([BIG_ROWS, 5])  # beyond the tensor
+    _write_md(ckpt, md)
+    _fails(ckpt, tmp_path / "out", "convert.dcp_metadata")
+    md = pickle.loads(good)
+    md.state_dict_metadata["f32"].size = "3"
+    _write_md(ckpt, md)
+    _fails(ckpt, tmp_path / "out", "convert.dcp_metadata")
+    md = pickle.loads(good)
+    del md.storage_data[MetadataIndex("step")]
+    _write_md(ckpt, md)
+    _fails(ckpt, tmp_path / "out", "convert.dcp_metadata")
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Metadata.__new__(Metadata)))  # no fields at all
+    _fails(ckpt, tmp_path / "out", "convert.dcp_metadata")
+
+
+def test_oversized_metadata(ckpt, tmp_path, monkeypatch):
+    monkeypatch.setattr(dcp_metadata, "MAX_METADATA_BYTES", (ckpt / ".metadata").stat().st_size - 1)
+    _fails(ckpt, tmp_path / "out", "resource.too_large")
+    monkeypatch.undo()
+    _convert(ckpt, tmp_path / "out")
+
+
+# -- (d), (e) links and special files --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
+def test_symlink_refused_and_target_unread(ckpt, tmp_path, name):
+    outside = tmp_path / f"outside{name}"
+    shutil.copyfile(ckpt / name, outside)
+    tracks = _atime_tracks(outside)
+    (ckpt / name).unlink()
+    (ckpt / name).symlink_to(outside)
+    err = _fails(ckpt, tmp_path / "out", "path.link")
+    assert err.file == str(ckpt / name)
+    if tracks:
+        assert os.stat(outside).st_atime == 0, "the link's target was read"
+
+
+def test_fifo_refused_without_blocking(ckpt, tmp_path):
+    data = ckpt / "__0_0.distcp"
+    data.unlink()
+    os.mkfifo(data)
+    result: list[BaseException | None] = []
+
+    def run():
+        try:
+            _convert(ckpt, tmp_path / "out")
+            result.append(None)
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            result.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=20)
+    if t.is_alive():  # unblock a reader stuck in open() so the process can finish
+        fd = os.open(data, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        pytest.fail("conversion blocked on a FIFO")
+    assert isinstance(result[0], XckptError) and result[0].code == "path.special", result
+    assert not (tmp_path / "out" / "xckpt.json").exists()
+
+
+def test_directory_in_place_of_data_file(ckpt, tmp_path):
+    (ckpt / "__0_0.distcp").unlink()
+    (ckpt / "__0_0.distcp").mkdir()
+    _fails(ckpt, tmp_path / "out", "path.special")
+
+
+# -- (f) storage entries out of range or escaping ---------------------------------------------------
+
+
+def _retarget(ckpt, fqn: str, **changes) -> None:
+    md = _md(ckpt)
+    key = next(k for k in md.storage_data if k.fqn == fqn)
+    md.storage_data[key] = dataclasses.replace(md.storage_data[key], **changes)
+    _write_md(ckpt, md)
+
+
+def test_range_beyond_file(ckpt, tmp_path):
+    size = (ckpt / "__0_0.distcp").stat().st_size
+    _retarget(ckpt, "f32", offset=size - 10)
+    err = _fails(ckpt, tmp_path / "out", "chunk.truncated")
+    assert err.file == str(ckpt / "__0_0.distcp")
+    _retarget(ckpt, "f32", offset=0, length=size + 1)
+    _fails(ckpt, tmp_path / "out", "chunk.truncated")
+    _retarget(ckpt, "f32", offset=-1, length=10)
+    _fails(ckpt, tmp_path / "out", "convert.dcp_metadata")
+
+
+@pytest.mark.parametrize("rel", ["../outside.distcp", "/etc/passwd", "sub/__0_0.distcp", "..", ""])
+def test_escaping_relative_path(ckpt, tmp_path, rel):
+    outside = tmp_path / "outside.distcp"
+    shutil.copyfile(ckpt / "__0_0.distcp", outside)
+    tracks = _atime_tracks(outside)
+    _retarget(ckpt, "f32", relative_path=rel)
+    _fails(ckpt, tmp_path / "out", "path.unsafe")
+    if tracks:
+        assert os.stat(outside).st_atime == 0
+
+
+def test_missing_data_file_and_transforms(ckpt, tmp_path):
+    _retarget(ckpt, "f32", relative_path="__7_7.distcp")
+    _fails(ckpt, tmp_path / "out", "chunk.missing")
+    _retarget(ckpt, "f32", relative_path="__0_0.distcp", transform_descriptors=["zstd"])
+    _fails(ckpt, tmp_path / "out", "convert.dcp_transform")
+
+
+def test_chunk_that_is_not_its_recorded_tensor(ckpt, tmp_path):
+    """A storage entry pointing at another tensor's bytes: caught after the load, nothing committed."""
+    md = _md(ckpt)
+    f64 = md.storage_data[next(k for k in md.storage_data if k.fqn == "f64")]
+    _retarget(ckpt, "f32", offset=f64.offset, length=f64.length)
+    _fails(ckpt, tmp_path / "out", "convert.dcp_chunk")
+
+
+# -- (g) the root may be reached through links ------------------------------------------------------
+
+
+def test_root_through_symlinks(ckpt, tmp_path):
+    alias = tmp_path / "alias"
+    alias.symlink_to(ckpt, target_is_directory=True)
+    _convert(alias, tmp_path / "out1")
+    _check_exact(xckpt.load(tmp_path / "out1"))
+    parent = tmp_path / "parent"
+    parent.symlink_to(ckpt.parent, target_is_directory=True)
+    _convert(parent / ckpt.name, tmp_path / "out2")
+    _check_exact(xckpt.load(tmp_path / "out2"))
+
+
+def test_not_a_dcp_checkpoint(tmp_path):
+    _fails(tmp_path / "nothing", tmp_path / "out", "convert.not_dcp")
+    (tmp_path / "empty").mkdir()
+    _fails(tmp_path / "empty", tmp_path / "out", "convert.not_dcp")

@@ -1,0 +1,285 @@
+"""Orbax checkpoints that try to make the reader leave them: links and FIFOs in place of their files.
+
+Real Orbax writes each checkpoint once per module (zarr v2 and v3, with and without OCDBT);
+each test copies one, puts a symbolic link (to an outside copy) or a FIFO where one of its
+files or directories was, and checks that xckpt refuses it with ``path.link`` or
+``path.special`` before anything is read: the outside copy's access time stays where the test
+set it (``/tmp`` honours relatime: a read would move it). A checkpoint reached through a
+linked root or a linked parent directory still loads exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # must be set before jax is imported (tests/conftest.py may already have done it)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import logging
+import shutil
+import threading
+import warnings
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import xckpt
+from xckpt.engine.read import ReadRequest
+from xckpt.errors import UnsafePathError, XckptError
+from xckpt.format.regions import Region
+from xckpt.interop.orbax.checkpoint import open_orbax
+from xckpt.interop.orbax.files import check_tree
+
+logging.getLogger("absl").setLevel(logging.ERROR)
+
+#: name -> (use_ocdbt, use_zarr3)
+WRITERS = {"zarr2": (False, False), "zarr3": (False, True), "ocdbt_zarr3": (True, True), "ocdbt_zarr2": (True, False)}
+
+
+def _tree(scale: float = 1.0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the tree Orbax saves, what xckpt.load gives back for it)."""
+    devs = np.array(jax.devices())
+    mesh = Mesh(devs.reshape(4, 2) if devs.size == 8 else devs.reshape(-1, 1), ("x", "y"))
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((8, 8)) * scale).astype(np.float32)
+    b = rng.integers(-50, 50, 6).astype(np.int32)
+    deep = rng.standard_normal(5)
+    tree = {"w": jax.device_put(w, NamedSharding(mesh, P("x", "y"))), "b": b, "step": 7, "name": "run-1",
+            "nested": {"deep": deep}}
+    return tree, {"w": w, "b": b, "step": 7, "name": "run-1", "nested": {"deep": deep}}
+
+
+def _save(path: Path, tree: dict[str, Any], ocdbt: bool, zarr3: bool) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handler = ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=zarr3)
+        ocp.Checkpointer(handler).save(path, args=ocp.args.PyTreeSave(tree))
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every layout's checkpoint, written once by Orbax: name -> path (read-only for the tests)."""
+    root = tmp_path_factory.mktemp("orbax_hostile")
+    tree, _ = _tree()
+    out = {}
+    for name, (ocdbt, zarr3) in WRITERS.items():
+        _save(root / name, tree, ocdbt, zarr3)
+        out[name] = root / name
+    return out
+
+
+@pytest.fixture(scope="module")
+def want() -> dict[str, Any]:
+    return _tree()[1]
+
+
+@pytest.fixture(scope="module")
+def atime_works(tmp_path_factory: pytest.TempPathFactory) -> bool:
+    """Whether reading a file here moves an access time set in the past (relatime or strictatime)."""
+    f = tmp_path_factory.mktemp("atime") / "probe"
+    f.write_bytes(b"x" * 100)
+    os.utime(f, (0, 1))
+    f.read_bytes()
+    return os.stat(f).st_atime > 1
+
+
+def _same(got: Any, want: Any, where: str = "") -> None:
+    """Equal element by element, with the same types and dtypes."""
+    assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, dict):
+        assert set(got) == set(want), f"{where}: keys {sorted(got)} != {sorted(want)}"
+        for k in want:
+            _same(got[k], want[k], f"{where}/{k}")
+    elif isinstance(want, np.ndarray):
+        assert got.dtype == want.dtype and got.shape == want.shape, where
+        np.testing.assert_array_equal(got, want, err_msg=where)
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+def _copy(ckpts: dict[str, Path], name: str, tmp_path: Path) -> Path:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(ckpts[name], dst)
+    return dst
+
+
+def _pick(path: Path, what: str) -> str:
+    """The relative path of the file or directory ``what`` names in the checkpoint at ``path``."""
+    if what == "chunk":  # a data file of the array w (zarr v2: w/0.0, zarr v3: w/c/0/0)
+        files = sorted(p for p in (path / "w").rglob("*") if p.is_file() and not p.name.startswith((".z", "zarr")))
+        return str(files[0].relative_to(path))
+    if what.endswith("/*"):  # the first file of a directory
+        return str(min((path / what[:-2]).iterdir()).relative_to(path))
+    if what == "ocdbt.process_*":
+        return next(p.name for p in sorted(path.iterdir()) if p.name.startswith("ocdbt.process_"))
+    assert (path / what).exists() or (path / what).is_symlink(), what
+    return what
+
+
+def _age(path: Path) -> list[Path]:
+    """Set the access time of ``path`` (and of everything below it) to 0; returns what was set."""
+    paths = sorted(path.rglob("*"), reverse=True) + [path] if path.is_dir() else [path]
+    for p in paths:
+        os.utime(p, (0, 1), follow_symlinks=False)
+    return paths
+
+
+def _unread(paths: list[Path], atime_works: bool) -> None:
+    if atime_works:
+        read = [str(p) for p in paths if os.stat(p, follow_symlinks=False).st_atime > 1]
+        assert not read, f"read through a link: {read}"
+
+
+def _raises(fn: Callable[[], Any], timeout: float = 60.0) -> BaseException | None:
+    """Run ``fn`` in a thread; the exception it raised (None when it returned). Fails if it hangs."""
+    box: list[BaseException | None] = [None]
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back
+            box[0] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"blocked for {timeout}s (on a FIFO?)"
+    return box[0]
+
+
+LINKED = [
+    ("zarr2", "chunk"), ("zarr2", "w"), ("zarr2", "w/.zarray"), ("zarr2", "_METADATA"), ("zarr2", "_strings.json"),
+    ("zarr2", "step/0"),
+    ("zarr3", "chunk"), ("zarr3", "w"), ("zarr3", "w/c"), ("zarr3", "w/zarr.json"), ("zarr3", "step/c"),
+    ("zarr3", "_strings.json"), ("zarr3", "_CHECKPOINT_METADATA"), ("zarr3", "commit_success.txt"),
+    ("ocdbt_zarr3", "manifest.ocdbt"), ("ocdbt_zarr3", "d/*"), ("ocdbt_zarr3", "d"),
+    ("ocdbt_zarr3", "ocdbt.process_*"), ("ocdbt_zarr3", "ocdbt.process_0/d/*"),
+    ("ocdbt_zarr3", "ocdbt.process_0/manifest.ocdbt"), ("ocdbt_zarr3", "_METADATA"),
+    ("ocdbt_zarr3", "_strings.json"),
+    ("ocdbt_zarr2", "manifest.ocdbt"), ("ocdbt_zarr2", "ocdbt.process_0/d/*"),
+]
+
+
+@pytest.mark.parametrize("name,what", LINKED)
+def test_link_to_an_outside_copy_is_refused_unread(ckpts: dict[str, Path], name: str, what: str, tmp_path: Path,
+                                                   atime_works: bool) -> None:
+    path = _copy(ckpts, name, tmp_path)
+    rel = _pick(path, what)
+    outside = tmp_path / "outside" / Path(rel).name
+    outside.parent.mkdir()
+    shutil.move(str(path / rel), outside)
+    os.symlink(outside, path / rel)
+    aged = _age(outside)
+    for fn in (lambda: xckpt.load(path), lambda: xckpt.inspect(path), lambda: open_orbax(path)):
+        with pytest.raises(XckptError) as err:
+            fn()
+        assert err.value.code == "path.link", str(err.value)
+        assert err.value.file == str(path / rel), str(err.value)
+        if name.startswith("zarr") and rel.split("/")[0] in ("w", "step"):
+            assert err.value.leaf == rel.split("/")[0]
+    _unread(aged, atime_works)
+    report = xckpt.validate(path, deep=True)  # the validator reads xckpt checkpoints; it refuses this one
+    assert not report.ok
+    _unread(aged, atime_works)
+
+
+@pytest.mark.parametrize("name,what", [("zarr3", "chunk"), ("zarr2", "w")])
+def test_dangling_and_inside_links_are_refused(ckpts: dict[str, Path], name: str, what: str, tmp_path: Path) -> None:
+    path = _copy(ckpts, name, tmp_path)
+    rel = _pick(path, what)
+    kept = tmp_path / "kept"
+    shutil.move(str(path / rel), kept)
+    os.symlink(tmp_path / "nowhere", path / rel)  # dangling
+    with pytest.raises(UnsafePathError) as err:
+        xckpt.load(path)
+    assert err.value.code == "path.link" and err.value.file == str(path / rel)
+    os.unlink(path / rel)
+    # a link to the same content inside the checkpoint is refused as well: a checkpoint holds no links
+    shutil.move(str(kept), path / "elsewhere")
+    os.symlink("../" * rel.count("/") + "elsewhere", path / rel)
+    with pytest.raises(UnsafePathError) as err:
+        xckpt.load(path)
+    assert err.value.code == "path.link"
+
+
+FIFOS = [("zarr2", "chunk"), ("zarr3", "chunk"), ("zarr3", "step/c"), ("zarr3", "_strings.json"),
+         ("zarr2", "w/.zarray"), ("ocdbt_zarr3", "d/*"), ("ocdbt_zarr3", "ocdbt.process_0/d/*"),
+         ("ocdbt_zarr3", "manifest.ocdbt"), ("ocdbt_zarr2", "ocdbt.process_0/d/*")]
+
+
+@pytest.mark.parametrize("name,what", FIFOS)
+def test_fifo_is_refused_without_blocking(ckpts: dict[str, Path], name: str, what: str, tmp_path: Path) -> None:
+    path = _copy(ckpts, name, tmp_path)
+    rel = _pick(path, what)
+    os.unlink(path / rel)
+    os.mkfifo(path / rel)
+    try:
+        for fn in (lambda: xckpt.load(path), lambda: xckpt.inspect(path)):
+            exc = _raises(fn)
+            assert isinstance(exc, XckptError), repr(exc)
+            assert exc.code == "path.special" and exc.file == str(path / rel), str(exc)
+    finally:  # should a reader be blocked in open(), a writer that comes and goes lets it go
+        try:
+            os.close(os.open(path / rel, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+
+
+def test_socket_is_refused(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    import socket
+
+    path = _copy(ckpts, "ocdbt_zarr3", tmp_path)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path / "d" / "sock"))
+        exc = _raises(lambda: xckpt.load(path))
+    assert isinstance(exc, UnsafePathError) and exc.code == "path.special" and exc.file == str(path / "d" / "sock")
+
+
+@pytest.mark.parametrize("name", list(WRITERS))
+def test_linked_root_and_linked_parent_still_load(ckpts: dict[str, Path], name: str, want: dict[str, Any],
+                                                   tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    os.symlink(ckpts[name], root)
+    _same(xckpt.load(root), want)
+    assert xckpt.inspect(root)["format"] == "orbax"
+    parent = tmp_path / "parent"
+    os.symlink(ckpts[name].parent, parent)
+    _same(xckpt.load(parent / name), want)
+    _same(xckpt.load(ckpts[name]), want)
+
+
+@pytest.mark.parametrize("name", ["zarr3", "ocdbt_zarr3"])
+def test_a_checkpoint_replaced_after_opening_is_not_mixed_in(ckpts: dict[str, Path], name: str,
+                                                             want: dict[str, Any], tmp_path: Path) -> None:
+    path = _copy(ckpts, name, tmp_path)
+    other_tree, other = _tree(scale=-3.0)
+    _save(tmp_path / "other", other_tree, *WRITERS[name])
+    ckpt = open_orbax(path)
+    try:
+        os.rename(path, tmp_path / "old")
+        os.rename(tmp_path / "other", path)
+        w = next(e for e in ckpt.manifest.arrays() if e.key == ("w",))
+        out = np.empty((8, 8), np.float32)
+        ckpt.read([ReadRequest(w, Region.full((8, 8)), out)])
+        np.testing.assert_array_equal(out, want["w"])
+        assert ckpt.values()[next(i for i, e in enumerate(ckpt.manifest.leaves) if e.key == ("step",))] == 7
+    finally:
+        ckpt.close()
+    np.testing.assert_array_equal(xckpt.load(path)["w"], other["w"])
+
+
+def test_check_tree_counts_files_and_names_the_leaf(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    path = _copy(ckpts, "zarr2", tmp_path)
+    n = sum(1 for p in path.rglob("*") if p.is_file())
+    assert check_tree(str(path), str(path)) == n
+    os.symlink("0.0", path / "w" / "9.9")
+    with pytest.raises(UnsafePathError) as err:
+        check_tree(str(path), "/display", {"w": "params/w"})
+    assert err.value.code == "path.link" and err.value.file == "/display/w/9.9" and err.value.leaf == "params/w"
