@@ -163,3 +163,38 @@ def test_region_basics() -> None:
     for bad in (((0,), (1, 1)), ((-1,), (1,)), ((0,), (-2,))):
         with pytest.raises(ShapeError):
             Region(*bad)
+
+
+@st.composite
+def _geometries(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    rank = draw(st.integers(0, 3))
+    inner = tuple(draw(st.integers(1, 4)) for _ in range(rank))
+    chunk = tuple(i * draw(st.integers(1, 5)) for i in inner)
+    valid = tuple(draw(st.integers(1, c)) for c in chunk)
+    return chunk, inner, valid
+
+
+@given(_geometries())
+@settings(max_examples=300, deadline=None)
+def test_inner_chunks_visit_exactly_those_intersecting_the_array(geom: tuple) -> None:
+    """Only the inner chunks inside the valid part are visited (numbered in C order of the whole inner
+    grid), so a chunk object declaring a huge inner grid costs only what the array covers."""
+    from itertools import product
+
+    from xckpt.format.shard import Geometry
+    chunk, inner, valid = geom
+    g = Geometry(chunk, inner, np.dtype("float32"))
+    every = list(product(*(range(c // i) for c, i in zip(chunk, inner))))
+    want = [(k, tuple(a * b for a, b in zip(pos, inner))) for k, pos in enumerate(every)
+            if all(a * b < v for a, b, v in zip(pos, inner, valid))]
+    got = list(g.inner_chunks(valid))
+    assert [(k, start) for k, start, _ in got] == want
+    for _, start, sl in got:
+        assert all(s.start == a and s.stop == min(a + i, v) for s, a, i, v in zip(sl, start, inner, valid))
+    assert np.flatnonzero(g.needed(valid)).tolist() == [k for k, _ in want]
+
+
+def test_inner_chunk_shapes_never_exceed_the_format_limit() -> None:
+    from xckpt.format.regions import MAX_INNER
+    inner = inner_chunk_shape_for((2**22, 64), 4, 16)  # a tiny target would ask for 2**24 inner chunks
+    assert math.prod(c // i for c, i in zip((2**22, 64), inner)) <= MAX_INNER

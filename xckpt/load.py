@@ -15,7 +15,7 @@ import numpy as np
 
 from xckpt import registry
 from xckpt.engine.gcpause import paused_gc
-from xckpt.engine.read import ReadRequest, empty
+from xckpt.engine.read import ReadRequest, empty, placeholder
 from xckpt.errors import KeyMismatchError, ResourceError, ShapeError, XckptError, XckptWarning
 from xckpt.format import dtypes
 from xckpt.format.manifest import ArrayEntry, Entry, ValueEntry
@@ -31,6 +31,9 @@ from xckpt.sources.detect import open_checkpoint
 REPLACED_RETRIES = 3
 #: In-place targets up to this many bytes are left untouched by a failed load (see :func:`load`).
 MAX_STAGING_BYTES = 256 << 20
+#: A load that would allocate more than this first checks every object it will read (present, its
+#: index and place tag), so a small checkpoint declaring huge arrays cannot make it allocate them.
+CHECK_AHEAD_BYTES = 1 << 30
 
 
 @dataclass
@@ -274,6 +277,10 @@ def _read(ckpt: Source, jobs: list[tuple[int, ArrayTarget]], max_bytes: int | No
     if total > limit:
         raise ResourceError(f"load would read {total} bytes into memory, more than the limit {limit}",
                             file=str(ckpt.loc))
+    if total > CHECK_AHEAD_BYTES:  # a manifest may declare far more than its objects hold: look before allocating
+        ckpt.check([ReadRequest(p.entry, p.region,
+                                placeholder(p.region.sizes, dtypes.numpy_dtype(p.entry.storage_dtype)))
+                    for ps in parts.values() for p in ps])
     in_place = sum(p.region.numel * dtypes.itemsize(p.entry.dtype) for ps in parts.values() for p in ps
                    if p.out is not None)
     atomic = in_place <= staging

@@ -28,6 +28,8 @@ from xckpt.format.tree import key_str
 from xckpt.sources.native import read_manifest, read_values
 
 _MISSING = 2**64 - 1
+#: Missing chunks of one array listed one by one; the rest are counted in one finding.
+MAX_MISSING_LISTED = 16
 #: zarr data type of the 0-d array mirroring a value of each type, for Orbax.
 _MIRROR_DTYPES = {"bool": "bool", "int": "int64", "float": "float64"}
 
@@ -192,14 +194,9 @@ def _read_json(loc: Location, store: Store, name: str, e: ArrayEntry, report: Re
     if raw is None:
         add(Finding("array.metadata_missing", "zarr.json is missing", file, leaf))
         return None
-    try:
-        meta = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        add(Finding("array.metadata_json", f"zarr.json is not valid JSON: {exc}", file, leaf))
-        return None
-    if not isinstance(meta, dict):
-        add(Finding("array.metadata_json", "zarr.json is not a JSON object", file, leaf))
-        return None
+    meta, why = zarr.parse_metadata(raw)  # the parser a load uses
+    if meta is None:
+        add(Finding("array.metadata_json", why or "zarr.json cannot be read", file, leaf))
     return meta
 
 
@@ -218,15 +215,21 @@ def _check_array(loc: Location, store: Store, e: ArrayEntry, a: StoredArray, dee
     stored = set(store.list(a.path + "/"))
     stored.discard(a.path + "/zarr.json")
     geom = zarr.geometry(e.storage_dtype, a.chunk_shape, a.inner_chunk_shape, e.compression)
+    missing = 0
     for idx in chunk_indices(a.shape, a.chunk_shape) if all(a.shape) else []:
         full = f"{a.path}/{zarr.chunk_key(idx)}"
         if full not in stored:
-            add(Finding("chunk.missing", f"chunk {list(idx)} is missing", str(loc.child(full)), leaf))
+            missing += 1
+            if missing <= MAX_MISSING_LISTED:
+                add(Finding("chunk.missing", f"chunk {list(idx)} is missing", str(loc.child(full)), leaf))
             continue
         stored.discard(full)
         report.chunks += 1
         valid = tuple(min(c, n - i * c) for i, c, n in zip(idx, a.chunk_shape, a.shape))
         _check_shard(loc, store, full, geom, valid, leaf, deep, report, gen)
+    if missing > MAX_MISSING_LISTED:
+        add(Finding("chunk.missing", f"{missing - MAX_MISSING_LISTED} more chunks of this array are missing",
+                    str(loc.child(a.path)), leaf))
     for extra in sorted(stored):
         add(Finding("chunk.unexpected", "object is not a chunk of this array's grid", str(loc.child(extra)), leaf))
 
@@ -261,6 +264,14 @@ def _check_shard(loc: Location, store: Store, name: str, geom: shard.Geometry, v
         blob.close()
 
 
+def _json(raw: bytes) -> Any:
+    """A JSON document; any defect (not UTF-8, not JSON, a number beyond 4300 digits, too deep) is a ValueError."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("nests too deeply to be parsed") from None
+
+
 def _read_file(loc: Location, store: Store, name: str, report: Report) -> tuple[bool, bytes | None]:
     """Whether a file could be read (a finding is added when not), and its bytes (None when missing)."""
     try:
@@ -282,8 +293,8 @@ def _check_orbax(loc: Location, store: Store, m: Manifest, vals: dict[int, Any] 
         add(Finding("orbax.missing", "_METADATA is missing; Orbax cannot restore this checkpoint", file))
         return
     try:
-        meta = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        meta = _json(raw)
+    except ValueError as exc:
         add(Finding("orbax.invalid", f"_METADATA is not valid JSON: {exc}", file))
         return
     strings = [e for e in m.leaves if isinstance(e, ValueEntry) and e.type == "str"]
@@ -328,8 +339,8 @@ def _check_checkpoint_metadata(loc: Location, store: Store, report: Report) -> N
                                        "reads it)", file))
         return
     try:
-        meta = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        meta = _json(raw)
+    except ValueError as exc:
         report.findings.append(Finding("orbax.checkpoint_metadata", f"{name} is not valid JSON: {exc}", file))
         return
     wrong = [k for k, types in _CHECKPOINT_METADATA_TYPES.items()
@@ -349,8 +360,8 @@ def _check_strings(loc: Location, store: Store, expected: dict[str, str], report
                                        "the string values", file))
         return
     try:
-        got = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        got = _json(raw)
+    except ValueError as exc:
         report.findings.append(Finding("orbax.strings_invalid", f"_strings.json is not valid JSON: {exc}", file))
         return
     if got != expected:

@@ -37,6 +37,7 @@ from collections import namedtuple
 from typing import Any, Callable, Iterator
 
 import crc32c
+import msgpack
 import ml_dtypes
 import numpy as np
 
@@ -484,6 +485,22 @@ def _without_tag(p: str) -> None:
     write(p, "w/c/0/0", data[:end - shard.TAG_NBYTES] + data[end:])
 
 
+def _noncanonical_values(p: str) -> None:
+    """values.msgpack whose 'step' is a big-int extension holding '0003' (not the canonical form of an int
+    outside the msgpack range, which is all that extension may hold); size and crc32c updated."""
+    payload = msgpack.packb([[2, msgpack.ExtType(xvalues.EXT_BIGINT, msgpack.packb("0003"))], [3, "run-1"],
+                             [4, None], [5, 0.5]], use_bin_type=True)
+    blob = msgpack.packb(msgpack.ExtType(xvalues.EXT_DICT, payload))
+    write(p, naming.VALUES, blob)
+    edit_manifest(p, lambda m: m["values"].update(size=len(blob), crc32c=crc32c.crc32c(blob)))
+
+
+def _link_manifest(p: str) -> None:
+    """xckpt.json replaced by a link to a copy of itself (inside the checkpoint, under a name no reader opens)."""
+    os.rename(os.path.join(p, naming.MANIFEST), os.path.join(p, "manifest-copy.json"))
+    os.symlink("manifest-copy.json", os.path.join(p, naming.MANIFEST))
+
+
 def _surrogate_key(p: str) -> None:
     """The key of 'step' spelled with a lone UTF-16 surrogate escape (valid JSON, not valid Unicode)."""
     raw = read(p, naming.MANIFEST)
@@ -627,6 +644,23 @@ INVALID: dict[str, Invalid] = {
                   "of the object that no entry covers", lambda p: edit_index(p, "w/c/0/0", 2, _index_gap, shift=8)),
     "manifest_surrogate": ("manifest.unicode", False, True, "a key holding a lone UTF-16 surrogate ('\\ud800'), "
                            "valid JSON but not valid UTF-8", _surrogate_key),
+    "manifest_symlink": ("path.link", False, True, "xckpt.json is a symbolic link (to a copy of itself inside the "
+                         "checkpoint): refused, not read through, and not taken for an absent manifest",
+                         _link_manifest),
+    "manifest_huge_number": ("manifest.json", False, True, "a JSON number of 5000 digits (beyond what a reader "
+                             "converts), where an integer is expected",
+                             lambda p: write(p, naming.MANIFEST, read(p, naming.MANIFEST).replace(
+                                 b'"index":0', b'"index":' + b"1" * 5000, 1))),
+    "too_many_inner_chunks": ("shape.too_many_chunks", False, True, "'b' declares 2**21 inner chunks in one chunk "
+                              "object, more than the 2**20 allowed",
+                              lambda p: edit_manifest(p, lambda m: leaf(m, ["b"]).update(
+                                  shape=[2**21], chunk_shape=[2**21], inner_chunk_shape=[1]))),
+    "values_noncanonical": ("values.invalid", False, True, "a big-int extension holding '0003': decodable, but not "
+                            "what the encoding rules write (size and crc32c updated)", _noncanonical_values),
+    "zarr_json_member_twice": ("array.metadata_json", False, True, "w/zarr.json gives 'shape' twice (JSON readers "
+                               "disagree on which one counts)",
+                               lambda p: write(p, "w/zarr.json", read(p, "w/zarr.json").replace(
+                                   b'"shape":', b'"shape":[4,4],"shape":', 1))),
     "generation_missing": ("manifest.schema", False, True, "a format 1.2 manifest without its generation",
                            lambda p: edit_manifest(p, lambda m: m.pop("generation"))),
     "orbax_checkpoint_metadata_missing": ("orbax.checkpoint_metadata", False, False,

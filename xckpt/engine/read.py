@@ -22,7 +22,7 @@ from xckpt.engine import threads as pools
 from xckpt.errors import DataError, IntegrityError, XckptError
 from xckpt.format import shard, zarr as zarr_format
 from xckpt.format.manifest import ArrayEntry, StoredArray
-from xckpt.format.regions import Region, chunk_indices, chunks_of, intersect
+from xckpt.format.regions import Region, chunks_of, intersect
 from xckpt.format.tree import key_str
 
 #: Objects at most this large are read with one request.
@@ -95,9 +95,8 @@ def _whole(req: ReadRequest, geom: shard.Geometry, a: StoredArray) -> bool:
     return (req.region.offsets == a.offset and req.region.sizes == a.shape == a.chunk_shape == a.inner_chunk_shape)
 
 
-def _plan(requests: Sequence[ReadRequest]) -> tuple[list[_Object], list[_Array]]:
-    """The objects to open and, for each, which inner chunk parts go where; the arrays they belong to."""
-    objects: dict[str, _Object] = {}
+def _arrays(requests: Sequence[ReadRequest]) -> list[_Array]:
+    """The stored arrays the requests read (their ``zarr.json`` is checked before anything is planned)."""
     arrays: dict[str, _Array] = {}
     for req in requests:
         e = req.entry
@@ -107,6 +106,17 @@ def _plan(requests: Sequence[ReadRequest]) -> tuple[list[_Object], list[_Array]]
             if a.path not in arrays:
                 arrays[a.path] = _Array(a.path, zarr_format.zarr_metadata(
                     a.shape, e.storage_dtype, a.chunk_shape, a.inner_chunk_shape, e.compression), e)
+    return list(arrays.values())
+
+
+def _plan(requests: Sequence[ReadRequest]) -> list[_Object]:
+    """The objects to open and, for each, which inner chunk parts go where."""
+    objects: dict[str, _Object] = {}
+    for req in requests:
+        e = req.entry
+        if req.region.is_empty():
+            continue
+        for a in e.arrays():
             geom = zarr_format.geometry(e.storage_dtype, a.chunk_shape, a.inner_chunk_shape, e.compression)
             if _whole(req, geom, a):  # the usual small leaf: one object, one inner chunk, all of it
                 dst = req.out[(Ellipsis,)]
@@ -141,7 +151,7 @@ def _plan(requests: Sequence[ReadRequest]) -> tuple[list[_Object], list[_Array]]
                     whole = (got.sizes == geom.inner_shape and dst.flags.c_contiguous
                              and geom.compression == "none" and dst.dtype == geom.le_dtype)
                     obj.parts.append(_Part(k, src, dst, whole))
-    return list(objects.values()), list(arrays.values())
+    return list(objects.values())
 
 
 def _check_array(store: Store, a: _Array, file: Callable[[str], str]) -> int:
@@ -236,24 +246,13 @@ def _read_direct(blob: Blob, off: int, nbytes: int, out: np.ndarray, geom: shard
         raise IntegrityError("inner chunk crc32c does not match", code="chunk.crc32c")
 
 
-def check_objects(store: Store, entry: ArrayEntry, a: StoredArray, file: Callable[[str], str], *,
-                  generation: str | None = None) -> None:
-    """Check one stored array of a leaf without reading its data: its ``zarr.json``, and every chunk object
-    (a regular file, its index and, with ``generation``, its place tag); for readers that then hand the
-    array to TensorStore, which does not know where an object belongs."""
-    _check_array(store, _Array(a.path, zarr_format.zarr_metadata(
-        a.shape, entry.storage_dtype, a.chunk_shape, a.inner_chunk_shape, entry.compression), entry), file)
-    geom = zarr_format.geometry(entry.storage_dtype, a.chunk_shape, a.inner_chunk_shape, entry.compression)
-    scratch = _Scratch()
-    for idx in chunk_indices(a.shape, a.chunk_shape):
-        start = tuple(i * c for i, c in zip(idx, a.chunk_shape))
-        valid = tuple(min(c, n - s) for c, n, s in zip(a.chunk_shape, a.shape, start))
-        obj = _Object(f"{a.path}/{zarr_format.chunk_key(idx)}", geom, valid, entry, [])
-        _read_object(store, obj, scratch, file, generation, fill=False)
+def placeholder(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An output of ``shape`` that holds no memory (every element aliases one), for ``fill=False`` reads."""
+    return np.lib.stride_tricks.as_strided(np.empty(1, dtype=dtype), shape=shape, strides=(0,) * len(shape))
 
 
 def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[str], str], *,
-                 generation: str | None = None, precheck: bool = False) -> int:
+                 generation: str | None = None, precheck: bool = False, fill: bool = True) -> int:
     """Fill every request's ``out`` from the arrays in ``store``; returns the bytes read.
 
     ``generation``: the checkpoint's (format 1.2 and later), whose every chunk object must carry the
@@ -262,22 +261,21 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
     Raises a specific :class:`~xckpt.errors.XckptError` (naming the object and the leaf) for
     a missing, truncated or corrupt object; outputs are then partly written. With
     ``precheck``, every object is opened and its index checked before any output is written,
-    so only a corrupt inner chunk can stop the reads half way.
+    so only a corrupt inner chunk can stop the reads half way. ``fill=False`` only checks (the
+    outputs may then be views of no memory, see :func:`placeholder`).
     """
-    objects, arrays = _plan(requests)
+    total = sum(_check_array(store, a, file) for a in _arrays(requests))  # before planning: a lying
+    objects = _plan(requests)  # manifest is refused before its chunk counts are walked
     if not objects:
-        return 0
+        return total
     scratch = _Scratch()
     ex = pools.pool()
-    total = 0
-    for fill in ((False, True) if precheck else (True,)):
+    for do_fill in ((False,) if not fill else (False, True) if precheck else (True,)):
         big = [o for o in objects if o.geom.max_nbytes >= SMALL_OBJECT]
-        futures = [ex.submit(_read_object, store, o, scratch, file, generation, fill) for o in big]
+        futures = [ex.submit(_read_object, store, o, scratch, file, generation, do_fill) for o in big]
         first: BaseException | None = None
-        try:  # small objects and metadata on this thread: their cost is Python, threads only contend
-            if not fill or not precheck:
-                total += sum(_check_array(store, a, file) for a in arrays)
-            total += sum(_read_object(store, o, scratch, file, generation, fill) for o in objects
+        try:  # small objects on this thread: their cost is Python, threads only contend
+            total += sum(_read_object(store, o, scratch, file, generation, do_fill) for o in objects
                          if o.geom.max_nbytes < SMALL_OBJECT)
         except BaseException as exc:  # noqa: BLE001 - raised once no thread writes into the outputs
             first = exc

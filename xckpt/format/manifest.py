@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Union
 
-from xckpt.format.regions import Region, check_tiling, grid_shape
+from xckpt.format.regions import MAX_INNER, Region, check_tiling, grid_shape
 from xckpt.errors import ManifestError, ShapeError, UnsafePathError, VersionError, XckptError
 from xckpt.format import dtypes, names
 from xckpt.format.tree import MAX_DEPTH, Key, Node, iter_nodes, key_str
@@ -34,6 +34,8 @@ GENERATION = re.compile(r"[0-9a-f]{32}")
 MAX_ELEMENTS = 2**53
 #: Largest number of chunk objects one array may declare.
 MAX_CHUNKS = 2**24
+#: Most inner chunks one chunk object may hold (its index is then 16 MiB).
+MAX_INNER_CHUNKS = MAX_INNER
 #: Most dimensions an array may have.
 MAX_RANK = 64
 #: A JSON escape of a UTF-16 surrogate, the only way a JSON document can hold a lone one.
@@ -365,8 +367,8 @@ def parse(data: bytes, *, file: str = names.MANIFEST) -> Manifest:
     """Parse and check manifest bytes; raise a specific :class:`~xckpt.errors.XckptError` on any defect."""
     try:
         obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"manifest is not valid JSON: {exc}", code="manifest.json", file=file) from exc
+    except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError, and a number beyond Python's 4300 digits
+        raise ManifestError(f"manifest is not valid JSON: {exc}", code="manifest.json", file=file) from None
     except RecursionError:
         raise ManifestError("manifest nests too deeply to be parsed", code="manifest.json", file=file) from None
     if not isinstance(obj, dict):
@@ -447,6 +449,10 @@ def check_shape(e: ArrayEntry, file: str = names.MANIFEST) -> None:
         if math.prod(grid_shape(a.shape, a.chunk_shape)) > MAX_CHUNKS:
             raise ShapeError(f"chunk_shape {list(a.chunk_shape)} splits shape {list(a.shape)} into more than "
                              f"{MAX_CHUNKS} objects", code="shape.too_many_chunks", file=file, leaf=leaf)
+        if math.prod(grid_shape(a.chunk_shape, a.inner_chunk_shape)) > MAX_INNER_CHUNKS:
+            raise ShapeError(f"inner_chunk_shape {list(a.inner_chunk_shape)} splits chunk_shape {list(a.chunk_shape)} "
+                             f"into more than {MAX_INNER_CHUNKS} inner chunks", code="shape.too_many_chunks",
+                             file=file, leaf=leaf)
         if math.prod(a.chunk_shape) * dtypes.itemsize(e.dtype) > MAX_ELEMENTS:
             raise ShapeError("chunk is too large", code="shape.too_large", file=file, leaf=leaf)
         if e.segments is not None:

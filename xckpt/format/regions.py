@@ -85,9 +85,14 @@ def intersect(a: Region, b: Region) -> Region | None:
     return Region(tuple(offs), tuple(sizes))
 
 
+#: Most inner chunks a chunk object may hold (the format's limit, spec section 2.3).
+MAX_INNER = 2**20
+
+
 @lru_cache(maxsize=4096)
 def inner_chunk_shape_for(chunk: tuple[int, ...], itemsize: int, target_bytes: int) -> tuple[int, ...]:
-    """An inner chunk shape dividing ``chunk`` evenly, of at most ``target_bytes`` where possible.
+    """An inner chunk shape dividing ``chunk`` evenly, of at most ``target_bytes`` where possible, and
+    never more than :data:`MAX_INNER` of them per chunk.
 
     Repeatedly divides one dimension by its smallest prime factor, choosing the dimension
     that stays largest after the division (so a prime-sized dimension is not cut to 1 while
@@ -100,7 +105,7 @@ def inner_chunk_shape_for(chunk: tuple[int, ...], itemsize: int, target_bytes: i
             p = _smallest_prime_factor(n)
             if p and (best is None or n // p > inner[best[0]] // best[1]):
                 best = (d, p)
-        if best is None:
+        if best is None or math.prod(chunk) // (math.prod(inner) // best[1]) > MAX_INNER:
             break
         inner[best[0]] //= best[1]
     return tuple(inner)

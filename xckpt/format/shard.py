@@ -94,11 +94,23 @@ class Geometry:
 
     def inner_chunks(self, valid: tuple[int, ...]) -> Iterator[tuple[int, tuple[int, ...], tuple[slice, ...]]]:
         """``(number, start, slices)`` of every inner chunk intersecting the ``valid`` part of the
-        chunk (the chunk clipped to the array), ``slices`` clipped to it, in chunk coordinates."""
-        for k, g in enumerate(product(*(range(n) for n in self.inner_grid))):
+        chunk (the chunk clipped to the array), ``slices`` clipped to it, in chunk coordinates; only
+        those are visited, in C order."""
+        counts = [min(-(-v // i), n) for v, i, n in zip(valid, self.inner_shape, self.inner_grid)]
+        strides = [math.prod(self.inner_grid[d + 1:]) for d in range(len(self.inner_grid))]
+        for g in product(*(range(c) for c in counts)):
             start = tuple(gi * i for gi, i in zip(g, self.inner_shape))
-            if all(s < v for s, v in zip(start, valid)):
-                yield k, start, tuple(slice(s, min(s + i, v)) for s, i, v in zip(start, self.inner_shape, valid))
+            k = sum(gi * s for gi, s in zip(g, strides))
+            yield k, start, tuple(slice(s, min(s + i, v)) for s, i, v in zip(start, self.inner_shape, valid))
+
+    def needed(self, valid: tuple[int, ...]) -> np.ndarray:
+        """Which inner chunks (by number) intersect the ``valid`` part of the chunk, as a boolean mask."""
+        mask = np.ones(self.inner_grid, dtype=bool)
+        for d, (v, i, n) in enumerate(zip(valid, self.inner_shape, self.inner_grid)):
+            shape = [1] * len(self.inner_grid)
+            shape[d] = n
+            mask &= (np.arange(n) < -(-v // i)).reshape(shape)
+        return mask.reshape(-1)
 
     def payload_view(self, buf: np.ndarray, offset: int) -> np.ndarray:
         """The inner chunk payload at ``offset`` of ``buf`` (uint8) as an array of the inner shape."""
@@ -217,9 +229,7 @@ def parse_index(geom: Geometry, tail: bytes | np.ndarray, size: int | None, vali
     index = body.view("<u8").reshape(-1, 2).astype(np.uint64)
     data_end = size - need_bytes
     present = (index[:, 0] != MISSING) | (index[:, 1] != MISSING)
-    need = np.zeros(geom.n_inner, dtype=bool)
-    for k, _, _ in geom.inner_chunks(valid):
-        need[k] = True
+    need = geom.needed(valid)
     lost = np.nonzero(need & ~present)[0]
     if lost.size:
         raise DataError(f"inner chunk {int(lost[0])} is missing from the shard", code="chunk.missing",

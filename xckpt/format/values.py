@@ -12,18 +12,32 @@ code Python                  payload (msgpack)
 3    int beyond 64 bits      decimal str
 4    complex                 array ``[real, imag]`` of floats
 ==== ======================= ==========================================
+
+Decoding trusts nothing: it never recurses on the C stack (each extension payload is unpacked by
+its own top-level call, from an explicit work list), refuses extension values nested deeper than
+:data:`MAX_DEPTH`, map keys that are not strings, duplicate keys, msgpack's timestamp type and
+any payload that :func:`encode` would not have written (a tuple whose payload is not an array, a
+bigint that is not the canonical decimal form of an int outside 64 bits, a complex that is not two
+floats), each as a :class:`~xckpt.errors.ManifestError` with code ``values.invalid``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, NoReturn
 
 import msgpack
 
-from xckpt.errors import UnsupportedError
+from xckpt.errors import ManifestError, UnsupportedError
 
 EXT_TUPLE, EXT_DICT, EXT_BIGINT, EXT_COMPLEX = 1, 2, 3, 4
 _INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1
+#: Deepest nesting of containers (list, tuple, dict) a value may have. Extension payloads may nest
+#: two levels more (a file's top-level dict; a complex or big int innermost).
+MAX_DEPTH = 64
+#: Most decimal digits of an int beyond 64 bits (Python's own limit on int/str conversion).
+MAX_DIGITS = 4300
+_DECIMAL = re.compile(f"-?[0-9]{{1,{MAX_DIGITS}}}")
 #: Type names recorded in the manifest for value leaves.
 VALUE_TYPES = ("none", "bool", "int", "float", "complex", "str", "bytes", "list", "tuple", "dict")
 
@@ -76,34 +90,145 @@ def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True, strict_types=True)
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
-    inner = _unpack(data)
-    if code == EXT_TUPLE:
-        return tuple(inner)
-    if code == EXT_DICT:
-        return {_freeze(k): v for k, v in inner}
-    if code == EXT_BIGINT:
-        return int(inner)
-    if code == EXT_COMPLEX:
+def _depth(value: Any) -> int:
+    """How deeply containers nest in ``value`` (0 for a scalar), without recursion; stops past MAX_DEPTH."""
+    deepest, stack = 0, [(value, 0)]
+    while stack and deepest <= MAX_DEPTH:
+        v, d = stack.pop()
+        if isinstance(v, (list, tuple)):
+            deepest = max(deepest, d + 1)
+            stack.extend((x, d + 1) for x in v)
+        elif isinstance(v, dict):
+            deepest = max(deepest, d + 1)
+            stack.extend((x, d + 1) for kv in v.items() for x in kv)
+    return deepest
+
+
+def encode(value: Any) -> bytes:
+    """Encode a value tree (None, bool, int, float, complex, str, bytes, list, tuple, dict)."""
+    value_type(value)
+    if _depth(value) > MAX_DEPTH:
+        raise UnsupportedError(f"a value may nest containers at most {MAX_DEPTH} deep", code="value.unsupported")
+    try:
+        return _pack(_prepare(value))
+    except ValueError as exc:  # an int too long for its decimal form
+        raise UnsupportedError(f"cannot store the value: {exc}", code="value.unsupported") from None
+
+
+# -- decoding --------------------------------------------------------------------------------------
+
+
+class _Ext:
+    """An extension value whose payload is not decoded yet (decoding never nests unpack calls)."""
+
+    __slots__ = ("code", "data")
+
+    def __init__(self, code: int, data: Any) -> None:
+        self.code, self.data = code, data  # data: the payload's bytes, then its decoded value
+
+
+class _Decoder:
+    """Decodes one msgpack document of :func:`encode`'s rules; every defect is a ``values.invalid``."""
+
+    def __init__(self, file: str | None) -> None:
+        self.file = file
+
+    def fail(self, what: str) -> NoReturn:
+        raise ManifestError(f"values cannot be decoded: {what}", code="values.invalid", file=self.file)
+
+    def flat(self, data: bytes, depth: int) -> Any:
+        """One msgpack document, extension values left as :class:`_Ext` (their payloads undecoded)."""
+        if depth > MAX_DEPTH + 2:
+            self.fail(f"extension values nest deeper than {MAX_DEPTH + 2} levels")
+        try:
+            return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True, ext_hook=_Ext,
+                                   object_pairs_hook=self.map)
+        except ManifestError:
+            raise
+        except (ValueError, TypeError) as exc:  # msgpack's errors (ExtraData, FormatError, StackError) included
+            self.fail(f"not valid msgpack ({type(exc).__name__}{': ' if str(exc) else ''}{exc})")
+
+    def map(self, pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
+        """A msgpack map: string keys, each once (dicts with other keys are extension type 2)."""
+        if not all(type(k) is str for k, _ in pairs):
+            self.fail("a map key is not a string")
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            self.fail("a map has a key twice")
+        return out
+
+    def decode(self, data: bytes) -> Any:
+        """Decode ``data``: unpack, then resolve extension values children first."""
+        root = [self.flat(data, 0)]
+        # Pre-order walk: unpack each extension payload once (by a top-level call), remember where
+        # every extension sits; resolving them in reverse order then resolves children first.
+        found: list[tuple[Any, Any, _Ext]] = []  # (container, slot, extension)
+        stack: list[tuple[Any, Any, Any, int]] = [(root, 0, root[0], 0)]
+        while stack:
+            parent, slot, v, depth = stack.pop()
+            if isinstance(v, _Ext):
+                if v.code not in (EXT_TUPLE, EXT_DICT, EXT_BIGINT, EXT_COMPLEX):
+                    self.fail(f"unknown msgpack extension type {v.code}")
+                inner = self.flat(v.data, depth + 1)
+                v.data = inner
+                found.append((parent, slot, v))
+                stack.append((v, "data", inner, depth + 1))
+            elif isinstance(v, list):
+                stack.extend((v, i, x, depth) for i, x in enumerate(v))
+            elif isinstance(v, dict):
+                stack.extend((v, k, x, depth) for k, x in v.items())
+            elif not (v is None or isinstance(v, (bool, int, float, str, bytes))):
+                self.fail(f"a value of msgpack type {type(v).__name__} (only the types of the spec are allowed)")
+        for parent, slot, ext in reversed(found):
+            value = self.resolve(ext)
+            if isinstance(parent, _Ext):
+                parent.data = value
+            else:
+                parent[slot] = value
+        return root[0]
+
+    def resolve(self, ext: _Ext) -> Any:
+        """The Python value of an extension whose payload (``ext.data``) is decoded and resolved."""
+        inner = ext.data
+        if ext.code == EXT_TUPLE:
+            if not isinstance(inner, list):
+                self.fail("a tuple's payload is not an array")
+            return tuple(inner)
+        if ext.code == EXT_DICT:
+            if not isinstance(inner, list) or not all(isinstance(p, list) and len(p) == 2 for p in inner):
+                self.fail("a dict's payload is not an array of [key, value] pairs")
+            try:
+                out = {self.key(k): v for k, v in inner}
+            except TypeError as exc:
+                self.fail(f"a dict key cannot be a key: {exc}")
+            if len(out) != len(inner):
+                self.fail("a dict has a key twice")
+            return out
+        if ext.code == EXT_BIGINT:
+            if not isinstance(inner, str) or not _DECIMAL.fullmatch(inner):
+                self.fail(f"a big int's payload is not a decimal string of at most {MAX_DIGITS} digits")
+            n = int(inner)
+            if str(n) != inner or _INT_MIN <= n <= _UINT_MAX:
+                self.fail(f"big int payload {inner[:40]!r} is not the canonical form of an int beyond 64 bits")
+            return n
+        if not (isinstance(inner, list) and len(inner) == 2 and all(type(x) is float for x in inner)):
+            self.fail("a complex's payload is not an array of two floats")
         return complex(inner[0], inner[1])
-    raise UnsupportedError(f"unknown msgpack extension type {code}", code="values.invalid")
+
+    def key(self, key: Any) -> Any:
+        """A dict key: arrays become tuples (containers at most MAX_DEPTH deep)."""
+        if not isinstance(key, (list, tuple)):
+            return key
+        if _depth(key) > MAX_DEPTH:
+            self.fail(f"a dict key nests deeper than {MAX_DEPTH} levels")
+        return _freeze(key)
 
 
 def _freeze(key: Any) -> Any:
     return tuple(_freeze(k) for k in key) if isinstance(key, (list, tuple)) else key
 
 
-def _unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, ext_hook=_ext_hook, strict_map_key=False,
-                           use_list=True)
-
-
-def encode(value: Any) -> bytes:
-    """Encode a value tree (None, bool, int, float, complex, str, bytes, list, tuple, dict)."""
-    value_type(value)
-    return _pack(_prepare(value))
-
-
-def decode(data: bytes) -> Any:
-    """Decode bytes produced by :func:`encode`."""
-    return _unpack(data)
+def decode(data: bytes, *, file: str | None = None) -> Any:
+    """Decode bytes produced by :func:`encode`; a :class:`~xckpt.errors.ManifestError` (``values.invalid``,
+    naming ``file``) for anything :func:`encode` would not have written."""
+    return _Decoder(file).decode(data)

@@ -93,45 +93,134 @@ def geometry(storage_dtype: str, chunk_shape: Sequence[int], inner_chunk_shape: 
 
 
 def mismatch(meta: dict[str, Any], expected: dict[str, Any]) -> str | None:
-    """Why a ``zarr.json`` disagrees with the metadata the manifest implies (``expected``), or None."""
+    """Why a ``zarr.json`` disagrees with the metadata the manifest implies (``expected``), or None.
+
+    Numbers compare by JSON type (``2.0`` is not the integer ``2``) except in ``fill_value``;
+    members nested more than :data:`MAX_NESTING` deep never match (and are never walked further).
+    """
     for name in ("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "fill_value", "codecs"):
-        if _normal(meta.get(name)) != _normal(expected[name]):
-            return f"zarr.json {name} is {meta.get(name)!r}, the manifest implies {expected[name]!r}"
+        numbers = name == "fill_value"
+        if _normal(meta.get(name), numbers=numbers) != _normal(expected[name], numbers=numbers):
+            return f"zarr.json {name} is {_brief(meta.get(name))}, the manifest implies {expected[name]!r}"
     enc = meta.get("chunk_key_encoding")
     conf = enc.get("configuration", {}) if isinstance(enc, dict) else None
     if not (isinstance(enc, dict) and enc.get("name") == "default" and isinstance(conf, dict)
             and conf.get("separator", "/") == "/"):
-        return f"chunk_key_encoding is {enc!r}, expected default with '/'"
+        return f"chunk_key_encoding is {_brief(enc)}, expected default with '/'"
     unknown = sorted(set(meta) - _ZARR_KEYS)
     if unknown or meta.get("storage_transformers", []) != []:
-        return f"zarr.json has members the format does not allow: {unknown or ['storage_transformers']}"
+        return f"zarr.json has members the format does not allow: {_brief(unknown or ['storage_transformers'])}"
     return None
 
 
-def _normal(v: Any) -> Any:
-    """Normalise JSON for comparison (TensorStore omits defaults such as index_location)."""
+#: Deepest nesting of a ``zarr.json`` member compared with what the manifest implies (xckpt's own
+#: metadata nests 5 deep).
+MAX_NESTING = 16
+
+
+class _Unequal:
+    """Stands for JSON nested deeper than :data:`MAX_NESTING`: equal to nothing."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        return False
+
+    def __ne__(self, other: object) -> bool:
+        return True
+
+
+def _normal(v: Any, depth: int = 0, *, numbers: bool = False) -> Any:
+    """Normalise JSON for comparison (TensorStore omits defaults such as index_location).
+
+    Booleans, and floats unless ``numbers``, are tagged with their type, so that ``False`` does not
+    equal a fill value of 0 nor ``2.0`` a dimension of 2; with ``numbers``, integral floats are ints.
+    """
+    if depth > MAX_NESTING:
+        return _Unequal()
     if isinstance(v, dict):
-        out = {k: _normal(x) for k, x in v.items()}
+        out = {k: _normal(x, depth + 1, numbers=numbers) for k, x in v.items()}
         if v.get("name") == "sharding_indexed" and isinstance(out.get("configuration"), dict):
             out["configuration"].setdefault("index_location", "end")
         return out
     if isinstance(v, list):
-        return [_normal(x) for x in v]
+        return [_normal(x, depth + 1, numbers=numbers) for x in v]
     if isinstance(v, bool):
-        return ("bool", v)  # False must not equal a fill value of 0
-    if isinstance(v, float) and math.isfinite(v) and v == int(v):
-        return int(v)
+        return ("bool", v)
+    if isinstance(v, float):
+        if not numbers:
+            return ("float", v)
+        if math.isfinite(v) and v == int(v):
+            return int(v)
     return v
+
+
+def _brief(v: Any, limit: int = 160) -> str:
+    """A short repr of untrusted JSON: bounded in depth and length (``repr`` recurses without bound)."""
+    parts: list[str] = []
+    size = [0]
+
+    def put(text: str) -> None:
+        parts.append(text)
+        size[0] += len(text)
+
+    def walk(x: Any, depth: int) -> None:
+        if size[0] > limit:
+            return
+        if depth > 4 and isinstance(x, (dict, list)):
+            put("...")
+        elif isinstance(x, dict):
+            put("{")
+            for i, (k, y) in enumerate(x.items()):
+                if size[0] > limit:
+                    break
+                put((", " if i else "") + repr(k)[:40] + ": ")
+                walk(y, depth + 1)
+            put("}")
+        elif isinstance(x, list):
+            put("[")
+            for i, y in enumerate(x):
+                if size[0] > limit:
+                    break
+                put(", " if i else "")
+                walk(y, depth + 1)
+            put("]")
+        else:
+            put(repr(x)[:60])
+
+    walk(v, 0)
+    text = "".join(parts)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose members have distinct names (readers disagree on which of two wins)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"member {_brief(k)} appears twice in one object")
+        out[k] = v
+    return out
+
+
+def parse_metadata(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """A ``zarr.json``'s object, or None and why it cannot be read: UTF-8 JSON (no BOM, every number
+    within Python's 4300 digits, nesting within the interpreter's recursion limit), an object, no
+    member twice in one object."""
+    try:
+        meta = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None, f"zarr.json is not valid JSON: {exc}"
+    if not isinstance(meta, dict):
+        return None, "zarr.json is not a JSON object"
+    return meta, None
 
 
 def check_metadata(raw: bytes, expected: dict[str, Any]) -> str | None:
     """Why stored ``zarr.json`` bytes disagree with ``expected``, or None (exact bytes: no parsing)."""
     if raw == encode_metadata(expected):
         return None
-    try:
-        meta = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        return f"zarr.json is not valid JSON: {exc}"
-    if not isinstance(meta, dict):
-        return "zarr.json is not a JSON object"
+    meta, why = parse_metadata(raw)
+    if meta is None:
+        return why
     return mismatch(meta, expected)

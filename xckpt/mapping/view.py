@@ -98,6 +98,9 @@ class MappedCheckpoint:
         read_views(requests, self.open_array, lambda e: self.origin(e.key) or str(self.loc))
         return sum(r.out.nbytes for r in requests)
 
+    def check(self, requests: Sequence[ReadRequest]) -> None:
+        """Nothing ahead: TensorStore checks what it reads (see :meth:`Source.check`)."""
+
     def replaced(self) -> bool:
         """Whether the stored checkpoint was replaced since it was opened."""
         return self.base.replaced()

@@ -31,6 +31,11 @@ class Source(Protocol):
         ``precheck``: check every object it will read before writing any output, where it can.
         """
 
+    def check(self, requests: Sequence[ReadRequest]) -> None:
+        """Check what reading ``requests`` needs (objects there and well formed) without filling any output
+        (they may be :func:`~xckpt.engine.read.placeholder` views), before a load allocates its outputs;
+        a source that cannot check ahead does nothing (its reads still check)."""
+
     def open_array(self, entry: ArrayEntry) -> "ts.Future[ts.TensorStore]":
         """A TensorStore view of an array leaf, for lazy transforms."""
 

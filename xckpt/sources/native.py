@@ -14,10 +14,11 @@ from typing import Any, Sequence
 import crc32c
 import tensorstore as ts
 
-from xckpt.engine.read import ReadRequest, check_objects, read_regions
+from xckpt.engine.read import ReadRequest, placeholder, read_regions
 from xckpt.engine.storage import Location, Store
 from xckpt.errors import DataError, IntegrityError, ManifestError, NotACheckpointError
-from xckpt.format import manifest as manifest_format, names, values as values_format, zarr
+from xckpt.format import dtypes, manifest as manifest_format, names, values as values_format, zarr
+from xckpt.format.regions import Region
 from xckpt.format.manifest import ArrayEntry, Manifest, ValueEntry
 from xckpt.format.tree import key_str
 from xckpt.engine.views import context
@@ -48,16 +49,22 @@ class NativeCheckpoint:
         return read_regions(self.store, requests, lambda name: str(self.loc.child(name)), precheck=precheck,
                             generation=self.manifest.tag_generation)
 
+    def check(self, requests: Sequence[ReadRequest]) -> None:
+        """Check every object the requests would read (a regular file, its index and place tag), and the
+        arrays' ``zarr.json``, without filling any output."""
+        read_regions(self.store, requests, lambda name: str(self.loc.child(name)), fill=False,
+                     generation=self.manifest.tag_generation)
+
     def open_array(self, entry: ArrayEntry) -> "ts.Future[ts.TensorStore]":
         """A TensorStore view of an array leaf (segments concatenated), after checking that every object
         it may read is a regular file inside the checkpoint, and every chunk object's index and place tag
         (TensorStore checks the crc32c of what it decodes, not where an object belongs)."""
+        self.check([ReadRequest(entry, Region.full(entry.shape),
+                                placeholder(entry.shape, dtypes.numpy_dtype(entry.storage_dtype)))])
         parts = []
         for a in entry.arrays():
             meta = zarr.zarr_metadata(a.shape, entry.storage_dtype, a.chunk_shape, a.inner_chunk_shape,
                                       entry.compression)
-            check_objects(self.store, entry, a, lambda name: str(self.loc.child(name)),
-                          generation=self.manifest.tag_generation)
             spec = {"driver": "zarr3", "kvstore": self.store.kvstore(a.path), "fill_missing_data_reads": False,
                     "metadata": {k: v for k, v in meta.items() if k not in ("zarr_format", "node_type")}}
             parts.append((a, ts.open(spec, open=True, read=True, context=context())))
@@ -128,12 +135,10 @@ def read_values(loc: Location, store: Store, m: Manifest) -> dict[int, Any]:
                         code="values.size", file=file)
     if crc32c.crc32c(blob) != m.values["crc32c"]:
         raise IntegrityError("values file crc32c does not match the manifest", code="values.crc32c", file=file)
-    try:
-        decoded = values_format.decode(blob)
-    except Exception as exc:  # noqa: BLE001 - msgpack raises several types
-        raise ManifestError(f"values file cannot be decoded: {exc}", code="values.invalid", file=file) from exc
-    if not isinstance(decoded, dict):
-        raise ManifestError("values file is not a map", code="values.invalid", file=file)
+    decoded = values_format.decode(blob, file=file)  # anything encode would not write: values.invalid
+    if not isinstance(decoded, dict) or any(type(k) is not int for k in decoded):
+        raise ManifestError("values file is not a map from leaf indexes (integers) to values",
+                            code="values.invalid", file=file)
     out: dict[int, Any] = {}
     for i, e in enumerate(m.leaves):
         if isinstance(e, ValueEntry):

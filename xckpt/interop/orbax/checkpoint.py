@@ -101,6 +101,9 @@ class OrbaxCheckpoint:
         read_views(requests, self.open_array, lambda e: str(self.loc.child(e.path)))
         return sum(r.out.nbytes for r in requests)
 
+    def check(self, requests: Sequence[ReadRequest]) -> None:
+        """Nothing ahead: TensorStore checks what it reads (see :meth:`Source.check`)."""
+
     def replaced(self) -> bool:
         """Orbax checkpoints are read as they are (their writers replace steps by deleting them)."""
         return False
