@@ -175,11 +175,12 @@ def encode_parts(geom: Geometry, data: np.ndarray, scratch: np.ndarray,
         index[k] = (offset, payload.size + _CRC)
         offset += payload.size + _CRC
     raw_index = index.reshape(-1).view(np.uint8)
-    tail = np.empty(geom.index_nbytes, dtype=np.uint8)
-    tail[:-_CRC] = raw_index
-    tail[-_CRC:] = _le32(checksum(raw_index))
+    tail = np.empty(tail_nbytes(geom, place), dtype=np.uint8)  # the tag (when tagged) and the index: one part
+    index_part = tail[tail.size - geom.index_nbytes:]
+    index_part[:-_CRC] = raw_index
+    index_part[-_CRC:] = _le32(checksum(raw_index))
     if place is not None:
-        yield place_tag(place, tail)
+        tail[:TAG_NBYTES] = place_tag(place, index_part)
     yield tail
 
 
