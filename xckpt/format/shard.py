@@ -229,6 +229,9 @@ def parse_index(geom: Geometry, tail: bytes | np.ndarray, size: int | None, vali
                              code="chunk.place", file=file, leaf=leaf)
     index = body.view("<u8").reshape(-1, 2).astype(np.uint64)
     data_end = size - need_bytes
+    if geom.n_inner == 1:  # the usual small object: the same checks on two numbers
+        _check_one(geom, int(index[0, 0]), int(index[0, 1]), data_end, known, file, leaf)
+        return index
     present = (index[:, 0] != MISSING) | (index[:, 1] != MISSING)
     need = geom.needed(valid)
     lost = np.nonzero(need & ~present)[0]
@@ -253,6 +256,23 @@ def parse_index(geom: Geometry, tail: bytes | np.ndarray, size: int | None, vali
         raise DataError(f"the inner chunks leave a gap in the {data_end} data bytes of the object",
                         code="chunk.gap", file=file, leaf=leaf)
     return index
+
+
+def _check_one(geom: Geometry, off: int, nbytes: int, data_end: int, known: bool, file: str | None,
+               leaf: str | None) -> None:
+    """:func:`parse_index`'s checks for an object of one inner chunk (which always intersects the array)."""
+    if off == MISSING and nbytes == MISSING:
+        raise DataError("inner chunk 0 is missing from the shard", code="chunk.missing", file=file, leaf=leaf)
+    if nbytes < _CRC or off > data_end or nbytes > data_end - off:
+        raise DataError(f"an inner chunk lies outside the {data_end} data bytes of the object",
+                        code="chunk.truncated", file=file, leaf=leaf)
+    if geom.compression == "none" and nbytes != geom.inner_nbytes + _CRC:
+        raise DataError(f"an inner chunk does not have the {geom.inner_nbytes + _CRC} bytes of an uncompressed one",
+                        code="chunk.truncated" if nbytes < geom.inner_nbytes + _CRC else "chunk.size",
+                        file=file, leaf=leaf)
+    if off != 0 or (known and nbytes != data_end):
+        raise DataError(f"the inner chunks leave a gap in the {data_end} data bytes of the object",
+                        code="chunk.gap", file=file, leaf=leaf)
 
 
 def open_inner(geom: Geometry, encoded: np.ndarray, *, file: str | None = None,
