@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import xckpt
 from xckpt.engine.read import ReadRequest
+from xckpt.engine.storage import LocalStore
 from xckpt.errors import UnsafePathError, XckptError
 from xckpt.format.regions import Region
 from xckpt.interop.orbax.checkpoint import open_orbax
@@ -278,8 +279,12 @@ def test_a_checkpoint_replaced_after_opening_is_not_mixed_in(ckpts: dict[str, Pa
 def test_check_tree_counts_files_and_names_the_leaf(ckpts: dict[str, Path], tmp_path: Path) -> None:
     path = _copy(ckpts, "zarr2", tmp_path)
     n = sum(1 for p in path.rglob("*") if p.is_file())
-    assert check_tree(str(path), str(path)) == n
-    os.symlink("0.0", path / "w" / "9.9")
-    with pytest.raises(UnsafePathError) as err:
-        check_tree(str(path), "/display", {"w": "params/w"})
-    assert err.value.code == "path.link" and err.value.file == "/display/w/9.9" and err.value.leaf == "params/w"
+    store = LocalStore(str(path))
+    try:
+        assert check_tree(store) == n
+        os.symlink("0.0", path / "w" / "9.9")
+        with pytest.raises(UnsafePathError) as err:
+            check_tree(store, {"w": "params/w"})
+    finally:
+        store.close()
+    assert err.value.code == "path.link" and err.value.file == f"{path}/w/9.9" and err.value.leaf == "params/w"

@@ -5,21 +5,21 @@ Without ``deep``, only metadata and shard indexes are read: every offset in ever
 shard index is checked against the object's size before it is trusted
 (:func:`xckpt.format.shard.parse_index`). With ``deep``, every inner chunk's crc32c is
 recomputed, one chunk at a time. Nothing is read through a link or from a special file:
-every read goes through the checkpoint's store, and the directory walk uses ``lstat``.
+every read goes through the checkpoint's store, and so does the directory walk
+(:meth:`~xckpt.engine.storage.LocalStore.walk`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import stat
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from xckpt.engine.read import ReadRequest, read_regions
-from xckpt.engine.storage import Location, Store
+from xckpt.engine.storage import LocalStore, Location, Store
 from xckpt.errors import XckptError
 from xckpt.format import names as naming, orbax_view as orbax_files, shard, zarr
 from xckpt.format.manifest import ArrayEntry, Manifest, StoredArray, ValueEntry
@@ -87,8 +87,8 @@ def validate(path: Any, deep: bool = False) -> Report:
         except XckptError as exc:
             add(Finding(exc.code, exc.message, exc.file, exc.leaf))
             return report
-        if loc.is_local:
-            _check_files(loc, m, report)
+        if isinstance(store, LocalStore):
+            _check_files(store, m, report)
         if not store.exists(naming.COMMIT):
             add(Finding("commit.missing", f"{naming.COMMIT} is missing (Orbax will treat the checkpoint as "
                         "unfinished)", str(loc.child(naming.COMMIT)), severity="warning"))
@@ -121,27 +121,33 @@ def _dedupe(report: Report) -> None:
     report.findings[:] = kept
 
 
-def _check_files(loc: Location, m: Manifest, report: Report) -> None:
-    """Plain files and directories only, all inside; warn about top-level names nothing refers to."""
+def _check_files(store: LocalStore, m: Manifest, report: Report) -> None:
+    """Plain files and directories only (found by a walk that never follows a link); warn about
+    top-level names nothing refers to."""
     add = report.findings.append
-    root = os.path.realpath(loc.local_path)
-    for dirpath, dirnames, filenames in os.walk(loc.local_path):
-        for name in dirnames + filenames:
-            full = os.path.join(dirpath, name)
-            st = os.lstat(full)
-            if stat.S_ISLNK(st.st_mode):
-                add(Finding("path.link", f"symbolic link to {os.readlink(full)!r}; a checkpoint must hold plain "
-                            "files only", full))
-            elif not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-                add(Finding("path.special", "not a regular file or directory", full))
-            elif not os.path.realpath(full).startswith(root + os.sep):
-                add(Finding("path.unsafe", "path resolves outside the checkpoint", full))
+    top: set[str] = set()
+    for name, kind in store.walk():
+        file = str(store.location.child(name))
+        if "/" not in name:
+            top.add(name)
+        if kind == "link":
+            add(Finding("path.link", f"symbolic link to {_readlink(file)!r}; a checkpoint must hold plain files "
+                        "only", file))
+        elif kind not in ("file", "dir"):
+            add(Finding("path.special", f"a {kind}, not a regular file or directory", file))
     known = set(naming.RESERVED) | {e.path for e in m.arrays()} | \
         {e.orbax_path for e in m.leaves if isinstance(e, ValueEntry) and e.orbax_path}
-    for name in sorted(os.listdir(loc.local_path)):
-        if name not in known:
-            add(Finding("path.unexpected", "no leaf of the manifest refers to this name",
-                        os.path.join(loc.local_path, name), severity="warning"))
+    for name in sorted(top - known):
+        add(Finding("path.unexpected", "no leaf of the manifest refers to this name", str(store.location.child(name)),
+                    severity="warning"))
+
+
+def _readlink(path: str) -> str:
+    """Where a link points (its own text: nothing is followed), for messages."""
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
 
 
 def _check_names(loc: Location, m: Manifest, report: Report) -> None:

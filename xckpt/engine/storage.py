@@ -17,7 +17,7 @@ import stat
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable, Iterator, Protocol
 
 import numpy as np
 import tensorstore as ts
@@ -163,6 +163,22 @@ class Store(Protocol):
 
     def close(self) -> None:
         """Release what the store holds open."""
+
+
+def _kind(entry: os.DirEntry[str]) -> str:
+    """What a directory entry is, without following a link."""
+    if entry.is_symlink():
+        return "link"
+    if entry.is_dir(follow_symlinks=False):
+        return "dir"
+    if entry.is_file(follow_symlinks=False):
+        return "file"
+    try:
+        mode = entry.stat(follow_symlinks=False).st_mode
+    except OSError:
+        return "other"
+    return ("fifo" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode)
+            else "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "other")
 
 
 def _file(root: str, name: str) -> str:
@@ -393,23 +409,63 @@ class LocalStore:
         return stat.S_ISREG(st.st_mode)
 
     def list(self, prefix: str = "") -> list[str]:
-        """Every non-directory entry below ``prefix`` (a directory name ending in '/', or ''), not following links."""
-        out: list[str] = []
-        start = _file(self.root, prefix.rstrip("/")) if prefix else self.root
-        stack = [(start, prefix.rstrip("/"))]
-        while stack:
-            path, rel = stack.pop()
-            try:
-                entries = list(os.scandir(path))
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            for entry in entries:
+        """Every non-directory entry below ``prefix`` (a directory name ending in '/', or ''), not following
+        links; nothing when ``prefix`` is missing or is not a directory."""
+        try:
+            return sorted(name for name, kind in self.walk(prefix) if kind != "dir")
+        except XckptError:
+            return []
+
+    def walk(self, prefix: str = "") -> Iterator[tuple[str, str]]:
+        """Every entry below the directory ``prefix`` ('' for the root), depth first, sorted by name, as
+        ``(name, kind)``: kind ``file``, ``dir``, ``link``, ``fifo``, ``socket``, ``device`` or ``other``.
+
+        Directories are opened relative to their parent without following links (nothing is ever read
+        through a link, and a link swapped in during the walk is not entered); the kinds come from the
+        directory listing or ``lstat``. A directory that cannot be read is an ``io.read`` error (a
+        missing or linked ``prefix``: ``path.link`` or ``io.read``).
+        """
+        parts = tuple(p for p in prefix.strip("/").split("/") if p)
+        with self._lock:
+            start = self._dir(parts)
+            fd = None if start is None else os.dup(start)
+        if fd is None:
+            raise XckptError(f"{_file(self.root, '/'.join(parts))} is missing", code="io.read",
+                             file=_file(self.root, "/".join(parts)))
+        stack: list[tuple[int, str, Iterator[os.DirEntry[str]]]] = []
+        try:
+            stack.append((fd, "/".join(parts), self._entries(fd, "/".join(parts))))
+            while stack:
+                fd, rel, it = stack[-1]
+                entry = next(it, None)
+                if entry is None:
+                    os.close(stack.pop()[0])
+                    continue
                 name = f"{rel}/{entry.name}" if rel else entry.name
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append((entry.path, name))
-                else:
-                    out.append(name)
-        return sorted(out)
+                kind = _kind(entry)
+                yield name, kind
+                if kind == "dir":
+                    try:
+                        sub = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)
+                    except OSError as exc:  # replaced since it was listed
+                        raise self._refuse(exc, tuple(name.split("/"))) from None
+                    try:
+                        stack.append((sub, name, self._entries(sub, name)))
+                    except BaseException:
+                        os.close(sub)
+                        raise
+        finally:
+            for d, _, _ in stack:
+                os.close(d)
+
+    def _entries(self, fd: int, rel: str) -> Iterator[os.DirEntry[str]]:
+        try:
+            with os.scandir(fd) as it:
+                listed = list(it)
+        except OSError as exc:
+            path = _file(self.root, rel) if rel else self.root
+            raise XckptError(f"cannot list {path}: {exc.strerror}", code="io.read", file=path) from None
+        return iter(sorted(listed, key=lambda e: e.name))
 
     def sync(self) -> None:
         """fsync every directory this store wrote into, and their parents up to the root."""

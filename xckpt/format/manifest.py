@@ -34,8 +34,6 @@ GENERATION = re.compile(r"[0-9a-f]{32}")
 MAX_ELEMENTS = 2**53
 #: Largest number of chunk objects one array may declare.
 MAX_CHUNKS = 2**24
-#: Most inner chunks one chunk object may hold (its index is then 16 MiB).
-MAX_INNER_CHUNKS = MAX_INNER
 #: Most dimensions an array may have.
 MAX_RANK = 64
 #: A JSON escape of a UTF-16 surrogate, the only way a JSON document can hold a lone one.
@@ -449,9 +447,9 @@ def check_shape(e: ArrayEntry, file: str = names.MANIFEST) -> None:
         if math.prod(grid_shape(a.shape, a.chunk_shape)) > MAX_CHUNKS:
             raise ShapeError(f"chunk_shape {list(a.chunk_shape)} splits shape {list(a.shape)} into more than "
                              f"{MAX_CHUNKS} objects", code="shape.too_many_chunks", file=file, leaf=leaf)
-        if math.prod(grid_shape(a.chunk_shape, a.inner_chunk_shape)) > MAX_INNER_CHUNKS:
+        if math.prod(grid_shape(a.chunk_shape, a.inner_chunk_shape)) > MAX_INNER:
             raise ShapeError(f"inner_chunk_shape {list(a.inner_chunk_shape)} splits chunk_shape {list(a.chunk_shape)} "
-                             f"into more than {MAX_INNER_CHUNKS} inner chunks", code="shape.too_many_chunks",
+                             f"into more than {MAX_INNER} inner chunks", code="shape.too_many_chunks",
                              file=file, leaf=leaf)
         if math.prod(a.chunk_shape) * dtypes.itemsize(e.dtype) > MAX_ELEMENTS:
             raise ShapeError("chunk is too large", code="shape.too_large", file=file, leaf=leaf)

@@ -144,7 +144,7 @@ def _open(loc: Location, store: Store) -> OrbaxCheckpoint:
     records = read_records(meta, meta_file)
     if isinstance(store, LocalStore):
         arrays_at = {r.name: key_str(r.key) for r in records if r.value_type in ARRAY_TYPES + ("scalar",)}
-        check_tree(store.pinned_path(), loc.local_path, arrays_at)
+        check_tree(store, arrays_at)
     if not store.exists(naming.COMMIT):
         warnings.warn(f"{loc}: {naming.COMMIT} is missing; Orbax treats this checkpoint as unfinished",
                       XckptWarning, stacklevel=4)
