@@ -6,10 +6,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from typing import Sequence
 
 from xckpt import registry
-from xckpt.errors import XckptError
+from xckpt.errors import UnsupportedError, XckptError, XckptWarning
+
+_CONVERT_EXAMPLES = """examples:
+  xckpt convert --from orbax SRC DST       an Orbax checkpoint to xckpt
+  xckpt convert --from dcp SRC DST         a PyTorch DCP checkpoint to xckpt
+  xckpt convert --to safetensors --select model --max-shard-size 2GB ckpt/step_1000 hf_model
+                                           the "model" subtree as Hugging Face safetensors shards
+                                           (then e.g. config.save_pretrained("hf_model"))
+"""
 
 
 def _fmt_bytes(n: int) -> str:
@@ -67,7 +76,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert between xckpt and other formats."""
     from xckpt.convert import convert
-    convert(args.src, args.dst, source=args.from_format, target=args.to_format, overwrite=args.overwrite)
+    given = [flag for flag, v in (("--select", args.select), ("--max-shard-size", args.max_shard_size)) if v is not None]
+    if given and args.to_format != "safetensors":
+        raise UnsupportedError(f"{' and '.join(given)} apply only to --to safetensors (not --to {args.to_format})",
+                               code="convert.option")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", XckptWarning)
+        convert(args.src, args.dst, source=args.from_format, target=args.to_format, overwrite=args.overwrite,
+                select=args.select, max_shard_size=args.max_shard_size)
+    for w in caught:
+        if issubclass(w.category, XckptWarning):
+            print(f"warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     print(f"wrote {args.dst}")
     return 0
 
@@ -102,13 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--deep", action="store_true", help="also verify every chunk's crc32c")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_validate)
-    s = sub.add_parser("convert", help="convert a checkpoint between formats")
+    s = sub.add_parser("convert", help="convert a checkpoint between formats", epilog=_CONVERT_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("src")
     s.add_argument("dst")
     formats = registry.converter_formats()
     s.add_argument("--from", dest="from_format", default="xckpt", choices=formats)
     s.add_argument("--to", dest="to_format", default="xckpt", choices=formats)
     s.add_argument("--overwrite", action="store_true")
+    s.add_argument("--select", default=None, metavar="SUBTREE",
+                   help="--to safetensors: export only the leaves under this key prefix ('model', 'model/encoder'), "
+                        "named without it (default: every array leaf)")
+    s.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help="--to safetensors: bytes per file, e.g. 5GB (default), 200MB, 500KB, 2GiB or a byte count")
     s.set_defaults(fn=cmd_convert)
     s = sub.add_parser("gc", help="remove what dead saves left beside their checkpoints")
     s.add_argument("path", help="a directory or prefix of checkpoints, or one checkpoint's path")

@@ -31,7 +31,7 @@ from typing import Any
 from xckpt.engine import atomic
 from xckpt.engine.storage import ABSENT, Location, open_kvstore
 from xckpt.errors import SaveError
-from xckpt.format import names
+from xckpt.format import names, safetensors
 
 #: Object that claims an object-store prefix for one save.
 CLAIM = ".xckpt-claim"
@@ -332,7 +332,8 @@ def recover(final: Location) -> bool:
     parent, name = os.path.split(final.local_path.rstrip("/"))
     olds = [x for x in scan(Location(parent), name=name) if x.kind == "old"]
     for old in sorted(olds, key=lambda x: x.age_s):
-        if not any(os.path.exists(os.path.join(old.path, n)) for n in (names.MANIFEST, names.DCP_METADATA)):
+        if not any(os.path.exists(os.path.join(old.path, n)) for n in (names.MANIFEST, names.DCP_METADATA,
+                                                                         safetensors.SINGLE_FILE, safetensors.INDEX_FILE)):
             continue
         try:
             atomic.move_new(old.path, final.local_path)

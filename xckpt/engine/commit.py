@@ -27,7 +27,7 @@ from xckpt.engine.plan import ArrayPlan, GlobalPlan, LeafLayout
 from xckpt.engine.storage import Location, Store
 from xckpt.engine.write import ChunkWriter
 from xckpt.errors import CollectiveError, SaveError, XckptError
-from xckpt.format import dtypes, names, orbax_view, values as values_format, zarr
+from xckpt.format import dtypes, names, orbax_view, safetensors, values as values_format, zarr
 from xckpt.format.manifest import ArrayEntry, Entry, Manifest, StoredArray, ValueEntry
 from xckpt.format.regions import chunk_indices
 from xckpt.format.tree import Key
@@ -67,15 +67,45 @@ class Target:
     kind: str = "xckpt"  # what it writes and may replace: "xckpt", or "dcp" (a torch DCP directory)
 
 
+#: What each kind of directory a save may replace is, for messages.
+KINDS = {"xckpt": "a committed xckpt checkpoint", "dcp": "a torch DCP checkpoint",
+         "safetensors": "a safetensors export (model.safetensors or its index)"}
+
+
+def _identity_bytes(store: Store, kind: str) -> bytes | None:
+    """The bytes that identify a committed directory of ``kind``: xckpt's manifest, DCP's ``.metadata``, a
+    safetensors export's index or its single file's header."""
+    if kind == "dcp":
+        return store.read(names.DCP_METADATA)
+    if kind != "safetensors":
+        return store.read(names.MANIFEST)
+    index = store.read(safetensors.INDEX_FILE)
+    if index is not None:
+        return b"index\0" + index
+    blob = store.open(safetensors.SINGLE_FILE)
+    if blob is None or blob.size is None or blob.size < safetensors.PREFIX_BYTES:
+        return None
+    try:
+        prefix = np.empty(safetensors.PREFIX_BYTES, dtype=np.uint8)
+        blob.read_into(0, prefix)
+        n = safetensors.header_length(prefix.tobytes(), blob.size, file=blob.name)
+        header = np.empty(n, dtype=np.uint8)
+        blob.read_into(safetensors.PREFIX_BYTES, header)
+        return b"single\0" + prefix.tobytes() + header.tobytes()
+    finally:
+        blob.close()
+
+
 def identity(loc: Location, kind: str = "xckpt") -> str | None:
-    """Which committed checkpoint ``loc`` holds: its manifest's generation (format 1.1), else a digest of
-    its manifest (kind "dcp": of DCP's ``.metadata``); None when it holds none or cannot be read."""
+    """Which committed directory of ``kind`` (:data:`KINDS`) ``loc`` holds: an xckpt manifest's generation
+    (format 1.1 and later), else a digest of what identifies it (:func:`_identity_bytes`); None when it holds
+    none or cannot be read."""
     try:
         store = loc.store()
     except XckptError:
         return None
     try:
-        data = store.read(names.DCP_METADATA if kind == "dcp" else names.MANIFEST)
+        data = _identity_bytes(store, kind)
     except XckptError:
         return None
     finally:
@@ -112,8 +142,7 @@ def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt") -> Tar
                             file=path)
         held = identity(final, kind) if os.path.isdir(path) and not os.path.islink(path) else None
         if held is None:
-            what = "a committed xckpt checkpoint" if kind == "xckpt" else "a torch DCP checkpoint"
-            raise SaveError(f"{path} is not {what}; overwrite=True replaces only one, so nothing was written",
+            raise SaveError(f"{path} is not {KINDS[kind]}; overwrite=True replaces only one, so nothing was written",
                             code="save.not_checkpoint", file=path)
         return Target(final, replaces=held, kind=kind)
     store = final.store()

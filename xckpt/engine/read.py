@@ -279,11 +279,5 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
                          if o.geom.max_nbytes < SMALL_OBJECT)
         except BaseException as exc:  # noqa: BLE001 - raised once no thread writes into the outputs
             first = exc
-        for f in futures:
-            try:
-                total += f.result()
-            except BaseException as exc:  # noqa: BLE001 - the first is raised
-                first = first or exc
-        if first is not None:
-            raise first
+        total += pools.gather(futures, first)
     return total

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterable
 
 #: How much lower the CPU priority (nice value) of an asynchronous save's threads is, unless
 #: ``XCKPT_BACKGROUND_NICE`` says otherwise (0 keeps the caller's priority).
@@ -49,3 +50,17 @@ def pool(background: bool = False) -> ThreadPoolExecutor:
                                              initializer=yield_cpu if background else None))
             _pools[background] = found
         return found[1]
+
+
+def gather(futures: Iterable[Future[int]], first: BaseException | None = None) -> int:
+    """The sum of the futures' results, once every one is done; then the first error (``first``, an error
+    the caller already met, else the earliest future's) is raised, so nothing still runs into the outputs."""
+    total = 0
+    for f in futures:
+        try:
+            total += f.result()
+        except BaseException as exc:  # noqa: BLE001 - the first is raised once all are done
+            first = first or exc
+    if first is not None:
+        raise first
+    return total

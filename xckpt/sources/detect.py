@@ -1,14 +1,25 @@
-"""Which kind of stored checkpoint a path holds: :func:`open_checkpoint` opens it as a source."""
+"""Which kind of stored checkpoint a path holds: :func:`open_checkpoint` opens it as a source.
+
+Detection is table driven: :data:`FILE_KINDS` are tried first on the path itself (a single file,
+such as ``model.safetensors``), then :data:`KINDS`, in order, on the directory: the first whose
+marker file is there opens it. To read another format, add a :class:`Kind` (or a
+:class:`FileKind`) in the right place. Marker files are looked at through the directory's
+:class:`~xckpt.engine.storage.Store`: a link or a special file in place of one raises
+(``path.link``, ``path.special``) instead of being taken for an absence, so that, say, a
+symlinked ``xckpt.json`` never makes the checkpoint read as another format.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from xckpt.engine.claims import recover
 from xckpt.engine.storage import Location, Store
 from xckpt.errors import XckptError
 from xckpt.format import names
 from xckpt.interop.orbax.checkpoint import open_orbax
+from xckpt.interop.safetensors import checkpoint as safetensors
 from xckpt.sources.base import Source
 from xckpt.sources.native import open_native
 
@@ -23,31 +34,33 @@ def _present(store: Store, name: str) -> bool:
     return True
 
 
-def open_checkpoint(path: Any) -> Source:
-    """Open the checkpoint at ``path``: xckpt, or one written by Orbax.
+@dataclass(frozen=True)
+class Kind:
+    """One kind of checkpoint a directory may hold."""
 
-    An Orbax ``CheckpointManager`` step directory (``<root>/<step>/default/``) is
-    opened through its single ``default`` item. When a save replaces the checkpoint while
-    it is opened, the error is ``load.replaced`` (:func:`xckpt.load` then starts again).
-    """
-    loc = Location.of(path)
-    recover(loc)  # a replace that died between its two renames left the checkpoint aside
-    store = loc.store()
-    try:
-        if not _present(store, names.MANIFEST) and not _present(store, names.ORBAX_METADATA):
-            item = loc.child("default")
-            inner = item.store()
-            if _present(inner, names.MANIFEST) or _present(inner, names.ORBAX_METADATA):
-                store.close()
-                loc, store = item, inner
-            else:
-                inner.close()
-        if not _present(store, names.MANIFEST) and _present(store, names.ORBAX_METADATA):
-            store.close()
-            return open_orbax(loc)
-    except BaseException:
-        store.close()
-        raise
+    #: The format's name (a source's ``format``).
+    name: str
+    #: Whether the directory of ``store`` holds one (raises where a marker is a link or a special file).
+    holds: Callable[[Store], bool]
+    #: Open it from ``(loc, store)``; takes over ``store`` (closes it on error, or when the source closes).
+    open: Callable[[Location, Store], Source]
+    #: Also looked for in the ``default`` item of an Orbax ``CheckpointManager`` step directory.
+    in_item: bool = False
+
+
+@dataclass(frozen=True)
+class FileKind:
+    """One kind of checkpoint that a path naming a single file may be."""
+
+    name: str
+    #: Whether ``loc`` names such a file (no link is followed to decide).
+    matches: Callable[[Location], bool]
+    #: Open it from the path.
+    open: Callable[[Location], Source]
+
+
+def _open_native(loc: Location, store: Store) -> Source:
+    """Open an xckpt checkpoint; a failure because a save swapped another one in is ``load.replaced``."""
     try:
         return open_native(loc, store)
     except XckptError as exc:
@@ -60,3 +73,61 @@ def open_checkpoint(path: Any) -> Source:
     except BaseException:
         store.close()
         raise
+
+
+def _open_orbax(loc: Location, store: Store) -> Source:
+    store.close()  # it opens its own
+    return open_orbax(loc)
+
+
+#: Directory kinds, in the order they are tried.
+KINDS: list[Kind] = [
+    Kind("xckpt", lambda s: _present(s, names.MANIFEST), _open_native, in_item=True),
+    Kind("orbax", lambda s: _present(s, names.ORBAX_METADATA), _open_orbax, in_item=True),
+    Kind("safetensors", lambda s: safetensors.entry_file(s) is not None, safetensors.open_directory),
+]
+
+#: Single-file kinds, tried on the path itself before it is opened as a directory.
+FILE_KINDS: list[FileKind] = [
+    FileKind("safetensors", lambda loc: safetensors.file_target(loc) is not None, safetensors.open_safetensors),
+]
+
+
+def _kind_of(store: Store, kinds: Sequence[Kind]) -> Kind | None:
+    return next((k for k in kinds if k.holds(store)), None)
+
+
+def open_checkpoint(path: Any) -> Source:
+    """Open the checkpoint at ``path``: xckpt, one written by Orbax, or Hugging Face safetensors (a
+    directory, or a path to one ``.safetensors`` file or index).
+
+    An Orbax ``CheckpointManager`` step directory (``<root>/<step>/default/``) is
+    opened through its single ``default`` item. When a save replaces the checkpoint while
+    it is opened, the error is ``load.replaced`` (:func:`xckpt.load` then starts again).
+    A directory holding none of them is ``manifest.missing``.
+    """
+    loc = Location.of(path)
+    for fk in FILE_KINDS:
+        if fk.matches(loc):
+            return fk.open(loc)
+    recover(loc)  # a replace that died between its two renames left the checkpoint aside
+    store = loc.store()
+    try:
+        kind = _kind_of(store, KINDS)
+        if kind is None:
+            item = loc.child("default")
+            inner = item.store()
+            try:
+                kind = _kind_of(inner, [k for k in KINDS if k.in_item])
+            except BaseException:
+                inner.close()
+                raise
+            if kind is not None:
+                store.close()
+                loc, store = item, inner
+            else:
+                inner.close()
+    except BaseException:
+        store.close()
+        raise
+    return (kind.open if kind is not None else _open_native)(loc, store)

@@ -1,0 +1,291 @@
+"""Hugging Face safetensors: strict parsing of headers and ``model.safetensors.index.json``.
+
+A safetensors file is an 8-byte little-endian unsigned length ``N``, ``N`` bytes of UTF-8 JSON
+(the header), then the data buffer. The header maps each tensor name to
+``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the buffer's start)
+and may hold ``"__metadata__"``, an object of strings.
+
+Every function here is pure (bytes in, checked values out) and, in the spirit of
+:mod:`xckpt.format.manifest`, refuses anything the format does not allow with a specific
+:class:`~xckpt.errors.XckptError` whose code is in the ``safetensors.*`` family, naming the
+file and the tensor: the length is bounded (:data:`MAX_HEADER_BYTES`) and checked against the
+file's size before the header is read; shapes are JSON integers only (``1.0`` is refused);
+the tensors must tile the data buffer exactly (no overlap, no hole, nothing after the last);
+a name may be given once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+from dataclasses import dataclass
+from typing import Any, Callable, NoReturn
+
+from xckpt.errors import ManifestError, ShapeError, UnsafePathError, UnsupportedError, XckptError
+from xckpt.format import dtypes
+
+#: The file of a checkpoint in one file.
+SINGLE_FILE = "model.safetensors"
+#: The index of a sharded checkpoint (``{"metadata": {"total_size"}, "weight_map": {tensor: file}}``).
+INDEX_FILE = "model.safetensors.index.json"
+#: Bytes of the little-endian u64 that gives the header's length.
+PREFIX_BYTES = 8
+#: Largest header accepted (the limit the safetensors library itself sets).
+MAX_HEADER_BYTES = 100_000_000
+#: Largest ``model.safetensors.index.json`` accepted.
+MAX_INDEX_BYTES = 100_000_000
+#: Most dimensions a tensor may have (as an xckpt array).
+MAX_RANK = 64
+#: Largest number of elements, and of bytes, of one tensor: JSON's exact-integer range.
+MAX_ELEMENTS = 2**53
+#: The header member that holds free-form string metadata, not a tensor.
+METADATA_KEY = "__metadata__"
+
+#: safetensors dtype -> xckpt logical dtype, for every dtype both know. Sub-byte types
+#: (``F4``, ``F6_E2M3``, ``F6_E3M2``) have no xckpt dtype and are refused (``safetensors.dtype``).
+DTYPES: dict[str, str] = {st: name for st, name in {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
+}.items() if name in dtypes.LOGICAL_DTYPES}
+
+_ENTRY_MEMBERS = ("dtype", "shape", "data_offsets")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors file, checked: its place in the data buffer and what it holds."""
+
+    name: str
+    #: The safetensors dtype (``BF16``).
+    st_dtype: str
+    #: The xckpt logical dtype (``bfloat16``).
+    dtype: str
+    shape: tuple[int, ...]
+    #: Offsets of its bytes relative to the start of the data buffer, ``[begin, end)``.
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it takes in the file."""
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed, checked safetensors header."""
+
+    #: Tensors by name, in the header's order.
+    tensors: dict[str, TensorInfo]
+    #: ``__metadata__`` (None when absent).
+    metadata: dict[str, str] | None
+    #: Where the data buffer starts in the file (``8 + N``).
+    data_start: int
+    #: Bytes of the data buffer: the sum of every tensor's bytes.
+    buffer_size: int
+
+
+def _fail(cls: type[XckptError], code: str, message: str, file: str, tensor: str | None = None) -> NoReturn:
+    raise cls(message, code=code, file=file, leaf=tensor)
+
+
+def _no_duplicates(code: str, file: str, what: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """An ``object_pairs_hook`` refusing a member given twice (``json`` would keep the last silently)."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in out:
+                _fail(ManifestError, code, f"{what} {k!r} is given twice", file,
+                      None if k in _ENTRY_MEMBERS else k)
+            out[k] = v
+        return out
+
+    return hook
+
+
+def _text(s: str) -> bool:
+    """Whether ``s`` is valid Unicode (JSON's ``\\ud800`` escapes can make a lone surrogate)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _load_json(raw: bytes, *, file: str, code: str, what: str, duplicate_code: str, duplicate_what: str) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        _fail(ManifestError, code, f"{what} is not UTF-8: {exc}", file)
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates(duplicate_code, file, duplicate_what))
+    except XckptError:
+        raise
+    except RecursionError:
+        _fail(ManifestError, code, f"{what} nests too deeply to be parsed", file)
+    except ValueError as exc:  # JSONDecodeError, and an integer beyond Python's 4300 digits
+        _fail(ManifestError, code, f"{what} is not valid JSON: {str(exc)[:200]}", file)
+
+
+def header_length(prefix: bytes, file_size: int | None, *, file: str) -> int:
+    """The header length ``N`` from a file's first 8 bytes, checked against :data:`MAX_HEADER_BYTES` and,
+    when known, the file's size (``safetensors.header``), so that nothing is allocated for a lying length."""
+    if len(prefix) != PREFIX_BYTES or (file_size is not None and file_size < PREFIX_BYTES):
+        _fail(ManifestError, "safetensors.header",
+              f"file has {file_size if file_size is not None else len(prefix)} bytes, fewer than the "
+              f"{PREFIX_BYTES} of the header length", file)
+    n = int.from_bytes(prefix, "little")
+    if n > MAX_HEADER_BYTES:
+        _fail(ManifestError, "safetensors.header",
+              f"header length {n} is more than the {MAX_HEADER_BYTES} bytes a header may have", file)
+    if file_size is not None and PREFIX_BYTES + n > file_size:
+        _fail(ManifestError, "safetensors.header",
+              f"header length {n} goes beyond the end of the file ({file_size} bytes)", file)
+    if n < 2:
+        _fail(ManifestError, "safetensors.header", f"header length {n} is too short for a JSON object", file)
+    return n
+
+
+def _int(v: Any) -> bool:
+    """A JSON integer (``1.0`` and ``true`` are not)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _shape(v: Any, itemsize: int, file: str, name: str) -> tuple[int, ...]:
+    if not isinstance(v, list):
+        _fail(ShapeError, "safetensors.shape", f"shape is {json.dumps(v)[:60]}, not a list of integers", file, name)
+    if len(v) > MAX_RANK:
+        _fail(ShapeError, "safetensors.shape", f"shape has {len(v)} dimensions, more than {MAX_RANK}", file, name)
+    bound = 1  # elements, with empty dimensions counted as 1: what any chunking of it may hold
+    for i, d in enumerate(v):
+        if not _int(d) or d < 0:
+            _fail(ShapeError, "safetensors.shape",
+                  f"shape[{i}] is {json.dumps(d)[:40]}, not a non-negative integer", file, name)
+        bound *= max(1, d)
+        if bound * itemsize > MAX_ELEMENTS:
+            _fail(ShapeError, "safetensors.shape",
+                  f"shape {v} has more than {MAX_ELEMENTS} bytes, more than xckpt reads", file, name)
+    return tuple(v)
+
+
+def _entry(name: str, v: Any, buffer_size: int | None, file: str) -> TensorInfo:
+    if not name:
+        _fail(ManifestError, "safetensors.header", "a tensor has an empty name", file)
+    if not _text(name):
+        _fail(ManifestError, "safetensors.header", f"tensor name {name!r} is not valid Unicode", file)
+    if not isinstance(v, dict):
+        _fail(ManifestError, "safetensors.header", f"entry is {type(v).__name__}, not an object", file, name)
+    missing = [k for k in _ENTRY_MEMBERS if k not in v]
+    extra = [k for k in v if k not in _ENTRY_MEMBERS]
+    if missing or extra:
+        _fail(ManifestError, "safetensors.header",
+              f"entry must have exactly {list(_ENTRY_MEMBERS)}: missing {missing}, unknown {extra}", file, name)
+    st = v["dtype"]
+    if not isinstance(st, str) or st not in DTYPES:
+        _fail(UnsupportedError, "safetensors.dtype",
+              f"dtype {json.dumps(st)[:40]} is not one xckpt reads ({', '.join(DTYPES)})", file, name)
+    dtype = DTYPES[st]
+    itemsize = dtypes.itemsize(dtype)
+    shape = _shape(v["shape"], itemsize, file, name)
+    offs = v["data_offsets"]
+    if not isinstance(offs, list) or len(offs) != 2 or not all(_int(o) and o >= 0 for o in offs):
+        _fail(ManifestError, "safetensors.offsets",
+              f"data_offsets is {json.dumps(offs)[:60]}, not two non-negative integers", file, name)
+    begin, end = offs
+    if begin > end:
+        _fail(ManifestError, "safetensors.offsets", f"data_offsets [{begin}, {end}] ends before it begins",
+              file, name)
+    want = math.prod(shape) * itemsize
+    if end - begin != want:
+        _fail(ManifestError, "safetensors.offsets",
+              f"data_offsets [{begin}, {end}] hold {end - begin} bytes, but shape {list(shape)} of {st} takes {want}",
+              file, name)
+    if buffer_size is not None and end > buffer_size:
+        _fail(ManifestError, "safetensors.offsets",
+              f"data_offsets [{begin}, {end}] go beyond the data buffer ({buffer_size} bytes)", file, name)
+    return TensorInfo(name, st, dtype, shape, begin, end)
+
+
+def parse_header(raw: bytes, file_size: int | None, *, file: str) -> Header:
+    """Parse and check the ``N`` header bytes of a safetensors file of ``file_size`` bytes.
+
+    ``file_size`` None (an object store that does not tell sizes) skips the checks against the
+    end of the file; the data buffer is then taken to end where the last tensor does, and a read
+    beyond the object's end fails when it happens. Raises (codes): ``safetensors.header`` (not UTF-8,
+    not JSON, not an object, a malformed entry or ``__metadata__``), ``safetensors.duplicate`` (a name
+    given twice), ``safetensors.dtype``, ``safetensors.shape``, ``safetensors.offsets`` (out of the
+    buffer, wrong size, overlapping, leaving a hole, not reaching the end of the file).
+    """
+    data_start = PREFIX_BYTES + len(raw)
+    if file_size is not None and file_size < data_start:
+        _fail(ManifestError, "safetensors.header", f"header of {len(raw)} bytes goes beyond the end of the file "
+              f"({file_size} bytes)", file)
+    if not raw.startswith(b"{"):
+        _fail(ManifestError, "safetensors.header", "header does not start with '{'", file)
+    obj = _load_json(raw, file=file, code="safetensors.header", what="header", duplicate_code="safetensors.duplicate",
+                     duplicate_what="header member")
+    if not isinstance(obj, dict):
+        _fail(ManifestError, "safetensors.header", f"header is a JSON {type(obj).__name__}, not an object", file)
+    buffer_size = None if file_size is None else file_size - data_start
+    metadata = obj.get(METADATA_KEY)
+    if METADATA_KEY in obj and (not isinstance(metadata, dict) or not all(
+            isinstance(v, str) and _text(v) and _text(k) for k, v in metadata.items())):
+        _fail(ManifestError, "safetensors.header", f"{METADATA_KEY} is not an object of strings", file)
+    tensors = {name: _entry(name, v, buffer_size, file) for name, v in obj.items() if name != METADATA_KEY}
+    expected, previous = 0, None
+    for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+        if t.begin < expected:
+            _fail(ManifestError, "safetensors.offsets", f"data_offsets [{t.begin}, {t.end}] overlap those of "
+                  f"{previous.name!r} [{previous.begin}, {previous.end}]", file, t.name)  # type: ignore[union-attr]
+        if t.begin > expected:
+            _fail(ManifestError, "safetensors.offsets", f"bytes [{expected}, {t.begin}) of the data buffer before "
+                  "this tensor belong to no tensor (a hole)", file, t.name)
+        expected, previous = t.end, t
+    if buffer_size is not None and expected != buffer_size:
+        _fail(ManifestError, "safetensors.offsets", f"the tensors cover {expected} bytes of the data buffer, but it "
+              f"has {buffer_size} (the file goes on after the last tensor)", file)
+    return Header(tensors, metadata, data_start, expected)
+
+
+def check_file_name(name: Any, *, file: str, tensor: str | None = None) -> str:
+    """A shard file name from an index: a plain ``*.safetensors`` name inside the directory
+    (``safetensors.index``; an absolute path, ``..`` or a subdirectory is refused)."""
+    if not isinstance(name, str) or not _text(name):
+        _fail(ManifestError, "safetensors.index", f"weight_map gives {json.dumps(name)[:60]}, not a file name",
+              file, tensor)
+    if (not name or "/" in name or "\\" in name or "\x00" in name or name in (".", "..")
+            or posixpath.normpath(name) != name or name.startswith(".")):
+        _fail(UnsafePathError, "safetensors.index",
+              f"weight_map names {name!r}, which is not a plain file name inside the directory", file, tensor)
+    if not name.endswith(".safetensors"):
+        _fail(ManifestError, "safetensors.index", f"weight_map names {name!r}, which is not a .safetensors file",
+              file, tensor)
+    return name
+
+
+def parse_index(raw: bytes, *, file: str) -> dict[str, str]:
+    """Parse ``model.safetensors.index.json``: its ``weight_map`` (tensor name -> file name), checked.
+
+    Other members (``metadata``) are not used. Raises ``safetensors.index`` (not JSON, no
+    ``weight_map`` object of strings, a file name that is not a plain ``*.safetensors`` name in the
+    directory) or ``safetensors.duplicate`` (a tensor named twice).
+    """
+    obj = _load_json(raw, file=file, code="safetensors.index", what="index", duplicate_code="safetensors.duplicate",
+                     duplicate_what="index member or tensor")
+    if not isinstance(obj, dict):
+        _fail(ManifestError, "safetensors.index", f"index is a JSON {type(obj).__name__}, not an object", file)
+    wm = obj.get("weight_map")
+    if not isinstance(wm, dict):
+        _fail(ManifestError, "safetensors.index", "index has no weight_map object", file)
+    out: dict[str, str] = {}
+    for name, target in wm.items():
+        if not name or not _text(name):
+            _fail(ManifestError, "safetensors.index", f"weight_map has the tensor name {name!r}", file)
+        out[name] = check_file_name(target, file=file, tensor=name)
+    return out
