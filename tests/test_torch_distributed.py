@@ -116,7 +116,13 @@ def test_tp_fsdp_parameters_are_strided(saved):
 
 
 def test_load_on_two_ranks(saved):
+    """Also reads a sharded Hugging Face safetensors directory (written by huggingface_hub) into DTensors."""
+    from huggingface_hub import save_torch_state_dict
     wd, results = saved
+    (wd / "hf").mkdir()
+    save_torch_state_dict({n: torch.from_numpy(tw.full(n)) for n in ("w", "uneven", "vocab")}, wd / "hf",
+                          max_shard_size="100KB")
+    assert (wd / "hf" / "model.safetensors.index.json").is_file()
     out = tw.run_group(2, "load2", wd, timeout=200, rand_after_save=[r["rand_after_save"] for r in results])
     assert out[0]["tp_tensors"] == 4 + 4 * 3  # parameters, and step, exp_avg, exp_avg_sq of each
 

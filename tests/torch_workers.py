@@ -500,6 +500,12 @@ def load2(rank: int, world: int, wd: Path, rand_after_save: list[list[float]]) -
         check_dtensor(d, full(n).astype(np.float32) if n == "bf" else full(n))
     np.testing.assert_array_equal(sd["plain"].numpy(), np.arange(6.0))
     assert (sd["step"], sd["name"], sd["betas"]) == (6, "dcp-run", (0.5, 0.25)), (sd["step"], sd["name"], sd["betas"])
+
+    # a Hugging Face safetensors directory (sharded, with its index) straight into DTensors on this mesh
+    hf = {"w": fresh("w", [Shard(1)]), "uneven": fresh("uneven", [Shard(0)]), "vocab": fresh("vocab", [Shard(0)])}
+    xckpt.load(wd / "hf", like=hf)
+    for n, d in hf.items():
+        check_dtensor(d, full(n))
     return {"tp_tensors": n_tp}
 
 
