@@ -18,11 +18,13 @@ COMMIT = "commit_success.txt"
 ORBAX_METADATA = "_METADATA"
 ORBAX_CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 ORBAX_SHARDING = "_sharding"
+#: A hidden directory holding an empty zarr v2 array's ``.zarray``: what Orbax v1 looks for before it loads.
+ORBAX_MARKER_DIR = ".orbax_marker"
 #: The file that makes a directory a committed torch DCP checkpoint (written by ``xckpt convert --to dcp``).
 DCP_METADATA = ".metadata"
 #: File and directory names at the top of a checkpoint that no array may take.
 RESERVED = frozenset({MANIFEST, VALUES, COMMIT, ORBAX_METADATA, ORBAX_CHECKPOINT_METADATA,
-                      ORBAX_SHARDING, "_strings.json", "manifest.ocdbt", "array_metadatas"})
+                      ORBAX_SHARDING, "_strings.json", "manifest.ocdbt", "array_metadatas", ORBAX_MARKER_DIR})
 
 
 def storage_name(key: Key) -> str:

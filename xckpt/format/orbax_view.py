@@ -6,6 +6,15 @@ gives numpy, restored with a target of sharded ``jax.ShapeDtypeStruct`` it gives
 ``jax.Array`` on that sharding. Numeric scalar values are mirrored as 0-d arrays,
 strings go to ``_strings.json``, None and empty containers are recorded as Orbax
 records them. ``bytes`` and ``complex`` values have no Orbax form and are left out.
+
+Orbax v1 (``ocp.v1.load``) sees the checkpoint as a v0 PyTree checkpoint (``_CHECKPOINT_METADATA``
+whose ``item_handlers`` is one handler, ``_METADATA`` at the top; no ``orbax.checkpoint`` marker,
+which would make it look for a ``state/`` subdirectory instead). Before loading, it looks for
+TensorStore data: a top-level ``manifest.ocdbt``, or a top-level directory holding a ``.zarray``
+file (zarr v2; xckpt's zarr v3 arrays do not count), and logs that the checkpoint may be
+malformed when there is none. :data:`MARKER` is that ``.zarray``: the metadata of an empty zarr
+v2 array, in a hidden directory that no leaf's storage name can take (storage names never start
+with ``.``).
 """
 
 from __future__ import annotations
@@ -24,6 +33,14 @@ from xckpt.format.tree import Key, iter_nodes
 KEY_SEQUENCE, KEY_DICT = 1, 2
 HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 _SCALAR_DTYPES = {"bool": "bool", "int": "int64", "float": "float64"}
+#: The directory of :data:`MARKER` (a top-level name of every checkpoint, see the module documentation).
+MARKER_DIR = naming.ORBAX_MARKER_DIR
+#: What Orbax v1 looks for before it loads: a top-level directory holding a zarr v2 ``.zarray``.
+MARKER = f"{MARKER_DIR}/.zarray"
+#: :data:`MARKER`'s bytes: a valid zarr v2 array of shape [0] (no chunk), which nothing ever reads.
+MARKER_ZARRAY = json.dumps({"zarr_format": 2, "shape": [0], "chunks": [1], "dtype": "|u1", "compressor": None,
+                            "fill_value": 0, "order": "C", "filters": None, "dimension_separator": "."},
+                           separators=(",", ":")).encode()
 
 
 def _tree_key(key: Key) -> str:
@@ -76,7 +93,8 @@ def node_kinds(m: Manifest) -> dict[Key, str]:
 
 
 def files(m: Manifest, string_values: dict[Key, str] | None = None) -> dict[str, bytes]:
-    """Every Orbax file of a manifest: ``_METADATA``, ``_CHECKPOINT_METADATA``, ``_strings.json``."""
+    """Every Orbax file of a manifest: ``_METADATA``, ``_CHECKPOINT_METADATA``, :data:`MARKER`, and
+    ``_strings.json`` when there are strings."""
     kinds = node_kinds(m)
     meta = metadata_json(m, kinds)
     strings = {}
@@ -90,6 +108,7 @@ def files(m: Manifest, string_values: dict[Key, str] | None = None) -> dict[str,
         naming.ORBAX_CHECKPOINT_METADATA: json.dumps({
             "item_handlers": HANDLER, "metrics": {}, "performance_metrics": {},
             "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}}).encode(),
+        MARKER: MARKER_ZARRAY,
     }
     if strings:
         out["_strings.json"] = json.dumps(strings).encode()

@@ -18,6 +18,7 @@ from xckpt.engine.claims import recover
 from xckpt.engine.storage import Location, Store
 from xckpt.errors import XckptError
 from xckpt.format import names
+from xckpt.interop.orbax import layouts as orbax_layouts
 from xckpt.interop.orbax.checkpoint import open_orbax
 from xckpt.interop.safetensors import checkpoint as safetensors
 from xckpt.sources.base import Source
@@ -44,8 +45,6 @@ class Kind:
     holds: Callable[[Store], bool]
     #: Open it from ``(loc, store)``; takes over ``store`` (closes it on error, or when the source closes).
     open: Callable[[Location, Store], Source]
-    #: Also looked for in the ``default`` item of an Orbax ``CheckpointManager`` step directory.
-    in_item: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,8 +81,10 @@ def _open_orbax(loc: Location, store: Store) -> Source:
 
 #: Directory kinds, in the order they are tried.
 KINDS: list[Kind] = [
-    Kind("xckpt", lambda s: _present(s, names.MANIFEST), _open_native, in_item=True),
-    Kind("orbax", lambda s: _present(s, names.ORBAX_METADATA), _open_orbax, in_item=True),
+    Kind("xckpt", lambda s: _present(s, names.MANIFEST), _open_native),
+    Kind("orbax", lambda s: _present(s, names.ORBAX_METADATA), _open_orbax),
+    # Orbax v1 checkpoints, CheckpointManager steps with named items (xckpt or Orbax ones), a bare default/
+    Kind("orbax-layout", orbax_layouts.holds, lambda loc, store: orbax_layouts.open_kind(loc, store, _open_native)),
     Kind("safetensors", lambda s: safetensors.entry_file(s) is not None, safetensors.open_directory),
 ]
 
@@ -101,8 +102,9 @@ def open_checkpoint(path: Any) -> Source:
     """Open the checkpoint at ``path``: xckpt, one written by Orbax, or Hugging Face safetensors (a
     directory, or a path to one ``.safetensors`` file or index).
 
-    An Orbax ``CheckpointManager`` step directory (``<root>/<step>/default/``) is
-    opened through its single ``default`` item. When a save replaces the checkpoint while
+    Orbax layouts with items (v1 checkpoints, ``CheckpointManager`` step directories such as
+    ``<root>/<step>/default/``) are read through :mod:`xckpt.interop.orbax.layouts`: one item as
+    its tree, several as a dict by item name. When a save replaces the checkpoint while
     it is opened, the error is ``load.replaced`` (:func:`xckpt.load` then starts again).
     A directory holding none of them is ``manifest.missing``.
     """
@@ -114,19 +116,6 @@ def open_checkpoint(path: Any) -> Source:
     store = loc.store()
     try:
         kind = _kind_of(store, KINDS)
-        if kind is None:
-            item = loc.child("default")
-            inner = item.store()
-            try:
-                kind = _kind_of(inner, [k for k in KINDS if k.in_item])
-            except BaseException:
-                inner.close()
-                raise
-            if kind is not None:
-                store.close()
-                loc, store = item, inner
-            else:
-                inner.close()
     except BaseException:
         store.close()
         raise

@@ -1,4 +1,5 @@
-"""Reading checkpoints written by Orbax, without jax: zarr v2 or v3, with or without OCDBT.
+"""Reading checkpoints written by Orbax, without jax: zarr v2 or v3, with or without OCDBT (merged, or
+the per-process databases of a multi-process save that were never merged: :mod:`xckpt.interop.orbax.ocdbt`).
 
 :func:`open_orbax` turns an Orbax checkpoint directory into a
 :class:`~xckpt.sources.base.Source` whose manifest is built from Orbax's ``_METADATA``:
@@ -14,6 +15,10 @@
 The array data is opened with TensorStore exactly as Orbax writes it. Every defect is a
 specific :class:`~xckpt.errors.XckptError` naming the file and the leaf. Registering the
 ``orbax`` to ``xckpt`` converter (``xckpt convert --from orbax``) is done on import.
+
+This module reads one Orbax *item* (a directory holding ``_METADATA``); the layouts that hold
+items (Orbax v1 checkpoints, ``CheckpointManager`` step directories) are found and opened by
+:mod:`xckpt.interop.orbax.layouts`.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from xckpt.format.tree import key_str
 from xckpt.interop.orbax.arrays import ARRAY_TYPES, entry_for, read_array_infos, read_shardings
 from xckpt.interop.orbax.files import check_tree
 from xckpt.interop.orbax.metadata import OCDBT_MANIFEST, apply_rich_types, build_tree, check_names, finish, parse_metadata, read_records
+from xckpt.interop.orbax.ocdbt import KeyIndex, index_databases, process_databases, top_directories
 
 
 STRINGS = "_strings.json"
@@ -54,7 +60,7 @@ class OrbaxCheckpoint:
     format = "orbax"
 
     def __init__(self, loc: Location, store: Store, manifest: Manifest, *, zarr3: bool, ocdbt: bool,
-                 strict_fill: bool) -> None:
+                 strict_fill: bool, unmerged: KeyIndex | None = None) -> None:
         self.loc = loc
         self.store = store
         self.manifest = manifest
@@ -62,6 +68,8 @@ class OrbaxCheckpoint:
         self.zarr3 = zarr3
         self.ocdbt = ocdbt
         self.strict_fill = strict_fill
+        #: Where each key is, when the OCDBT databases of a multi-process save were never merged (else None).
+        self.unmerged = unmerged
         #: The stored dtype of each scalar's 0-d array, by array name.
         self.scalar_dtypes: dict[str, str] = {}
         self._context = ts.Context({"cache_pool": {"total_bytes_limit": 0},
@@ -74,13 +82,20 @@ class OrbaxCheckpoint:
         return self._values
 
     def kvstore_spec(self, path: str = "") -> dict[str, Any]:
-        """The kvstore spec of ``path`` (a directory) inside the checkpoint, through OCDBT if used."""
+        """The kvstore spec of ``path`` (a directory) inside the checkpoint, through OCDBT if used (through
+        the per-process databases holding its keys when they were never merged)."""
         if not self.ocdbt:
             return self.store.kvstore(path)
-        out: dict[str, Any] = {"driver": "ocdbt", "base": self.store.kvstore(), "cache_pool": "cache_pool#ocdbt"}
+        if self.unmerged is not None:
+            return self.unmerged.spec(path, self.ocdbt_spec)
+        out = self.ocdbt_spec("")
         if path:
             out["path"] = path.rstrip("/") + "/"
         return out
+
+    def ocdbt_spec(self, directory: str) -> dict[str, Any]:
+        """The kvstore spec of the OCDBT database in ``directory`` ('' for the checkpoint's root)."""
+        return {"driver": "ocdbt", "base": self.store.kvstore(directory), "cache_pool": "cache_pool#ocdbt"}
 
     def array_spec(self, entry: ArrayEntry) -> dict[str, Any]:
         """The TensorStore spec that opens ``entry`` as Orbax wrote it (shape and dtype enforced)."""
@@ -118,23 +133,40 @@ class OrbaxCheckpoint:
         return str(self.loc.child(f"{name}/{meta}")) + (" (in OCDBT)" if self.ocdbt else "")
 
 
-def open_orbax(path: Any) -> OrbaxCheckpoint:
+def open_orbax(path: Any, *, committed: bool | None = None) -> OrbaxCheckpoint:
     """Open the Orbax checkpoint at ``path`` (a directory holding ``_METADATA``) for reading.
 
     A local checkpoint is walked once first (:func:`~xckpt.interop.orbax.files.check_tree`):
     a symbolic link (``path.link``) or a FIFO, socket or device (``path.special``) anywhere in it
     is refused before TensorStore opens anything by path.
+
+    ``committed``: whether the checkpoint holding this item was committed, when the caller knows
+    (an item of an Orbax v1 checkpoint has no ``commit_success.txt`` of its own). When None, the
+    item's own ``commit_success.txt`` decides, or else that of the directory holding it when that
+    directory is an Orbax checkpoint (``_CHECKPOINT_METADATA``); a warning says when it is missing.
     """
     loc = Location.of(path)
     store = loc.store()
     try:
-        return _open(loc, store)
+        return _open(loc, store, committed)
     except BaseException:
         store.close()
         raise
 
 
-def _open(loc: Location, store: Store) -> OrbaxCheckpoint:
+def _parent_committed(loc: Location) -> bool:
+    """Whether the directory holding ``loc`` is a committed Orbax checkpoint (it holds the item ``loc``)."""
+    head, sep, _ = loc.url.rstrip("/").rpartition("/")
+    if not sep or not head or head.endswith(":/"):
+        return False
+    parent = Location(head).store()
+    try:
+        return parent.exists(naming.COMMIT) and parent.exists(naming.ORBAX_CHECKPOINT_METADATA)
+    finally:
+        parent.close()
+
+
+def _open(loc: Location, store: Store, committed: bool | None = None) -> OrbaxCheckpoint:
     meta_file = str(loc.child(naming.ORBAX_METADATA))
     raw = store.read(naming.ORBAX_METADATA)  # never through a link, never from a special file
     if raw is None:
@@ -142,16 +174,29 @@ def _open(loc: Location, store: Store) -> OrbaxCheckpoint:
                                   code="orbax.missing", file=meta_file)
     meta = parse_metadata(raw, meta_file)
     records = read_records(meta, meta_file)
+    top_dirs: set[str] | None = None
     if isinstance(store, LocalStore):
         arrays_at = {r.name: key_str(r.key) for r in records if r.value_type in ARRAY_TYPES + ("scalar",)}
-        check_tree(store, arrays_at)
-    if not store.exists(naming.COMMIT):
+        top_dirs = set()
+        check_tree(store, arrays_at, top_dirs)
+    if committed is None:
+        committed = store.exists(naming.COMMIT) or _parent_committed(loc)
+    if not committed:
         warnings.warn(f"{loc}: {naming.COMMIT} is missing; Orbax treats this checkpoint as unfinished",
                       XckptWarning, stacklevel=4)
     has_ocdbt = store.exists(OCDBT_MANIFEST)
-    if meta.get("use_ocdbt") is True and not has_ocdbt:
-        raise DataError(f"_METADATA says use_ocdbt but {OCDBT_MANIFEST} is missing (an unfinished or "
-                        "unmerged multi-process save?)", code="orbax.ocdbt_missing",
+    databases: list[str] = []
+    if not has_ocdbt and (meta.get("use_ocdbt") is True or
+                          (meta.get("use_ocdbt") is None and store.exists(f"ocdbt.process_0/{OCDBT_MANIFEST}"))):
+        tops = top_dirs if top_dirs is not None else top_directories(store)
+        # a merge writes the root database (d/, then manifest.ocdbt): d/ without the manifest is a merge
+        # that did not finish, or a damaged checkpoint, not one whose databases were never merged
+        if "d" not in tops:
+            databases = process_databases(store, tops)
+    if meta.get("use_ocdbt") is True and not has_ocdbt and not databases:
+        raise DataError(f"_METADATA says use_ocdbt but {OCDBT_MANIFEST} is missing (an unfinished save or "
+                        "merge?), and no unmerged per-process database (ocdbt.process_<i>/manifest.ocdbt, "
+                        "without a root d/) stands in for it", code="orbax.ocdbt_missing",
                         file=str(loc.child(OCDBT_MANIFEST)))
     zarr3 = meta.get("use_zarr3", False)
     if not isinstance(zarr3, bool):
@@ -160,12 +205,18 @@ def _open(loc: Location, store: Store) -> OrbaxCheckpoint:
     apply_rich_types(root, meta.get("value_metadata_tree"))
     tree, ordered = finish(root, ())
     producer = {"library": "orbax-checkpoint", "framework": "jax"}
-    info = {"orbax": {"use_ocdbt": has_ocdbt, "use_zarr3": zarr3,
-                      "store_array_data_equal_to_fill_value": bool(meta.get("store_array_data_equal_to_fill_value")),
-                      "custom_metadata": meta.get("custom_metadata")}}
+    info: dict[str, Any] = {"orbax": {
+        "use_ocdbt": has_ocdbt or bool(databases), "use_zarr3": zarr3,
+        "store_array_data_equal_to_fill_value": bool(meta.get("store_array_data_equal_to_fill_value")),
+        "custom_metadata": meta.get("custom_metadata")}}
+    if databases:
+        info["orbax"]["unmerged_ocdbt"] = list(databases)
     placeholder = Manifest(tree=tree, leaves=[], producer=producer, metadata=info)
-    ckpt = OrbaxCheckpoint(loc, store, placeholder, zarr3=zarr3, ocdbt=has_ocdbt,
+    ckpt = OrbaxCheckpoint(loc, store, placeholder, zarr3=zarr3, ocdbt=has_ocdbt or bool(databases),
                            strict_fill=bool(meta.get("store_array_data_equal_to_fill_value")))
+    if databases:
+        ckpt.unmerged = index_databases(databases, ckpt.ocdbt_spec, ckpt._context,
+                                        lambda d: str(loc.child(f"{d}/{OCDBT_MANIFEST}")))
     stored = [r for r in ordered if r.value_type in ARRAY_TYPES + ("scalar",) and not r.skip]
     check_names(stored, meta_file)
     arrays = read_array_infos(ckpt, stored)
@@ -247,8 +298,14 @@ def _string(loc: Location, strings: dict[str, Any], e: ValueEntry) -> str:
 
 
 def orbax_to_xckpt(src: str, dst: str, *, overwrite: bool = False) -> None:
-    """Convert the Orbax checkpoint at ``src`` into an xckpt checkpoint at ``dst``, leaf by leaf."""
-    ckpt = open_orbax(src)
+    """Convert the Orbax checkpoint at ``src`` into an xckpt checkpoint at ``dst``, leaf by leaf.
+
+    ``src`` is any layout :func:`~xckpt.interop.orbax.layouts.find_layout` recognises: an item
+    (``_METADATA``), an Orbax v1 checkpoint, a ``CheckpointManager`` step directory.
+    """
+    from xckpt.interop.orbax.layouts import open_layout_at  # it imports this module
+
+    ckpt = open_layout_at(src)
     try:
         copy_checkpoint(ckpt, dst, overwrite=overwrite)
     finally:

@@ -22,10 +22,11 @@ _REFUSED = {"link": ("path.link", "a symbolic link"), "fifo": ("path.special", "
             "other": ("path.special", "not a regular file")}
 
 
-def check_tree(store: LocalStore, leaves: Mapping[str, str] | None = None) -> int:
+def check_tree(store: LocalStore, leaves: Mapping[str, str] | None = None, top_dirs: set[str] | None = None) -> int:
     """Refuse any entry of the checkpoint that is not a directory or a regular file; the number of files.
 
     ``leaves`` maps a top-level name (an array's directory) to the leaf stored there, named in errors.
+    ``top_dirs``, when given, receives the names of the top-level directories (found by the same walk).
     Raises :class:`~xckpt.errors.UnsafePathError` (``path.link`` for a symbolic link, ``path.special``
     for a FIFO, socket or device) naming the file, or an ``io.read`` error for an unreadable directory.
     """
@@ -37,4 +38,6 @@ def check_tree(store: LocalStore, leaves: Mapping[str, str] | None = None) -> in
             raise UnsafePathError(f"{file} is {what}; a checkpoint holds plain files and directories only",
                                   code=code, file=file, leaf=(leaves or {}).get(name.split("/", 1)[0]))
         files += kind == "file"
+        if top_dirs is not None and kind == "dir" and "/" not in name:
+            top_dirs.add(name)
     return files
