@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import importlib
 import json
 import math
 import multiprocessing as mp
@@ -40,7 +41,9 @@ def free_port() -> int:
 
 
 def run_group(world: int, body: str, workdir: Path, *, timeout: float = 240, **kwargs: Any) -> list[Any]:
-    """Run ``body(rank, world, workdir, **kwargs)`` on ``world`` spawned ranks; return their results."""
+    """Run ``body(rank, world, workdir, **kwargs)`` on ``world`` spawned ranks; return their results.
+
+    ``body`` names a function of this module, or of another test module as ``"module:function"``."""
     port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_entry, args=(r, world, port, body, str(workdir), json.dumps(kwargs)), daemon=True)
@@ -62,7 +65,7 @@ def run_group(world: int, body: str, workdir: Path, *, timeout: float = 240, **k
         p.join(10)
     results, errors = [], []
     for r in range(world):
-        f = Path(workdir) / f"{body}.rank{r}.json"
+        f = Path(workdir) / f"{body.replace(':', '.')}.rank{r}.json"
         rep = json.loads(f.read_text()) if f.exists() else {
             "error": f"no report (exit code {procs[r].exitcode}{', killed' if r in stuck else ''})"}
         if rep.get("error"):
@@ -83,10 +86,12 @@ def _entry(rank: int, world: int, port: int, body: str, workdir: str, kwargs: st
         import torch.distributed as dist
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-        report = {"result": globals()[body](rank, world, Path(workdir), **json.loads(kwargs))}
+        module, _, name = body.rpartition(":")
+        fn = getattr(importlib.import_module(module), name) if module else globals()[name]
+        report = {"result": fn(rank, world, Path(workdir), **json.loads(kwargs))}
     except BaseException:  # noqa: BLE001 - reported to the test
         report = {"error": traceback.format_exc()}
-    (Path(workdir) / f"{body}.rank{rank}.json").write_text(json.dumps(report))
+    (Path(workdir) / f"{body.replace(':', '.')}.rank{rank}.json").write_text(json.dumps(report))
     if "error" in report:
         sys.stdout.flush()
         os._exit(1)

@@ -25,12 +25,13 @@ from xckpt.gc import gc
 from xckpt.host import ReadSpec
 from xckpt.inspect import inspect
 from xckpt.load import load
+from xckpt.manager import CheckpointManager, StepInfo, list_steps
 from xckpt.save import SaveHandle, release_buffers, save, save_async
 from xckpt.validate import validate
 
 __all__ = ["save", "save_async", "SaveHandle", "release_buffers", "load", "inspect", "validate", "gc", "Value",
            "Default", "ReadSpec", "Region", "Manifest", "Coordinator", "LocalCoordinator", "XckptError", "CollectiveError",
-           "XckptWarning",
+           "XckptWarning", "CheckpointManager", "StepInfo", "list_steps",
            "__version__"]
 
 

@@ -1,16 +1,32 @@
-"""The ``xckpt`` command line: inspect, validate, convert, and the subcommands installed packages add
-(``xckpt demo``, through the ``xckpt.commands`` entry point)."""
+"""The ``xckpt`` command line: inspect, validate, convert, ls, diff, gc, and the subcommands installed
+packages add (``xckpt demo``, through the ``xckpt.commands`` entry point).
+
+Each command computes with the library and renders here: tables through :mod:`xckpt.cli_render`
+(``rich``), progress on stderr only when it is a terminal, and ``--json`` for scripts.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
-from typing import Sequence
+from typing import Any, Sequence
 
 from xckpt import registry
 from xckpt.errors import UnsupportedError, XckptError, XckptWarning
+
+_INSPECT_EXAMPLES = """examples:
+  xckpt inspect ckpt/step_1000             a table of leaves: dtype, shape, bytes, saved sharding
+  xckpt inspect --json ckpt/step_1000      the same as JSON, for scripts
+"""
+
+_VALIDATE_EXAMPLES = """examples:
+  xckpt validate ckpt/step_1000            metadata and shard indexes; exit 0 when it conforms, 1 if not
+  xckpt validate --deep ckpt/step_1000     also recompute every chunk's crc32c
+  xckpt validate --json ckpt/step_1000     the report (findings with their codes) as JSON
+"""
 
 _CONVERT_EXAMPLES = """examples:
   xckpt convert --from orbax SRC DST       an Orbax checkpoint to xckpt
@@ -20,61 +36,85 @@ _CONVERT_EXAMPLES = """examples:
                                            (then e.g. config.save_pretrained("hf_model"))
 """
 
+_LS_EXAMPLES = """examples:
+  xckpt ls runs/exp1                       the steps of a run (runs/exp1/<step>/): commit time, size,
+                                           leaves, metrics; incomplete steps marked
+  xckpt ls ckpts                           without step directories: each checkpoint directly under
+                                           ckpts/ (name, format, leaves, size; unreadable ones marked)
+  xckpt ls --json runs/exp1                the same as JSON
+"""
 
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
+_DIFF_EXAMPLES = """examples:
+  xckpt diff runs/exp1/1000 runs/exp1/2000       leaves added, removed, or changed in shape, dtype,
+                                                 sharding
+  xckpt diff --values ckpt_a ckpt_b              also compare the data: per leaf, the count of differing
+                                                 elements, max absolute and relative difference
+  xckpt diff --values xckpt_ckpt orbax_ckpt      across formats (xckpt, Orbax, safetensors; DCP through
+                                                 a temporary xckpt copy)
+  xckpt diff --json ckpt_a ckpt_b                the report as JSON
+
+exit status: 0 when the checkpoints hold the same leaves (and, with --values, the same data),
+1 when they differ, 2 on error (as diff(1)).
+"""
+
+_GC_EXAMPLES = """examples:
+  xckpt gc ckpts --dry-run                 list what dead saves left under ckpts/, remove nothing
+  xckpt gc ckpts --older-than 600          remove leftovers unrenewed for 10 minutes
+"""
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """Print a readable tree of leaves, or JSON."""
+    """Print a table of the leaves, or JSON."""
     from xckpt.inspect import inspect
     info = inspect(args.path)
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
+    from xckpt import cli_render as r
+    out = r.console()
     prod = info["producer"]
     fmt = info["format"] + (f" {info['version']}" if info["version"] else "")
     lib = " ".join(str(x) for x in (prod.get("library"), prod.get("library_version")) if x)
     fw = " ".join(str(x) for x in (prod.get("framework"), prod.get("framework_version")) if x)
-    print(f"{info['path']}  ({fmt}, written by {' / '.join(x for x in (lib, fw) if x) or 'unknown'})")
-    width = max([len(leaf["key"]) for leaf in info["leaves"]] + [4])
+    r.line(out, f"{info['path']}  ({fmt}, written by {' / '.join(x for x in (lib, fw) if x) or 'unknown'})")
+    t = r.table("Leaves", "key", "dtype / type", "shape", "size", "sharding", right=("size",))
     for leaf in info["leaves"]:
         if leaf["kind"] == "array":
-            sh = leaf.get("sharding") or {}
-            how = ""
-            if sh.get("mesh_shape"):
-                how = f"mesh {sh['mesh_shape']} {sh.get('dim_axes', '')}"
-            elif sh.get("num_shards", 1) > 1:
-                how = f"{sh['num_shards']} shards of {sh.get('shard_shape')}"
-            print(f"  {leaf['key']:<{width}}  {leaf['dtype']:<9} {str(leaf['shape']):<18} "
-                  f"{_fmt_bytes(leaf['bytes']):>10}  {how}")
+            t.add_row(leaf["key"], leaf["dtype"], str(leaf["shape"]), r.fmt_bytes(leaf["bytes"]),
+                      r.fmt_sharding(leaf.get("sharding")))
         else:
-            print(f"  {leaf['key']:<{width}}  {leaf['type']:<9} (value)")
-    print(f"{info['arrays']} arrays, {info['values']} values, {_fmt_bytes(info['total_bytes'])} of array data")
+            t.add_row(leaf["key"], leaf["type"], "(value)", "", "")
+    r.show(out, t)
+    r.line(out, f"{info['arrays']} arrays, {info['values']} values, {r.fmt_bytes(info['total_bytes'])} of array data")
     return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Validate; exit 0 when the checkpoint conforms, 1 otherwise."""
+    from xckpt import cli_render as r
     from xckpt.validate import validate
-    report = validate(args.path, deep=args.deep)
+    with r.spinner(f"validating {args.path}" + (" (every chunk's crc32c)" if args.deep else ""),
+                   enabled=args.deep and r.progress_enabled()):
+        report = validate(args.path, deep=args.deep)
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
     else:
-        for f in report.findings:
-            print(str(f))
+        out = r.console()
+        if report.findings:
+            t = r.table("Findings", "severity", "code", "message", "leaf", "file")
+            for f in report.findings:
+                t.add_row(r.severity(f.severity), f.code, f.message, f.leaf or "", f.file or "")
+            r.show(out, t)
         state = "OK" if report.ok else "INVALID"
-        print(f"{state}: {report.path} ({report.arrays} arrays, {report.chunks} chunk objects"
-              + (f", {report.bytes_checked} bytes crc-checked" if args.deep else "") + ")")
+        r.line(out, f"{state}: {report.path} ({report.arrays} arrays, {report.chunks} chunk objects"
+               + (f", {report.bytes_checked} bytes crc-checked" if args.deep else "") + ")",
+               style="bold green" if report.ok else "bold red")
     return 0 if report.ok else 1
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert between xckpt and other formats."""
+    from xckpt import cli_render as r
     from xckpt.convert import convert
     given = [flag for flag, v in (("--select", args.select), ("--max-shard-size", args.max_shard_size)) if v is not None]
     if given and args.to_format != "safetensors":
@@ -82,8 +122,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
                                code="convert.option")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", XckptWarning)
-        convert(args.src, args.dst, source=args.from_format, target=args.to_format, overwrite=args.overwrite,
-                select=args.select, max_shard_size=args.max_shard_size)
+        with r.spinner(f"converting {args.src} ({args.from_format}) to {args.dst} ({args.to_format})"):
+            convert(args.src, args.dst, source=args.from_format, target=args.to_format, overwrite=args.overwrite,
+                    select=args.select, max_shard_size=args.max_shard_size)
     for w in caught:
         if issubclass(w.category, XckptWarning):
             print(f"warning: {w.message}", file=sys.stderr)
@@ -91,6 +132,166 @@ def cmd_convert(args: argparse.Namespace) -> int:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     print(f"wrote {args.dst}")
     return 0
+
+
+def _list_checkpoints(root: str) -> list[dict[str, Any]]:
+    """Each subdirectory of ``root`` (not a link) as a checkpoint: name, format, leaves, size; unreadable
+    ones with their error."""
+    from xckpt.sources.detect import open_checkpoint
+    try:
+        from xckpt.manager import tree_size
+    except ImportError:  # pragma: no cover - sizes are optional
+        def tree_size(path: str) -> int | None:
+            return None
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except FileNotFoundError:
+        raise XckptError(f"{root}: no such directory", code="io.read") from None
+    except OSError as exc:
+        raise XckptError(f"cannot list {root}: {exc.strerror}", code="io.read") from None
+    found = []
+    for e in entries:
+        if e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
+            continue  # hidden entries are what saves leave beside their destination
+        item: dict[str, Any] = {"name": e.name, "path": e.path, "format": None, "leaves": None,
+                                "size_bytes": tree_size(e.path), "error": None}
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                src = open_checkpoint(e.path)
+            try:
+                item["format"], item["leaves"] = src.format, len(src.manifest.leaves)
+            finally:
+                src.close()
+        except XckptError as exc:
+            item["error"] = {"code": exc.code, "message": exc.message}
+        except (OSError, ValueError) as exc:
+            item["error"] = {"code": "io.read", "message": str(exc)}
+        found.append(item)
+    return found
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """List the steps of a run, or the checkpoints in a directory."""
+    from dataclasses import asdict
+
+    from xckpt.manager import list_steps
+    steps = list_steps(args.root)
+    checkpoints = [] if steps else _list_checkpoints(str(args.root))
+    if args.json:
+        print(json.dumps({"root": str(args.root), "steps": [asdict(s) for s in steps], "checkpoints": checkpoints},
+                         indent=1, default=str))
+        return 0
+    from xckpt import cli_render as r
+    out = r.console()
+    if steps:
+        with_metrics = any(s.metrics for s in steps)
+        cols = ["step", "status", "committed at", "size", "leaves", "format"] + (["metrics"] if with_metrics else [])
+        t = r.table(f"Steps of {args.root}", *cols, right=("step", "size", "leaves"))
+        for s in steps:
+            status = r.styled("committed", "green") if s.committed else r.styled("incomplete", "bold red")
+            row = [str(s.step), status, r.fmt_time(s.commit_time), r.fmt_bytes(s.size_bytes),
+                   "-" if s.leaves is None else str(s.leaves), s.format or "-"]
+            if with_metrics:
+                row.append(", ".join(f"{k}={r.fmt_number(v)}" for k, v in s.metrics.items()))
+            t.add_row(*row)
+        r.show(out, t)
+        bad = sum(not s.committed for s in steps)
+        r.line(out, f"{len(steps)} steps, {len(steps) - bad} committed, {bad} incomplete"
+               + (f", latest committed: {max(s.step for s in steps if s.committed)}" if bad < len(steps) else ""))
+        return 0
+    t = r.table(f"Checkpoints in {args.root}", "name", "status", "format", "leaves", "size", right=("leaves", "size"))
+    for c in checkpoints:
+        err = c["error"]
+        status = r.styled("ok", "green") if err is None else r.styled(f"unreadable ({err['code']})", "bold red")
+        t.add_row(c["name"], status, c["format"] or "-", "-" if c["leaves"] is None else str(c["leaves"]),
+                  r.fmt_bytes(c["size_bytes"]))
+    r.show(out, t)
+    bad = sum(c["error"] is not None for c in checkpoints)
+    r.line(out, f"no steps under {args.root}; {len(checkpoints)} directories, {len(checkpoints) - bad} checkpoints"
+           + (f", {bad} unreadable" if bad else ""))
+    return 0
+
+
+def _leaf_what(d: dict[str, Any]) -> tuple[str, str]:
+    """(dtype or value type, shape) of a leaf as :func:`xckpt.diff.diff` describes it."""
+    if d["kind"] == "array":
+        return d["dtype"], str(d["shape"])
+    return d["type"], "(value)"
+
+
+def _change_text(item: dict[str, Any], side: str) -> str:
+    """What a changed leaf is on ``side`` ("a" or "b"), for the attributes that changed."""
+    from xckpt import cli_render as r
+    d = item[side]
+    parts = []
+    for what in item["changes"]:
+        if what == "kind":
+            parts.append(d["kind"])
+        elif what == "sharding":
+            parts.append("sharding " + r.fmt_sharding(d.get("sharding"), full=True))
+        else:
+            parts.append(str(d.get(what)))
+    return ", ".join(parts)
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Compare two checkpoints; exit 0 when they are the same, 1 when they differ."""
+    from xckpt import cli_render as r
+    from xckpt.diff import diff
+    with r.progress_bar("comparing values", enabled=args.values and r.progress_enabled()) as update:
+        report = diff(args.a, args.b, values=args.values, progress=update)
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+        return 0 if report["identical"] else 1
+    out = r.console()
+    for side in ("a", "b"):
+        s = report[side]
+        r.line(out, f"{side.upper()}: {s['path']}  ({s['format']}, {s['leaves']} leaves, "
+               f"{r.fmt_bytes(s['bytes'])} of array data)")
+    for title, items, style in ((f"Added (only in B): {len(report['added'])}", report["added"], "green"),
+                                (f"Removed (only in A): {len(report['removed'])}", report["removed"], "red")):
+        if items:
+            t = r.table(title, "key", "dtype / type", "shape", "sharding")
+            for d in items:
+                t.add_row(r.styled(d["key"], style), *_leaf_what(d), r.fmt_sharding(d.get("sharding")))
+            r.show(out, t)
+    if report["changed"]:
+        t = r.table(f"Changed: {len(report['changed'])}", "key", "what", "A", "B")
+        for item in report["changed"]:
+            t.add_row(r.styled(item["key"], "yellow"), ", ".join(item["changes"]), _change_text(item, "a"),
+                      _change_text(item, "b"))
+        r.show(out, t)
+    vals = report["values"]
+    if vals is not None:
+        arrays = [v for v in vals["leaves"] if not v["equal"] and v["kind"] == "array"]
+        values = [v for v in vals["leaves"] if not v["equal"] and v["kind"] == "value"]
+        if arrays:
+            t = r.table(f"Differing arrays: {len(arrays)}", "key", "dtype", "elements", "differing",
+                        "max abs diff", "max rel diff", right=("elements", "differing", "max abs diff", "max rel diff"))
+            for v in arrays:
+                dt = v["dtype"] if isinstance(v["dtype"], str) else " / ".join(v["dtype"])
+                t.add_row(r.styled(v["key"], "yellow"), dt, str(v["elements"]), str(v["differing"]),
+                          r.fmt_number(v["max_abs_diff"]), r.fmt_number(v["max_rel_diff"]))
+            r.show(out, t)
+        if values:
+            t = r.table(f"Differing values: {len(values)}", "key", "A", "B")
+            for v in values:
+                t.add_row(r.styled(v["key"], "yellow"), v["a"], v["b"])
+            r.show(out, t)
+        if vals["skipped"]:
+            t = r.table(f"Not compared: {len(vals['skipped'])}", "key", "why")
+            for v in vals["skipped"]:
+                t.add_row(v["key"], v["reason"])
+            r.show(out, t)
+    summary = (f"{len(report['added'])} added, {len(report['removed'])} removed, {len(report['changed'])} changed, "
+               f"{report['unchanged']} unchanged")
+    if vals is not None:
+        summary += (f"; values: {vals['differing']} of {vals['compared']} leaves compared differ "
+                    f"({r.fmt_bytes(vals['bytes_read'])} read)")
+    r.line(out, ("identical: " if report["identical"] else "different: ") + summary,
+           style="bold green" if report["identical"] else "bold yellow")
+    return 0 if report["identical"] else 1
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -114,17 +315,21 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``xckpt`` command."""
     p = argparse.ArgumentParser(prog="xckpt", description="Cross-framework distributed checkpoints.")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("inspect", help="list the leaves of a checkpoint")
+
+    def add(name: str, help: str, examples: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".", epilog=examples,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    s = add("inspect", "list the leaves of a checkpoint", _INSPECT_EXAMPLES)
     s.add_argument("path")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(fn=cmd_inspect)
-    s = sub.add_parser("validate", help="check a checkpoint against the spec")
+    s = add("validate", "check a checkpoint against the spec", _VALIDATE_EXAMPLES)
     s.add_argument("path")
     s.add_argument("--deep", action="store_true", help="also verify every chunk's crc32c")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.set_defaults(fn=cmd_validate)
-    s = sub.add_parser("convert", help="convert a checkpoint between formats", epilog=_CONVERT_EXAMPLES,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = add("convert", "convert a checkpoint between formats", _CONVERT_EXAMPLES)
     s.add_argument("src")
     s.add_argument("dst")
     formats = registry.converter_formats()
@@ -137,7 +342,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="--to safetensors: bytes per file, e.g. 5GB (default), 200MB, 500KB, 2GiB or a byte count")
     s.set_defaults(fn=cmd_convert)
-    s = sub.add_parser("gc", help="remove what dead saves left beside their checkpoints")
+    s = add("ls", "list the steps of a run, or the checkpoints in a directory", _LS_EXAMPLES)
+    s.add_argument("root", help="a run's directory (one subdirectory per step) or a directory of checkpoints")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.set_defaults(fn=cmd_ls)
+    s = add("diff", "compare two checkpoints leaf by leaf", _DIFF_EXAMPLES)
+    s.add_argument("a", help="the first checkpoint (xckpt, Orbax, safetensors or DCP)")
+    s.add_argument("b", help="the second checkpoint")
+    s.add_argument("--values", action="store_true",
+                   help="also compare the data of the leaves both hold (streamed, in pieces of bounded size)")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.set_defaults(fn=cmd_diff)
+    s = add("gc", "remove what dead saves left beside their checkpoints", _GC_EXAMPLES)
     s.add_argument("path", help="a directory or prefix of checkpoints, or one checkpoint's path")
     s.add_argument("--older-than", type=float, default=None, metavar="S",
                    help="dead when unrenewed for S seconds (default: XCKPT_STALE_AFTER_S, else 3600)")

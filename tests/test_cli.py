@@ -1,0 +1,354 @@
+"""The command line: ``xckpt ls``, ``xckpt diff`` (structure and ``--values``, across formats, in bounded
+memory), the tables of ``inspect`` and ``validate``, ``--json`` and every command's ``--help`` example."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import xckpt
+from xckpt.cli import main as cli_main
+from xckpt.diff import compare_pieces, diff, pieces, values_equal
+from xckpt.engine.copy import lazy_array
+from xckpt.format.regions import Region
+
+CONF = Path(__file__).resolve().parents[1] / "spec" / "conformance"
+MESH = {"mesh_shape": [2], "axis_names": ["x"], "dim_axes": [["x"], []]}
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = cli_main(list(args))
+    return rc, capsys.readouterr().out
+
+
+def _sharded(a: np.ndarray, sharding: dict[str, Any]) -> Any:
+    """An array leaf to save with a given ``sharding`` entry in the manifest."""
+    return lazy_array(a.shape, a.dtype.name, lambda r: a[r.slices()], sharding=sharding)
+
+
+# -- ls -------------------------------------------------------------------------------------------
+
+
+def _run(root: Path) -> None:
+    """A run: steps 100 and 200 committed, 300 interrupted (partial files, no manifest)."""
+    for step in (100, 200):
+        xckpt.save({"w": np.full((4, 4), step, np.float32), "step": step}, root / str(step))
+    partial = root / "300" / "w"
+    partial.mkdir(parents=True)
+    (partial / "zarr.json").write_text('{"zarr_format": 3, "node_type": "ar')
+    (root / "notes").mkdir()  # not a step
+
+
+def test_ls_steps_text_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _run(tmp_path)
+    rc, out = _cli(capsys, "ls", str(tmp_path))
+    assert rc == 0
+    for header in ("Steps of", "step", "status", "committed at", "size", "leaves", "format"):
+        assert header in out, header
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()[:3] in ("100", "200", "300")}
+    assert set(rows) == {"100", "200", "300"}
+    assert "committed" in rows["100"] and "xckpt" in rows["200"]
+    assert "incomplete" in rows["300"]
+    assert "notes" not in out
+    assert out.splitlines()[-1] == "3 steps, 2 committed, 1 incomplete, latest committed: 200"
+
+    rc, out = _cli(capsys, "ls", "--json", str(tmp_path))
+    assert rc == 0
+    got = json.loads(out)
+    assert got["root"] == str(tmp_path) and got["checkpoints"] == []
+    steps = {s["step"]: s for s in got["steps"]}
+    assert sorted(steps) == [100, 200, 300]
+    assert steps[100]["committed"] and steps[200]["committed"] and not steps[300]["committed"]
+    assert steps[100]["leaves"] == 2 and steps[300]["leaves"] is None
+    assert steps[100]["format"] == "xckpt" and steps[300]["format"] is None
+    assert isinstance(steps[200]["commit_time"], float) and steps[300]["commit_time"] is None
+    assert steps[100]["size_bytes"] > 64 and steps[100]["path"] == str(tmp_path / "100")
+
+
+def test_ls_a_directory_of_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    xckpt.save({"w": np.ones(3), "b": np.zeros(2), "step": 1}, tmp_path / "final")
+    xckpt.save({"w": np.ones(3)}, tmp_path / "best")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "junk").write_text("x")
+    (tmp_path / "a_file").write_text("not a directory")
+    rc, out = _cli(capsys, "ls", str(tmp_path))
+    assert rc == 0
+    for header in ("Checkpoints in", "name", "status", "format", "leaves", "size"):
+        assert header in out, header
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] in (["final"], ["best"], ["broken"])}
+    assert rows["final"].split()[1:4] == ["ok", "xckpt", "3"]
+    assert rows["best"].split()[1:4] == ["ok", "xckpt", "1"]
+    assert "unreadable (manifest.missing)" in rows["broken"]
+    assert "a_file" not in out
+    assert out.splitlines()[-1].endswith("3 directories, 2 checkpoints, 1 unreadable")
+
+    got = json.loads(_cli(capsys, "ls", "--json", str(tmp_path))[1])
+    assert got["steps"] == []
+    by = {c["name"]: c for c in got["checkpoints"]}
+    assert list(by) == ["best", "broken", "final"]
+    assert by["final"]["format"] == "xckpt" and by["final"]["leaves"] == 3 and by["final"]["error"] is None
+    assert by["broken"]["error"]["code"] == "manifest.missing" and by["broken"]["leaves"] is None
+    assert by["final"]["size_bytes"] > 0
+
+    assert cli_main(["ls", str(tmp_path / "nothing")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+
+
+# -- diff: structure ------------------------------------------------------------------------------
+
+
+def _pair(tmp_path: Path) -> tuple[Path, Path]:
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    a = {"w": w, "b": np.ones(4), "i": np.arange(5), "s": _sharded(np.ones((2, 4), np.float32), MESH),
+         "step": 3, "name": "run-1", "gone": np.zeros(2)}
+    b = {"w": w, "b": np.ones(5), "i": np.arange(5, dtype=np.int32),
+         "s": _sharded(np.ones((2, 4), np.float32), {**MESH, "dim_axes": [[], ["x"]]}),
+         "step": 3, "name": 7, "new": np.zeros((2, 2), np.float16)}
+    xckpt.save(a, tmp_path / "a")
+    xckpt.save(b, tmp_path / "b")
+    return tmp_path / "a", tmp_path / "b"
+
+
+def test_diff_structure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = _pair(tmp_path)
+    rc, out = _cli(capsys, "diff", "--json", str(a), str(b))
+    assert rc == 1
+    got = json.loads(out)
+    assert got["a"]["format"] == got["b"]["format"] == "xckpt" and got["a"]["leaves"] == 7
+    assert [d["key"] for d in got["added"]] == ["new"]
+    assert got["added"][0]["shape"] == [2, 2] and got["added"][0]["dtype"] == "float16"
+    assert [d["key"] for d in got["removed"]] == ["gone"]
+    changes = {c["key"]: c["changes"] for c in got["changed"]}
+    assert changes == {"b": ["shape"], "i": ["dtype"], "s": ["sharding"], "name": ["type"]}
+    s = next(c for c in got["changed"] if c["key"] == "s")
+    assert s["a"]["sharding"]["dim_axes"] == [["x"], []] and s["b"]["sharding"]["dim_axes"] == [[], ["x"]]
+    assert got["unchanged"] == 2 and got["values"] is None and got["identical"] is False
+
+    rc, out = _cli(capsys, "diff", str(a), str(b))
+    assert rc == 1
+    for text in ("Added (only in B): 1", "Removed (only in A): 1", "Changed: 4", "key", "what", "dtype / type",
+                 "shape", "sharding"):
+        assert text in out, text
+    assert "mesh [2] [['x'], []]" in out and "mesh [2] [[], ['x']]" in out
+    assert out.splitlines()[-1] == "different: 1 added, 1 removed, 4 changed, 2 unchanged"
+
+    rc, out = _cli(capsys, "diff", str(a), str(a))
+    assert rc == 0 and out.splitlines()[-1] == "identical: 0 added, 0 removed, 0 changed, 7 unchanged"
+
+
+# -- diff: values ---------------------------------------------------------------------------------
+
+
+def _values_pair(tmp_path: Path) -> tuple[Path, Path]:
+    f = np.arange(1000, dtype=np.float32).reshape(10, 100)
+    g = f.copy()
+    g[0, 0] = 0.5          # 0 -> 0.5: abs 0.5, rel 1
+    g[5, 7] += 2           # 507 -> 509: abs 2, rel 2/509
+    g[9, 99] = np.float32(999.25)  # abs 0.25
+    big = np.array([-(2**62), 5, 7], np.int64)
+    nan = np.array([np.nan, 1.0, -0.0])
+    xckpt.save({"f": f, "big": big, "nan": nan, "flag": np.array([True, False, True]), "same": np.ones(3),
+                "cast": np.arange(6, dtype=np.int64), "step": 3, "name": "run", "opt": xckpt.Value([0.5, None, {"b": 2}]),
+                "shape": np.ones(3)}, tmp_path / "a")
+    xckpt.save({"f": g, "big": np.array([2**62, 5, 7], np.int64), "nan": np.array([np.nan, 1.0, 0.0]),
+                "flag": np.array([True, True, True]), "same": np.ones(3), "cast": np.arange(6, dtype=np.int32),
+                "step": 4, "name": "run", "opt": xckpt.Value([0.5, None, {"b": 2.0}]), "shape": np.ones(4)}, tmp_path / "b")
+    return tmp_path / "a", tmp_path / "b"
+
+
+def test_diff_values_exact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = _values_pair(tmp_path)
+    rc, out = _cli(capsys, "diff", "--values", "--json", str(a), str(b))
+    assert rc == 1
+    got = json.loads(out)
+    vals = got["values"]
+    leaves = {v["key"]: v for v in vals["leaves"]}
+    f = leaves["f"]
+    assert (f["elements"], f["differing"], f["equal"]) == (1000, 3, False)
+    assert f["max_abs_diff"] == 2.0 and f["max_rel_diff"] == 1.0
+    big = leaves["big"]  # exact even where the difference does not fit in int64
+    assert big["differing"] == 1 and big["max_abs_diff"] == 2**63 and big["max_rel_diff"] == 2.0
+    assert leaves["nan"]["equal"] and leaves["nan"]["differing"] == 0  # NaN == NaN, 0.0 == -0.0
+    assert leaves["flag"]["differing"] == 1 and leaves["flag"]["max_abs_diff"] == 1
+    assert leaves["same"]["equal"] and leaves["same"]["max_abs_diff"] is None
+    assert leaves["cast"]["equal"] and leaves["cast"]["dtype"] == ["int64", "int32"]  # dtype changed, values same
+    assert leaves["step"] == {"key": "step", "kind": "value", "equal": False, "a": "3", "b": "4"}
+    assert leaves["name"]["equal"] and leaves["opt"]["equal"]
+    assert vals["skipped"] == [{"key": "shape", "reason": "shape [3] in A, [4] in B"}]
+    assert vals["compared"] == 9 and vals["differing"] == 4
+    assert vals["bytes_read"] == 4000 * 2 + 24 * 2 + 24 * 2 + 3 * 2 + 24 * 2 + 48 + 24
+    assert [c["key"] for c in got["changed"]] == ["cast", "shape"]
+
+    # the same counts whatever the piece size (many pieces of one row, and of part of a row)
+    for piece in (400, 64, 4):
+        again = diff(a, b, values=True, piece_bytes=piece)["values"]
+        assert again == vals, piece
+
+    rc, out = _cli(capsys, "diff", "--values", str(a), str(b))
+    assert rc == 1
+    for text in ("Differing arrays: 3", "max abs diff", "max rel diff", "elements", "differing",
+                 "Differing values: 1", "Not compared: 1", "shape [3] in A, [4] in B"):
+        assert text in out, text
+    row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["f"])
+    assert row == ["f", "float32", "1000", "3", "2", "1"]
+    assert next(line.split() for line in out.splitlines() if line.split()[:1] == ["big"])[4] == str(2**63)
+    assert out.splitlines()[-1].startswith("different: 0 added, 0 removed, 2 changed, 8 unchanged; "
+                                           "values: 4 of 9 leaves compared differ")
+
+    rc, out = _cli(capsys, "diff", "--values", str(a), str(a))
+    assert rc == 0 and out.splitlines()[-1].startswith("identical: ")
+
+
+def test_diff_progress_callback(tmp_path: Path) -> None:
+    a, b = _values_pair(tmp_path)
+    calls: list[tuple[int, int]] = []
+    report = diff(a, b, values=True, progress=lambda done, total: calls.append((done, total)), piece_bytes=800)
+    total = report["values"]["bytes_read"]
+    assert calls[0] == (0, total) and calls[-1] == (total, total)
+    assert all(x[0] <= y[0] for x, y in zip(calls, calls[1:])) and len(calls) > 5
+
+
+def test_pieces_tile_the_array() -> None:
+    for shape, itemsize, limit in [((10, 100), 4, 400), ((10, 100), 4, 100), ((7, 3, 5), 8, 40), ((), 4, 1),
+                                   ((0, 5), 4, 16), ((5,), 2, 1 << 20), ((3, 1000), 4, 1000), ((9, 4), 1, 8)]:
+        seen = np.zeros(shape, np.int32)
+        for r in pieces(shape, itemsize, limit):
+            assert r.numel * itemsize <= max(limit, itemsize)
+            seen[r.slices()] += 1
+        assert (seen == 1).all(), shape
+    regions = list(pieces((100, 4), 4, 16 * 30, align=(8, 4)))
+    assert {r.sizes[0] for r in regions[:-1]} == {24}  # 30 rows fit; cut at whole chunks of 8
+    assert list(pieces((4,), 4, 64)) == [Region((0,), (4,))]
+
+
+def test_compare_pieces_and_values_equal() -> None:
+    got = compare_pieces(np.array([1.0, np.inf, -np.inf, 3.0]), np.array([1.0, np.inf, 0.0, np.nan]))
+    assert got == {"elements": 4, "differing": 2, "max_abs_diff": "inf", "max_rel_diff": None, "equal": False}
+    got = compare_pieces(np.array([1, 2], np.uint64), np.array([1, 2**64 - 1], np.uint64))
+    assert got["max_abs_diff"] == 2**64 - 3 and got["differing"] == 1
+    got = compare_pieces(np.array([1 + 1j, 2]), np.array([1 + 1j, 2 + 2j]))
+    assert got["differing"] == 1 and math.isclose(got["max_abs_diff"], 2.0)
+    assert values_equal({"a": [1, (2.0, float("nan"))]}, {"a": (1, [2, float("nan")])})
+    assert values_equal(np.float32(1.5), 1.5) and not values_equal({"a": 1}, {"b": 1})
+    assert not values_equal([1, 2], [1, 2, 3]) and not values_equal("x", 1)
+
+
+# -- diff: across formats -------------------------------------------------------------------------
+
+
+def _tree() -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    return {"params": {"w": rng.standard_normal((8, 16)).astype(np.float32), "b": np.arange(16, dtype=np.int32)},
+            "layers": [{"k": rng.standard_normal((2, 3))}, {"k": np.ones(4, np.float32)}], "step": 7}
+
+
+def test_diff_xckpt_against_orbax(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tree = _tree()
+    xckpt.save(tree, tmp_path / "x")
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "orbax", tree)
+        changed = _tree()
+        changed["params"]["w"][3, 5] += 1.0
+        ckptr.save(tmp_path / "orbax2", changed)
+    rc, out = _cli(capsys, "diff", "--values", "--json", str(tmp_path / "x"), str(tmp_path / "orbax"))
+    got = json.loads(out)
+    assert rc == 0 and got["identical"], got
+    assert got["a"]["format"] == "xckpt" and got["b"]["format"] == "orbax"
+    assert got["values"]["compared"] == 5 and got["values"]["differing"] == 0 and got["unchanged"] == 5
+    rc, out = _cli(capsys, "diff", "--values", "--json", str(tmp_path / "x"), str(tmp_path / "orbax2"))
+    got = json.loads(out)
+    assert rc == 1 and [v["key"] for v in got["values"]["leaves"] if not v["equal"]] == ["params/w"]
+    w = next(v for v in got["values"]["leaves"] if v["key"] == "params/w")
+    assert w["differing"] == 1 and math.isclose(w["max_abs_diff"], 1.0, rel_tol=1e-6)
+
+
+def test_diff_xckpt_against_dcp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """DCP has no reader of its own: ``diff`` compares through a temporary xckpt copy, removed after."""
+    torch = pytest.importorskip("torch")
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    import warnings
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.from_numpy(w.copy()), "b": torch.ones(4), "step": 5}, checkpoint_id=str(tmp_path / "dcp"))
+    xckpt.save({"w": w, "b": np.ones(4, np.float32), "step": 5}, tmp_path / "x")
+    before = set(os.listdir(tempfile.gettempdir()))
+    rc, out = _cli(capsys, "diff", "--values", "--json", str(tmp_path / "x"), str(tmp_path / "dcp"))
+    got = json.loads(out)
+    assert rc == 0 and got["identical"] and got["b"]["format"] == "dcp" and got["values"]["compared"] == 3
+    assert not {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("xckpt-diff")}
+
+
+def test_diff_values_in_bounded_memory(tmp_path: Path) -> None:
+    """``diff --values`` of two 200 MB checkpoints streams them: peak RSS grows by far less than one of them."""
+    a = np.arange(50_000_000, dtype=np.float32).reshape(5000, 10000)  # 200 MB
+    xckpt.save({"w": a, "step": 1}, tmp_path / "a")
+    a[17, 5] += 64.0
+    largest = float(a[4999, 9999]) + 1.0
+    a[4999, 9999] = -1.0
+    xckpt.save({"w": a, "step": 1}, tmp_path / "b")
+    del a
+    code = textwrap.dedent(f"""
+        import contextlib, io, json, resource, sys
+        from xckpt.cli import main
+        import xckpt.diff, xckpt.engine.copy, xckpt.sources.detect, xckpt.cli_render  # imports are not the diff's
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = main(["diff", "--values", "--json", {str(tmp_path / "a")!r}, {str(tmp_path / "b")!r}])
+        grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+        print(json.dumps({{"rc": rc, "grown": grown, "report": json.loads(out.getvalue())}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    w = next(v for v in got["report"]["values"]["leaves"] if v["key"] == "w")
+    assert got["rc"] == 1 and w["differing"] == 2 and w["elements"] == 50_000_000
+    assert w["max_abs_diff"] == largest and got["report"]["values"]["bytes_read"] == 400_000_000
+    assert got["grown"] < 150 << 20, f"peak RSS grew by {got['grown'] >> 20} MiB"
+
+
+# -- inspect, validate, help ----------------------------------------------------------------------
+
+
+def test_inspect_and_validate_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    xckpt.save({"w": _sharded(np.ones((2, 4), np.float32), MESH), "step": 3}, tmp_path / "c")
+    rc, out = _cli(capsys, "inspect", str(tmp_path / "c"))
+    assert rc == 0
+    for text in ("Leaves", "key", "dtype / type", "shape", "size", "sharding", "mesh [2] [['x'], []]", "(value)"):
+        assert text in out, text
+    assert out.splitlines()[-1] == "1 arrays, 1 values, 32 B of array data"
+    info = json.loads(_cli(capsys, "inspect", "--json", str(tmp_path / "c"))[1])
+    assert info["arrays"] == 1 and info["leaves"][0]["key"] == "w"
+
+    rc, out = _cli(capsys, "validate", str(CONF / "invalid" / "chunk_missing" / "checkpoint"))
+    assert rc == 1
+    for text in ("Findings", "severity", "code", "message", "ERROR", "chunk.missing"):
+        assert text in out, text
+    assert out.splitlines()[-1].startswith("INVALID: ")
+    rc, out = _cli(capsys, "validate", "--deep", str(tmp_path / "c"))
+    report = xckpt.validate(tmp_path / "c", deep=True)
+    assert rc == 0 and out.splitlines() == [f"OK: {tmp_path / 'c'} (1 arrays, {report.chunks} chunk objects, "
+                                            f"{report.bytes_checked} bytes crc-checked)"]
+    assert capsys.readouterr().err == ""  # no progress off a terminal
+
+
+@pytest.mark.parametrize("command", ["inspect", "validate", "convert", "ls", "diff", "gc"])
+def test_help_shows_an_example(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli_main([command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and f"\n  xckpt {command} " in out

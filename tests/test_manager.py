@@ -1,0 +1,314 @@
+"""The checkpoint manager (:class:`xckpt.CheckpointManager`) and :func:`xckpt.list_steps`.
+
+* a JAX training loop in one process: the interval policy, a time interval, a save request, a
+  SIGTERM, retention (last N, every K steps, best by a metric, younger than a duration; a step
+  being read is kept; nothing but committed steps is ever deleted), resuming from the latest;
+* a PyTorch loop on 2 gloo ranks (module, AdamW, RNG state, a data loader's state): a save
+  request and a SIGTERM on one rank that both ranks agree on, retention, resuming;
+* a process killed by SIGKILL at points of a manager save: the last committed step is the
+  latest and restores exactly, and the next save removes the dead save's leftovers;
+* Orbax's ``CheckpointManager`` lists and restores a run written by xckpt's (metrics
+  included), and xckpt's lists, restores and continues a run written by Orbax's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import xckpt
+from xckpt.errors import XckptError
+
+import manager_workers as mw
+
+HERE = Path(__file__).parent
+
+
+def _entries(root: Path) -> list[str]:
+    return sorted(os.listdir(root))
+
+
+def _params(step: int) -> dict[str, np.ndarray]:
+    """The JAX loop's parameters after ``step`` (as numpy)."""
+    return {"w": np.arange(24, dtype=np.float32).reshape(4, 6) * 0.25 + step,
+            "b": np.full((6,), -step, dtype=np.int32)}
+
+
+def _backdate(step_dir: Path, seconds: float) -> None:
+    """Make a step look committed ``seconds`` ago (its ``_CHECKPOINT_METADATA`` commit time)."""
+    f = step_dir / "_CHECKPOINT_METADATA"
+    meta = json.loads(f.read_text())
+    meta["commit_timestamp_nsecs"] = int((time.time() - seconds) * 1e9)
+    f.write_text(json.dumps(meta))
+
+
+# -- list_steps ---------------------------------------------------------------------------------
+
+
+def test_list_steps_layouts(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    xckpt.save({"a": np.arange(5.0), "n": 1}, root / "5", metadata={"manager": {"metrics": {"acc": 0.5}}})
+    xckpt.save({"a": np.arange(3.0)}, root / "7" / "default")  # a CheckpointManager step's item
+    (root / "9").mkdir()  # incomplete: no checkpoint
+    (root / (".11.xckpt-tmp-" + "0" * 32)).mkdir()  # what a save leaves beside its destination
+    (root / "12").write_text("a file, not a step")
+    os.symlink(root / "5", root / "13")  # a link is never a step
+    (root / "step_x").mkdir()
+    steps = xckpt.list_steps(root)
+    assert [(s.step, s.committed, s.format, s.leaves) for s in steps] == [
+        (5, True, "xckpt", 2), (7, True, "xckpt", 1), (9, False, None, None)]
+    five = steps[0]
+    assert five.path == str(root / "5") and five.metrics == {"acc": 0.5}
+    assert five.size_bytes == sum(p.stat().st_size for p in (root / "5").rglob("*") if p.is_file())
+    assert five.commit_time is not None and abs(five.commit_time - time.time()) < 60
+    assert steps[2].size_bytes == 0 and steps[2].metrics == {} and steps[2].commit_time is None
+    assert [s.size_bytes for s in xckpt.list_steps(root, sizes=False)] == [None, None, None]
+    assert xckpt.list_steps(tmp_path / "missing") == []
+
+
+# -- JAX, one process ------------------------------------------------------------------------------
+
+
+def test_jax_loop_policies_retention_resume(tmp_path: Path) -> None:
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "notes.txt").write_text("kept")
+    (root / "3").mkdir()  # an integer-named directory without a checkpoint: never deleted
+    (root / "logs").mkdir()
+
+    def loss_of(step: int) -> float:
+        return abs(step - 10) + 1.0  # best (lowest) at step 10
+
+    original = signal.getsignal(signal.SIGTERM)
+    saved = []
+    with xckpt.CheckpointManager(root, save_interval_steps=5, max_to_keep=2, keep_period=20, best_fn="loss",
+                                 best_mode="min", keep_best=1, preemption_signal=signal.SIGTERM) as m:
+        assert m.coordinator.world_size == 1
+        for step in range(1, 41):
+            state = {"params": {k: jnp.asarray(v) for k, v in _params(step).items()}, "step": step}
+            if step == 23:
+                m.request_save()  # a user-set flag
+            if step == 31:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if m.should_save(step):
+                assert m.should_save(step)  # asked again: the same answer
+                assert m.save(step, state, metrics={"loss": loss_of(step)})
+                saved.append(step)
+            else:
+                assert not m.save(step, state)  # save() asks the policy itself
+            assert m.reached_preemption(step) == (step >= 31)
+        m.wait()
+        assert saved == [5, 10, 15, 20, 23, 25, 30, 31, 35, 40]
+        infos = m.all_steps()
+        # last 2 (35, 40), every 20 (20, 40), best loss (10); 23 and 31 (unscheduled) went too
+        assert [s.step for s in infos] == [10, 20, 35, 40]
+        assert [s.metrics["loss"] for s in infos] == [1.0, 11.0, 26.0, 31.0]
+        assert all(s.format == "xckpt" and s.leaves == 3 and s.size_bytes and s.commit_time for s in infos)
+        assert m.latest_step() == 40
+        with pytest.raises(XckptError) as exc:
+            m.save(40, {"x": np.zeros(1)}, force=True)
+        assert exc.value.code == "manager.step_exists"
+    assert signal.getsignal(signal.SIGTERM) == original
+    assert _entries(root) == ["10", "20", "3", "35", "40", "logs", "notes.txt"]
+
+    # younger-than and a step being read, in a new manager over the same run
+    _backdate(root / "10", 7200)
+    _backdate(root / "20", 7200)
+    with xckpt.CheckpointManager(root, max_to_keep=1, keep_younger_than_s=3600) as m:
+        with m.reading(10):
+            m.save(45, {"params": _params(45), "step": 45}, force=True)
+            m.wait()
+            assert [s.step for s in m.all_steps()] == [10, 35, 40, 45]  # 20 is old; 10 is being read
+        assert m.steps_to_delete() == [10]
+        m.save(46, {"params": _params(46), "step": 46}, force=True)
+        m.wait()
+        assert [s.step for s in m.all_steps()] == [35, 40, 45, 46]
+
+    # a time interval
+    with xckpt.CheckpointManager(root, save_interval_s=0.3) as m:
+        assert not m.should_save(47)
+        time.sleep(0.35)
+        assert m.should_save(48)
+        assert not m.should_save(46)  # not newer than the last saved step
+
+    # resume: the latest, into abstract JAX arrays; an older step by number
+    with xckpt.CheckpointManager(root) as m:
+        assert m.latest_step() == 46
+        like = {"params": {"w": jax.ShapeDtypeStruct((4, 6), jnp.float32), "b": jax.ShapeDtypeStruct((6,), jnp.int32)},
+                "step": 0}
+        out = m.restore(like=like)
+        assert out["step"] == 46 and isinstance(out["params"]["w"], jax.Array)
+        for k, v in _params(46).items():
+            np.testing.assert_array_equal(np.asarray(out["params"][k]), v)
+        old = m.restore(35)
+        for k, v in _params(35).items():
+            np.testing.assert_array_equal(old["params"][k], v)
+        with pytest.raises(XckptError):
+            m.restore(3)  # incomplete
+
+
+def test_best_only_keeps_the_newest(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with xckpt.CheckpointManager(root, save_interval_steps=1, keep_best=1, best_fn=lambda mt: mt["acc"][1]) as m:
+        for step, acc in ((1, 0.9), (2, 0.5), (3, 0.4), (4, 0.1)):
+            assert m.save(step, {"x": np.full(3, step)}, metrics={"acc": [0, np.float32(acc)]})
+        m.wait()
+        # the best (1) and the newest committed (4), which is never deleted
+        infos = m.all_steps()
+        assert [s.step for s in infos] == [1, 4]
+        assert infos[0].metrics == {"acc": [0, float(np.float32(0.9))]}  # numpy scalars recorded as numbers
+        np.testing.assert_array_equal(m.restore()["x"], np.full(3, 4))
+
+
+def test_no_step(tmp_path: Path) -> None:
+    with xckpt.CheckpointManager(tmp_path / "empty") as m:
+        assert m.latest_step() is None and m.all_steps() == []
+        with pytest.raises(XckptError) as exc:
+            m.restore()
+        assert exc.value.code == "manager.no_step"
+    with pytest.raises(XckptError) as exc:
+        m.save(1, {"a": np.zeros(2)}, force=True)
+    assert exc.value.code == "manager.closed"
+
+
+# -- PyTorch, 2 gloo ranks ------------------------------------------------------------------------
+
+
+def test_torch_two_ranks(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    import torch_workers
+
+    results = torch_workers.run_group(2, "manager_workers:manager_torch", tmp_path, timeout=120)
+    assert results[0] == results[1]  # every decision agreed
+    assert results[0]["saved"] == [3, 5, 6, 7]
+    assert [s.step for s in xckpt.list_steps(tmp_path / "run") if s.committed] == [6, 7]
+    assert _entries(tmp_path / "run") == ["6", "7"]  # nothing else left behind
+
+
+# -- JAX, 2 processes ------------------------------------------------------------------------------
+
+
+def test_jax_two_processes(tmp_path: Path) -> None:
+    pytest.importorskip("jax")
+    import torch_workers
+
+    port = str(torch_workers.free_port())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, str(HERE / "manager_workers.py"), "jax", str(r), port, str(tmp_path / "run")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=120)[0].decode())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"OK {r}" in out, out[-3000:]
+    assert [s.step for s in xckpt.list_steps(tmp_path / "run") if s.committed] == [6, 8]
+    assert _entries(tmp_path / "run") == ["6", "8"]  # nothing else left behind
+
+
+# -- kill -9 during a manager save -------------------------------------------------------------
+
+
+#: Points an asynchronous save of one process reaches: staged, written, half committed, committed in staging.
+KILL_POINTS = ("after_stage", "before_status", "after_commit_marker", "before_publish", "after_publish")
+
+
+def test_kill_during_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    env.pop("XCKPT_FAILPOINTS", None)
+    procs = {p: subprocess.Popen([sys.executable, str(HERE / "manager_workers.py"), "kill", str(tmp_path / p), p],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for p in KILL_POINTS}
+    for point, proc in procs.items():
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == -signal.SIGKILL, (point, proc.returncode, out.decode()[-2000:])
+    monkeypatch.setenv("XCKPT_STALE_AFTER_S", "0.2")
+    time.sleep(0.3)
+    for point in KILL_POINTS:
+        root = tmp_path / point
+        assert [(s.step, s.committed) for s in xckpt.list_steps(root)] == [(1, True), (2, True)], point
+        leftovers = [e for e in _entries(root) if e not in ("1", "2")]
+        assert leftovers, point  # the dead save left something behind
+        with xckpt.CheckpointManager(root, save_interval_steps=1) as m:
+            assert m.latest_step() == 2
+            got = m.restore()
+            want = mw.numpy_state(2)
+            assert got["step"] == 2
+            np.testing.assert_array_equal(got["a"], want["a"])
+            np.testing.assert_array_equal(got["b"]["c"], want["b"]["c"])
+            np.testing.assert_array_equal(got["b"]["d"], want["b"]["d"])
+            assert m.save(3, mw.numpy_state(3))
+            m.wait()
+        assert _entries(root) == ["1", "2", "3"], (point, _entries(root))  # the leftovers are gone
+        np.testing.assert_array_equal(xckpt.load(root / "3")["a"], mw.numpy_state(3)["a"])
+
+
+# -- Orbax both ways --------------------------------------------------------------------------------
+
+
+def test_orbax_reads_xckpt_run(tmp_path: Path) -> None:
+    ocp = pytest.importorskip("orbax.checkpoint")
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    root = tmp_path / "run"
+    losses = {2: 0.7, 4: 0.2, 6: 0.5}
+    with xckpt.CheckpointManager(root, save_interval_steps=2) as m:
+        for step in range(1, 7):
+            state = {"params": {k: jnp.asarray(v) for k, v in _params(step).items()}, "step": step}
+            m.save(step, state, metrics={"loss": losses.get(step, 0.0)})
+    om = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(best_fn=lambda mt: mt["loss"],
+                                                                          best_mode="min"))
+    assert list(om.all_steps()) == [2, 4, 6] and om.latest_step() == 6
+    assert om.best_step() == 4  # Orbax read the metrics the manager recorded
+    abstract = {"params": {"w": jax.ShapeDtypeStruct((4, 6), jnp.float32), "b": jax.ShapeDtypeStruct((6,), jnp.int32)},
+                "step": 0}
+    out = om.restore(om.latest_step(), args=ocp.args.StandardRestore(abstract))
+    assert int(out["step"]) == 6
+    for k, v in _params(6).items():
+        np.testing.assert_array_equal(np.asarray(out["params"][k]), v)
+    om.close()
+
+
+def test_xckpt_reads_and_continues_orbax_run(tmp_path: Path) -> None:
+    ocp = pytest.importorskip("orbax.checkpoint")
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    root = tmp_path / "run"
+    opts = ocp.CheckpointManagerOptions(best_fn=lambda mt: mt["loss"], best_mode="min")
+    with ocp.CheckpointManager(root, options=opts) as om:
+        for step in (10, 20, 30):
+            tree = {"params": {k: jnp.asarray(v) for k, v in _params(step).items()}, "step": step}
+            om.save(step, args=ocp.args.StandardSave(tree), metrics={"loss": 1.0 / step})
+        om.wait_until_finished()
+    with xckpt.CheckpointManager(root, max_to_keep=2) as m:
+        infos = m.all_steps()
+        assert [(s.step, s.format, s.committed) for s in infos] == [(10, "orbax", True), (20, "orbax", True),
+                                                                   (30, "orbax", True)]
+        assert [s.metrics for s in infos] == [{"loss": 0.1}, {"loss": 0.05}, {"loss": 1.0 / 30}]
+        assert all(s.commit_time and s.size_bytes and s.leaves == 3 for s in infos)
+        assert m.latest_step() == 30
+        out = m.restore()
+        assert int(out["step"]) == 30
+        for k, v in _params(30).items():
+            np.testing.assert_array_equal(np.asarray(out["params"][k]), v)
+        m.save(40, {"params": {k: jnp.asarray(v) for k, v in _params(40).items()}, "step": 40}, force=True)
+        m.wait()
+        assert [s.step for s in m.all_steps()] == [30, 40]  # Orbax's steps are retained like its own
+    with ocp.CheckpointManager(root) as om:  # and Orbax reads the mixed run
+        assert list(om.all_steps()) == [30, 40]
+        out = om.restore(40)
+        np.testing.assert_array_equal(np.asarray(out["params"]["w"]), _params(40)["w"])

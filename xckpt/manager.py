@@ -1,0 +1,655 @@
+"""A run's checkpoints, one per step: :func:`list_steps` and :class:`CheckpointManager`.
+
+A *run* is a root directory holding one subdirectory per step, named by the step as a decimal
+integer (``<root>/<step>/``, Orbax's default step naming). The manager writes each step as an
+Orbax ``CheckpointManager`` step: the xckpt checkpoint is the step's ``default`` item
+(``<root>/<step>/default/``), and ``_CHECKPOINT_METADATA`` and ``commit_success.txt`` sit at
+the top of the step (see the manager for why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import stat
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from xckpt import registry
+from xckpt.engine import atomic, claims, collective
+from xckpt.engine.collective import Coordinator, LocalCoordinator
+from xckpt.engine.commit import COMMIT_TEXT
+from xckpt.engine.storage import LocalStore, Location
+from xckpt.errors import NotACheckpointError, UnsupportedError, XckptError, XckptWarning
+from xckpt.format import names, orbax_view
+from xckpt.load import load
+from xckpt.save import save_async
+from xckpt.sources.detect import open_checkpoint
+
+__all__ = ["StepInfo", "list_steps", "step_of", "CheckpointManager"]
+
+#: The item an Orbax ``CheckpointManager`` stores a single unnamed checkpoint in.
+DEFAULT_ITEM = "default"
+#: The item (a directory holding one JSON file of the same name) Orbax's ``CheckpointManager`` keeps metrics in.
+METRICS_ITEM = "metrics"
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One step of a run (see :func:`list_steps`)."""
+
+    step: int
+    #: The step's directory.
+    path: str
+    #: Whether it holds a complete checkpoint (xckpt's manifest, or Orbax's commit marker or commit time).
+    committed: bool
+    #: When it was committed, in seconds since the epoch: ``_CHECKPOINT_METADATA``'s
+    #: ``commit_timestamp_nsecs``, else the manifest file's modification time; None when unknown.
+    commit_time: float | None
+    #: Bytes of the step's files (links are not followed); None if not computed.
+    size_bytes: int | None
+    #: Number of leaves of the checkpoint; None for an incomplete step.
+    leaves: int | None
+    #: Custom metrics recorded at save (empty if none).
+    metrics: dict[str, Any] = field(default_factory=dict)
+    #: ``"xckpt"`` or ``"orbax"``: who wrote the checkpoint; None for an incomplete step.
+    format: str | None = None
+
+
+def step_of(name: str) -> int | None:
+    """The step a directory name stands for (a plain decimal integer, Orbax's default naming), else None."""
+    if name and name.isascii() and name.isdigit():
+        return int(name)
+    return None
+
+
+def _json_object(path: str) -> dict[str, Any] | None:
+    """A small JSON object file (None when missing, a link, not a regular file, or not a JSON object)."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > (1 << 24):
+            return None
+        with open(path, "rb") as f:
+            obj = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _regular(path: str) -> os.stat_result | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
+def tree_size(path: str) -> int | None:
+    """Bytes of the regular files below the directory ``path`` (no link is followed); None if unreadable."""
+    try:
+        store = LocalStore(path)
+    except (OSError, XckptError):
+        return None
+    total = 0
+    try:
+        for name, kind in store.walk():
+            if kind == "file":
+                st = _regular(os.path.join(path, name))
+                total += st.st_size if st is not None else 0
+    except (OSError, XckptError):
+        return None
+    finally:
+        store.close()
+    return total
+
+
+def _step_info(step: int, path: str, *, sizes: bool = True) -> StepInfo:
+    """What the step directory ``path`` holds."""
+    meta = _json_object(os.path.join(path, names.ORBAX_CHECKPOINT_METADATA))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            src = open_checkpoint(path)
+    except (XckptError, OSError, ValueError):
+        return StepInfo(step, path, False, None, tree_size(path) if sizes else None, None, {}, None)
+    try:
+        fmt = src.format
+        leaves = len(src.manifest.leaves)
+        manifest_meta = src.manifest.metadata if fmt == "xckpt" else {}
+        item_loc = src.loc
+    finally:
+        src.close()
+    item = item_loc.local_path if item_loc.is_local else path
+    item_meta = meta if meta is not None else _json_object(os.path.join(item, names.ORBAX_CHECKPOINT_METADATA))
+    manifest_file = os.path.join(item, names.MANIFEST)
+    manifest_st = _regular(manifest_file) if fmt == "xckpt" else None
+    if fmt == "xckpt":
+        committed = manifest_st is not None
+    else:  # as Orbax decides: the commit marker, or a commit time recorded at finalisation; a step without
+        # _CHECKPOINT_METADATA (older Orbax) exists only complete on a local file system (an atomic rename)
+        committed = meta is None or _regular(os.path.join(path, names.COMMIT)) is not None or \
+            isinstance(meta.get("commit_timestamp_nsecs"), int)
+    commit_time: float | None = None
+    ts = (item_meta or {}).get("commit_timestamp_nsecs")
+    if isinstance(ts, int) and not isinstance(ts, bool):
+        commit_time = ts / 1e9
+    elif manifest_st is not None:
+        commit_time = manifest_st.st_mtime
+    metrics: dict[str, Any] = {}
+    mine = manifest_meta.get("manager") if isinstance(manifest_meta, dict) else None
+    orbax_metrics = _json_object(os.path.join(path, METRICS_ITEM, METRICS_ITEM))
+    if isinstance(mine, dict) and isinstance(mine.get("metrics"), dict):
+        metrics = dict(mine["metrics"])
+    elif orbax_metrics is not None:
+        metrics = orbax_metrics
+    elif isinstance((meta or {}).get("metrics"), dict):
+        metrics = dict(meta["metrics"])  # type: ignore[index]
+    return StepInfo(step, path, committed, commit_time, tree_size(path) if sizes else None,
+                    leaves if committed else None, metrics if committed else {}, fmt if committed else None)
+
+
+def _step_dirs(root: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every directory (not a link) under ``root`` named by a step, sorted by step."""
+    try:
+        with os.scandir(root) as it:
+            entries = [(step_of(e.name), e) for e in it]
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise XckptError(f"cannot list {root}: {exc.strerror}", code="io.read", file=root) from None
+    out = [(s, e.path) for s, e in entries if s is not None and e.is_dir(follow_symlinks=False)]
+    return sorted(out)
+
+
+def list_steps(root: str | os.PathLike[str], *, sizes: bool = True) -> list[StepInfo]:
+    """Every step of the run at ``root``, sorted by step, incomplete ones included (``committed=False``).
+
+    A step is a subdirectory (not a link) named by a decimal integer; it is committed when it
+    holds a checkpoint xckpt opens (xckpt's own, at the top or as the ``default`` item, or an
+    Orbax ``CheckpointManager`` step). What a save leaves beside its destination
+    (``.<step>.xckpt-tmp-*``) is not a step. ``sizes=False`` skips walking the files
+    (``size_bytes`` is then None). A missing root has no steps.
+    """
+    loc = Location.of(root)
+    if not loc.is_local:
+        raise UnsupportedError(f"{loc}: listing the steps of a run needs a local directory")
+    return [_step_info(step, path, sizes=sizes) for step, path in _step_dirs(loc.local_path)]
+
+
+# -- the manager -------------------------------------------------------------------------------------
+
+#: What the manager leaves beside the steps while it works: ``.<step>.xckpt-step-<token>`` (a step being
+#: written, moved to ``<step>`` once committed) and ``.<step>.xckpt-deleting-<token>`` (a step being deleted).
+MANAGER_LEFTOVER = re.compile(r"\.(?P<step>[0-9]+)\.xckpt-(?P<kind>step|deleting)-(?P<token>[0-9a-f]{32})")
+#: The handler Orbax's ``CheckpointManager`` records for a single item saved with ``StandardSave``.
+ORBAX_HANDLER = orbax_view.HANDLER
+#: Orbax's ``CheckpointManager`` keeps a step's metrics as a JSON item ``metrics/metrics``, written by this handler.
+ORBAX_METRICS_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
+_BEST_MODES = ("max", "min")
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-able copy of a metrics value (numpy and framework scalars become Python numbers)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    item = getattr(value, "item", None)
+    if callable(item):
+        return item()
+    raise TypeError(f"metric value {value!r} ({type(value).__name__}) is not a number, string, list or dict")
+
+
+def _newest_mtime(path: str) -> float | None:
+    """The newest modification time of ``path`` and of the entries at its top (no link followed)."""
+    try:
+        newest = os.lstat(path).st_mtime
+        with os.scandir(path) as it:
+            for e in it:
+                try:
+                    newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+                except OSError:
+                    pass
+    except OSError:
+        return None
+    return newest
+
+
+@dataclass
+class _InFlight:
+    """A save started by :meth:`CheckpointManager.save`, not yet finished on this process."""
+
+    step: int
+    staging: str
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    #: The last step saved before this one (what :meth:`CheckpointManager.should_save` compares with if it fails).
+    previous: int | None = None
+
+
+class CheckpointManager:
+    """The checkpoints of one training run: when to save, saving in the background, what to keep, resuming.
+
+    Every process of the job creates one over the same ``root`` and calls :meth:`should_save`,
+    :meth:`save`, :meth:`wait`, :meth:`restore` and :meth:`close` alike (they agree through the
+    job's coordinator: ``torch.distributed`` or ``jax.distributed`` when one is up, else this
+    process alone). Step ``s`` is written to ``<root>/<s>/`` as an Orbax ``CheckpointManager``
+    step: the xckpt checkpoint is the ``default`` item, ``_CHECKPOINT_METADATA`` and
+    ``commit_success.txt`` are at the top, and the custom metrics are in Orbax's ``metrics`` item
+    (and in the manifest's ``metadata["manager"]``). The step is written under a hidden name
+    beside it (``.<s>.xckpt-step-<token>``) and moved into place once committed, so
+    ``<root>/<s>/`` only ever appears complete. Creating a manager is collective too.
+
+    When to save (:meth:`should_save`): every ``save_interval_steps`` steps, every
+    ``save_interval_s`` seconds, and when a save was requested (:meth:`request_save`, or the
+    signal ``preemption_signal`` when one is given: a handler is installed for it). Every
+    process's decision is ORed, so all decide alike.
+
+    What to keep, once a newer step committed: the last ``max_to_keep``, every step that is a
+    multiple of ``keep_period``, the ``keep_best`` best by ``best_fn`` (a function of the
+    metrics, or a metric's name; ``best_mode`` ``"max"`` or ``"min"``), and those committed
+    less than ``keep_younger_than_s`` seconds ago. A step any of these keeps is kept; with none
+    given, every step is. The newest committed step is always kept, a step being restored by
+    this process is kept until the restore ends, and only committed checkpoints the manager
+    recognises are ever deleted, by the coordinating process alone.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, save_interval_steps: int | None = None,
+                 save_interval_s: float | None = None, preemption_signal: int | None = None,
+                 max_to_keep: int | None = None, keep_period: int | None = None,
+                 best_fn: Callable[[dict[str, Any]], float] | str | None = None, best_mode: str = "max",
+                 keep_best: int | None = None, keep_younger_than_s: float | None = None,
+                 async_save: bool = True, coordinator: Coordinator | None = None,
+                 save_options: dict[str, Any] | None = None) -> None:
+        """See the class documentation; ``save_options`` are passed to :func:`xckpt.save_async`
+        (``compression``, ``commit_timeout_s``, ...). ``root`` must be a local directory."""
+        loc = Location.of(root)
+        if not loc.is_local:
+            raise UnsupportedError(f"{loc}: a checkpoint manager needs a local directory")
+        for name, value in (("save_interval_steps", save_interval_steps), ("max_to_keep", max_to_keep),
+                            ("keep_period", keep_period), ("keep_best", keep_best)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, not {value!r}")
+        if best_mode not in _BEST_MODES:
+            raise ValueError(f"best_mode must be 'max' or 'min', not {best_mode!r}")
+        if keep_best is not None and best_fn is None:
+            raise ValueError("keep_best needs best_fn (a function of the metrics, or a metric's name)")
+        self.root = loc.local_path
+        self.save_interval_steps = save_interval_steps
+        self.save_interval_s = save_interval_s
+        self.max_to_keep = max_to_keep
+        self.keep_period = keep_period
+        self.best_fn: Callable[[dict[str, Any]], float] | None = (
+            (lambda m, _k=best_fn: m[_k]) if isinstance(best_fn, str) else best_fn)
+        self.best_mode = best_mode
+        self.keep_best = keep_best
+        self.keep_younger_than_s = keep_younger_than_s
+        self.async_save = async_save
+        self.save_options = dict(save_options or {})
+        if coordinator is None:
+            registry.autoload()
+            coordinator = registry.default_coordinator()
+        self.coordinator: Coordinator = coordinator if coordinator is not None else LocalCoordinator()
+        self._lock = threading.Lock()
+        self._reading: dict[int, int] = {}  # step -> restores of it in progress in this process
+        self._inflight: _InFlight | None = None
+        self._requested = False  # a save was asked for on this process (request_save, or the signal)
+        self._signalled = False  # the preemption signal arrived on this process
+        self.preempted = False  # agreed: some process got the preemption signal
+        self._decided: tuple[int, bool] | None = None
+        self._last_time = time.monotonic()
+        last = self.latest_step() if self.coordinator.rank == collective.ROOT else None
+        if self.coordinator.world_size > 1:  # every process compares steps with the same last one
+            last = collective.broadcast(self.coordinator, last)
+        self._last_step: int | None = last
+        self._closed = False
+        self._old_handler: Any = None
+        self._signal = preemption_signal
+        if preemption_signal is not None:
+            self._old_handler = signal.signal(preemption_signal, self._on_signal)
+
+    # -- when to save --------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signalled = True
+        self._requested = True
+
+    def request_save(self) -> None:
+        """Ask for a save at the next :meth:`should_save` (on any one process: every process then agrees)."""
+        self._requested = True
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether some process got the preemption signal (as agreed at the last :meth:`should_save`)."""
+        return self.preempted
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save ``step``, the same answer on every process (collective: every process calls it).
+
+        True when a policy says so on any process (see the class documentation); False for a
+        step not newer than the last one saved. Asking again for the same step gives the same answer.
+        """
+        if self._decided is not None and self._decided[0] == step:
+            return self._decided[1]
+        if self._last_step is not None and step <= self._last_step:
+            return False
+        want = self._requested or (self.save_interval_steps is not None and step % self.save_interval_steps == 0) or \
+            (self.save_interval_s is not None and time.monotonic() - self._last_time >= self.save_interval_s)
+        if self.coordinator.world_size > 1:
+            votes = collective.all_gather(self.coordinator, [bool(want), bool(self._signalled)])
+            want = any(v[0] for v in votes)
+            self.preempted = self.preempted or any(v[1] for v in votes)
+        else:
+            self.preempted = self.preempted or self._signalled
+        self._decided = (step, bool(want))
+        return bool(want)
+
+    # -- saving ----------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, *, force: bool = False, metrics: dict[str, Any] | None = None) -> bool:
+        """Save ``state`` as ``step`` if :meth:`should_save` says so (always with ``force``); returns whether
+        it did. Collective: every process calls it with its own part of ``state``.
+
+        Asynchronous by default: returns once this process's part of the state is copied to the
+        host; :meth:`wait` waits for the commit. ``metrics`` (numbers, strings, lists and dicts)
+        are recorded with the step (the manifest's ``metadata["manager"]`` and Orbax's
+        ``_CHECKPOINT_METADATA``) for :meth:`all_steps` and ``best_fn``; the coordinating
+        process's are kept. A step that is already in ``root`` is an error (``manager.step_exists``).
+        """
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"a step is a non-negative integer, not {step!r}")
+        if not force and not self.should_save(step):
+            return False
+        self._finish()  # the previous save: its outcome agreed on by every process
+        plain_metrics = _plain(dict(metrics or {}))
+        coord = self.coordinator
+        if coord.rank == collective.ROOT:
+            plan = self._prepare_step(step)
+        else:
+            plan = None
+        if coord.world_size > 1:
+            plan = collective.broadcast(coord, plan)
+        assert plan is not None
+        if "error" in plan:
+            raise XckptError(plan["error"], code=plan["code"], file=os.path.join(self.root, str(step)))
+        staging = os.path.join(self.root, f".{step}.xckpt-step-{plan['token']}")
+        options = dict(self.save_options)
+        metadata = dict(options.pop("metadata", None) or {})
+        metadata["manager"] = {"step": step, "metrics": plain_metrics}
+        started_ns = time.time_ns()
+        try:
+            handle = save_async(state, os.path.join(staging, DEFAULT_ITEM), coordinator=coord, metadata=metadata,
+                                **options)
+        except BaseException:
+            if coord.rank == collective.ROOT:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        flight = _InFlight(step, staging, previous=self._last_step)
+        flight.thread = threading.Thread(target=self._finish_in_background,
+                                         args=(flight, handle, plain_metrics, started_ns),
+                                         name="xckpt-manager-finish", daemon=True)
+        with self._lock:
+            self._inflight = flight
+        self._last_step = step
+        self._last_time = time.monotonic()
+        self._requested = False
+        flight.thread.start()
+        if not self.async_save:
+            self.wait()
+        return True
+
+    def _prepare_step(self, step: int) -> dict[str, Any]:
+        """The coordinating process, before a save: remove dead leftovers, check the step is new, make the root."""
+        final = os.path.join(self.root, str(step))
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            self._remove_leftovers()
+        except OSError as exc:
+            return {"error": f"cannot prepare {self.root}: {exc}", "code": "io.write"}
+        if os.path.lexists(final):
+            return {"error": f"step {step} is already in {self.root}", "code": "manager.step_exists"}
+        return {"token": uuid.uuid4().hex}
+
+    def _finish_in_background(self, flight: _InFlight, handle: Any, metrics: dict[str, Any], started_ns: int) -> None:
+        """Wait for the commit; on the coordinating process, move the step into place, then apply retention."""
+        try:
+            handle.wait()
+            if self.coordinator.rank == collective.ROOT:
+                self._publish(flight, metrics, started_ns)
+        except BaseException as exc:  # noqa: BLE001 - raised by wait() on every process
+            flight.error = exc
+            if self.coordinator.rank == collective.ROOT:
+                shutil.rmtree(flight.staging, ignore_errors=True)
+            return
+        if self.coordinator.rank == collective.ROOT:
+            try:
+                self._apply_retention()
+            except Exception as exc:  # noqa: BLE001 - a step that could not be deleted is not a failed save
+                warnings.warn(f"{self.root}: retention failed: {exc}", XckptWarning, stacklevel=1)
+
+    def _publish(self, flight: _InFlight, metrics: dict[str, Any], started_ns: int) -> None:
+        """Write the step's Orbax files into the staged step, sync it, move it to ``<root>/<step>``."""
+        handlers = {DEFAULT_ITEM: ORBAX_HANDLER}
+        if metrics:
+            handlers[METRICS_ITEM] = ORBAX_METRICS_HANDLER
+        meta = {"item_handlers": handlers, "metrics": metrics, "performance_metrics": {},
+                "init_timestamp_nsecs": started_ns, "commit_timestamp_nsecs": time.time_ns(),
+                "custom_metadata": {}}
+        store = LocalStore(flight.staging)
+        try:
+            if metrics:  # Orbax's metrics item, which its CheckpointManager reads for best_fn
+                store.write(f"{METRICS_ITEM}/{METRICS_ITEM}", json.dumps(metrics).encode(), atomic=True)
+                store.write(f"{METRICS_ITEM}/{names.COMMIT}", COMMIT_TEXT, atomic=True)
+            store.write(names.ORBAX_CHECKPOINT_METADATA, json.dumps(meta).encode(), atomic=True)
+            store.write(names.COMMIT, COMMIT_TEXT, atomic=True)
+            store.sync()
+        finally:
+            store.close()
+        atomic.sync_dir(flight.staging)
+        atomic.move_new(flight.staging, os.path.join(self.root, str(flight.step)))
+        atomic.sync_dir(self.root)
+
+    def _finish(self, *, agree: bool = True) -> None:
+        """Wait for the save in flight (if any) and agree on its outcome with every process (``agree``)."""
+        with self._lock:
+            flight, self._inflight = self._inflight, None
+        error: BaseException | None = None
+        if flight is not None and flight.thread is not None:
+            flight.thread.join()
+            error = flight.error
+            if error is not None and self._last_step == flight.step:
+                self._last_step = flight.previous  # the step was not saved: it may be saved again
+        if not agree:
+            return
+        if self.coordinator.world_size > 1:
+            collective.agree_step(self.coordinator, "checkpoint manager save",
+                                  lambda: _reraise(error))
+        elif error is not None:
+            raise error
+
+    def wait(self) -> None:
+        """Wait until the last save is committed and in place (collective); raise its failure on every process."""
+        self._finish()
+
+    def close(self) -> None:
+        """Wait for the last save (collective), and put back the signal handler replaced at creation."""
+        self._close(agree=True)
+
+    def _close(self, *, agree: bool) -> None:
+        if self._closed:
+            return
+        try:
+            self._finish(agree=agree)
+        finally:
+            self._closed = True
+            if self._signal is not None:
+                signal.signal(self._signal, self._old_handler)
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # leaving on an error, maybe on this process alone: no collective, and the error is the one raised
+            self._close(agree=False)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise XckptError("the checkpoint manager is closed", code="manager.closed")
+
+    # -- what is there -----------------------------------------------------------------------------
+
+    def all_steps(self, *, sizes: bool = True) -> list[StepInfo]:
+        """The committed steps in ``root``, oldest first, with commit time, size and metrics."""
+        return [s for s in list_steps(self.root, sizes=sizes) if s.committed]
+
+    def latest_step(self) -> int | None:
+        """The newest committed step in ``root``, or None."""
+        steps = self.all_steps(sizes=False)
+        return steps[-1].step if steps else None
+
+    def step_path(self, step: int) -> str:
+        """The directory of ``step``."""
+        return os.path.join(self.root, str(step))
+
+    def restore(self, step: int | None = None, like: Any = None, *, mapping: Any = None, **load_options: Any) -> Any:
+        """Load ``step`` (None: the newest committed one, as the coordinating process sees it) with
+        :func:`xckpt.load` (``like``, ``mapping`` and ``load_options`` are its own). Every process calls it.
+
+        A run written by Orbax's ``CheckpointManager`` restores too. No committed step is
+        ``manager.no_step``. Retention never deletes a step while this process restores it.
+        """
+        self._check_open()
+        if step is None:
+            step = self.latest_step() if self.coordinator.rank == collective.ROOT else None
+            if self.coordinator.world_size > 1:
+                step = collective.broadcast(self.coordinator, step)
+            if step is None:
+                raise NotACheckpointError(f"{self.root} holds no committed step", code="manager.no_step",
+                                          file=self.root)
+        with self.reading(step):
+            return load(self.step_path(step), like, mapping=mapping, **load_options)
+
+    @contextlib.contextmanager
+    def reading(self, step: int) -> Iterator[str]:
+        """Keep ``step`` from being deleted by this manager while the block runs (what :meth:`restore` does);
+        gives the step's directory, for reading its files some other way."""
+        with self._lock:
+            self._reading[step] = self._reading.get(step, 0) + 1
+        try:
+            yield self.step_path(step)
+        finally:
+            with self._lock:
+                self._reading[step] -= 1
+                if not self._reading[step]:
+                    del self._reading[step]
+
+    # -- what to keep ------------------------------------------------------------------------------
+
+    def _keeps_all(self) -> bool:
+        return all(x is None for x in (self.max_to_keep, self.keep_period, self.keep_best, self.keep_younger_than_s))
+
+    def steps_to_delete(self, steps: list[StepInfo] | None = None) -> list[int]:
+        """The committed steps retention would delete now (see the class documentation)."""
+        committed = [s for s in (self.all_steps(sizes=False) if steps is None else steps) if s.committed]
+        if self._keeps_all() or len(committed) < 2:
+            return []
+        keep = {committed[-1].step}
+        if self.max_to_keep is not None:
+            keep.update(s.step for s in committed[-self.max_to_keep:])
+        if self.keep_period is not None:
+            keep.update(s.step for s in committed if s.step % self.keep_period == 0)
+        if self.keep_younger_than_s is not None:
+            now = time.time()
+            keep.update(s.step for s in committed
+                        if s.commit_time is None or now - s.commit_time < self.keep_younger_than_s)
+        if self.keep_best is not None and self.best_fn is not None:
+            scored = []
+            for s in committed:
+                try:
+                    score = self.best_fn(s.metrics)
+                except (KeyError, TypeError, ValueError, IndexError):
+                    continue
+                if score is not None and not (isinstance(score, float) and math.isnan(score)):
+                    scored.append((float(score), s.step))
+            scored.sort(key=lambda x: (-x[0] if self.best_mode == "max" else x[0], -x[1]))
+            keep.update(step for _, step in scored[:self.keep_best])
+        return [s.step for s in committed if s.step not in keep]
+
+    def _apply_retention(self) -> list[int]:
+        """Delete what retention does not keep (the coordinating process); returns the steps deleted."""
+        if self._keeps_all():
+            return []
+        with self._lock:
+            busy = set(self._reading)
+            if self._inflight is not None:
+                busy.add(self._inflight.step)
+        gone = []
+        for step in self.steps_to_delete():
+            if step in busy:
+                continue
+            with self._lock:
+                if step in self._reading:
+                    continue
+                self._delete_step(step)
+            gone.append(step)
+        return gone
+
+    def _delete_step(self, step: int) -> None:
+        """Move a committed step aside (it leaves the listing at once), then remove it."""
+        path = self.step_path(step)
+        info = _step_info(step, path, sizes=False) if os.path.isdir(path) and not os.path.islink(path) else None
+        if info is None or not info.committed:
+            return  # only a committed checkpoint it recognises
+        aside = os.path.join(self.root, f".{step}.xckpt-deleting-{uuid.uuid4().hex}")
+        try:
+            atomic.move_new(path, aside)
+        except OSError:
+            return
+        atomic.sync_dir(self.root)
+        shutil.rmtree(aside, ignore_errors=True)
+
+    def _remove_leftovers(self) -> None:
+        """Remove what dead saves left in ``root``: xckpt's stale leftovers, the manager's staged steps whose
+        save is dead (no live lease inside, untouched for ``XCKPT_STALE_AFTER_S``), unfinished deletions."""
+        claims.remove_stale(Location(self.root))
+        limit = claims.stale_after_s()
+        now = time.time()
+        with self._lock:
+            mine = self._inflight.staging if self._inflight is not None else None
+        try:
+            entries = os.listdir(self.root)
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            m = MANAGER_LEFTOVER.fullmatch(entry)
+            path = os.path.join(self.root, entry)
+            if m is None or path == mine or os.path.islink(path) or not os.path.isdir(path):
+                continue
+            if m["kind"] == "step":
+                if any(not x.stale for x in claims.scan(Location(path), stale_after=limit)):
+                    continue  # a save is live in it
+                newest = _newest_mtime(path)
+                if newest is None or now - newest <= limit:
+                    continue
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _reraise(exc: BaseException | None) -> None:
+    if exc is not None:
+        raise exc
