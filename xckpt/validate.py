@@ -278,13 +278,29 @@ def _json(raw: bytes) -> Any:
         raise ValueError("nests too deeply to be parsed") from None
 
 
-def _read_file(loc: Location, store: Store, name: str, report: Report) -> tuple[bool, bytes | None]:
-    """Whether a file could be read (a finding is added when not), and its bytes (None when missing)."""
+#: What :func:`_read_json_file` returns when the file is missing, unreadable or not JSON (a finding is added).
+_UNUSABLE = object()
+
+
+def _read_json_file(loc: Location, store: Store, name: str, report: Report, *, missing: tuple[str, str],
+                    invalid: str) -> Any:
+    """A top-level JSON file's document, or :data:`_UNUSABLE` after adding a finding: the read's own error
+    (a link, a special file), ``missing`` (code, message) when it is absent, ``invalid`` (code) when it is
+    not JSON."""
+    file = str(loc.child(name))
     try:
-        return True, store.read(name)
+        raw = store.read(name)
     except XckptError as exc:
-        report.findings.append(Finding(exc.code, exc.message, exc.file or str(loc.child(name))))
-        return False, None
+        report.findings.append(Finding(exc.code, exc.message, exc.file or file))
+        return _UNUSABLE
+    if raw is None:
+        report.findings.append(Finding(missing[0], missing[1], file))
+        return _UNUSABLE
+    try:
+        return _json(raw)
+    except ValueError as exc:
+        report.findings.append(Finding(invalid, f"{name} is not valid JSON: {exc}", file))
+        return _UNUSABLE
 
 
 def _check_orbax(loc: Location, store: Store, m: Manifest, vals: dict[int, Any] | None, report: Report,
@@ -292,16 +308,9 @@ def _check_orbax(loc: Location, store: Store, m: Manifest, vals: dict[int, Any] 
     """The Orbax view: _METADATA, _strings.json and the 0-d mirrors agree with the manifest and values."""
     add = report.findings.append
     file = str(loc.child(naming.ORBAX_METADATA))
-    readable, raw = _read_file(loc, store, naming.ORBAX_METADATA, report)
-    if not readable:
-        return
-    if raw is None:
-        add(Finding("orbax.missing", "_METADATA is missing; Orbax cannot restore this checkpoint", file))
-        return
-    try:
-        meta = _json(raw)
-    except ValueError as exc:
-        add(Finding("orbax.invalid", f"_METADATA is not valid JSON: {exc}", file))
+    meta = _read_json_file(loc, store, naming.ORBAX_METADATA, report, invalid="orbax.invalid",
+                           missing=("orbax.missing", "_METADATA is missing; Orbax cannot restore this checkpoint"))
+    if meta is _UNUSABLE:
         return
     strings = [e for e in m.leaves if isinstance(e, ValueEntry) and e.type == "str"]
     expected = json.loads(orbax_files.files(m, {e.key: "" for e in strings})[naming.ORBAX_METADATA])
@@ -337,17 +346,10 @@ def _check_checkpoint_metadata(loc: Location, store: Store, report: Report) -> N
     known members have their types."""
     name = naming.ORBAX_CHECKPOINT_METADATA
     file = str(loc.child(name))
-    readable, raw = _read_file(loc, store, name, report)
-    if not readable:
-        return
-    if raw is None:
-        report.findings.append(Finding("orbax.checkpoint_metadata", f"{name} is missing (Orbax's CheckpointManager "
-                                       "reads it)", file))
-        return
-    try:
-        meta = _json(raw)
-    except ValueError as exc:
-        report.findings.append(Finding("orbax.checkpoint_metadata", f"{name} is not valid JSON: {exc}", file))
+    meta = _read_json_file(loc, store, name, report, invalid="orbax.checkpoint_metadata",
+                           missing=("orbax.checkpoint_metadata", f"{name} is missing (Orbax's CheckpointManager "
+                                    "reads it)"))
+    if meta is _UNUSABLE:
         return
     wrong = [k for k, types in _CHECKPOINT_METADATA_TYPES.items()
              if isinstance(meta, dict) and k in meta and (not isinstance(meta[k], types) or isinstance(meta[k], bool))]
@@ -358,17 +360,10 @@ def _check_checkpoint_metadata(loc: Location, store: Store, report: Report) -> N
 
 def _check_strings(loc: Location, store: Store, expected: dict[str, str], report: Report) -> None:
     file = str(loc.child("_strings.json"))
-    readable, raw = _read_file(loc, store, "_strings.json", report)
-    if not readable:
-        return
-    if raw is None:
-        report.findings.append(Finding("orbax.strings_missing", "_strings.json is missing; Orbax cannot restore "
-                                       "the string values", file))
-        return
-    try:
-        got = _json(raw)
-    except ValueError as exc:
-        report.findings.append(Finding("orbax.strings_invalid", f"_strings.json is not valid JSON: {exc}", file))
+    got = _read_json_file(loc, store, "_strings.json", report, invalid="orbax.strings_invalid",
+                          missing=("orbax.strings_missing", "_strings.json is missing; Orbax cannot restore the "
+                                   "string values"))
+    if got is _UNUSABLE:
         return
     if got != expected:
         report.findings.append(Finding("orbax.mismatch", "_strings.json does not hold the string values", file))

@@ -209,7 +209,7 @@ class _Parser:
 
     def text(self, v: str, where: str) -> str:
         """A string that is valid Unicode (JSON's ``\\ud800`` escapes can make a lone surrogate)."""
-        if not _encodable(v):
+        if not is_unicode(v):
             self.fail(where, "a string holds a lone surrogate (not valid UTF-8)", "manifest.unicode")
         return v
 
@@ -338,7 +338,9 @@ class _Parser:
         return e
 
 
-def _encodable(text: str) -> bool:
+def is_unicode(text: str) -> bool:
+    """Whether ``text`` is valid Unicode: encodable as UTF-8 (JSON's ``\\ud800`` escapes can make a lone
+    surrogate, which cannot)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -24,6 +24,7 @@ from typing import Any, Callable, NoReturn
 
 from xckpt.errors import ManifestError, ShapeError, UnsafePathError, UnsupportedError, XckptError
 from xckpt.format import dtypes
+from xckpt.format.manifest import is_unicode
 
 #: The file of a checkpoint in one file.
 SINGLE_FILE = "model.safetensors"
@@ -109,15 +110,6 @@ def _no_duplicates(code: str, file: str, what: str) -> Callable[[list[tuple[str,
     return hook
 
 
-def _text(s: str) -> bool:
-    """Whether ``s`` is valid Unicode (JSON's ``\\ud800`` escapes can make a lone surrogate)."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _load_json(raw: bytes, *, file: str, code: str, what: str, duplicate_code: str, duplicate_what: str) -> Any:
     try:
         text = raw.decode("utf-8")
@@ -177,7 +169,7 @@ def _shape(v: Any, itemsize: int, file: str, name: str) -> tuple[int, ...]:
 def _entry(name: str, v: Any, buffer_size: int | None, file: str) -> TensorInfo:
     if not name:
         _fail(ManifestError, "safetensors.header", "a tensor has an empty name", file)
-    if not _text(name):
+    if not is_unicode(name):
         _fail(ManifestError, "safetensors.header", f"tensor name {name!r} is not valid Unicode", file)
     if not isinstance(v, dict):
         _fail(ManifestError, "safetensors.header", f"entry is {type(v).__name__}, not an object", file, name)
@@ -235,7 +227,7 @@ def parse_header(raw: bytes, file_size: int | None, *, file: str) -> Header:
     buffer_size = None if file_size is None else file_size - data_start
     metadata = obj.get(METADATA_KEY)
     if METADATA_KEY in obj and (not isinstance(metadata, dict) or not all(
-            isinstance(v, str) and _text(v) and _text(k) for k, v in metadata.items())):
+            isinstance(v, str) and is_unicode(v) and is_unicode(k) for k, v in metadata.items())):
         _fail(ManifestError, "safetensors.header", f"{METADATA_KEY} is not an object of strings", file)
     tensors = {name: _entry(name, v, buffer_size, file) for name, v in obj.items() if name != METADATA_KEY}
     expected, previous = 0, None
@@ -256,7 +248,7 @@ def parse_header(raw: bytes, file_size: int | None, *, file: str) -> Header:
 def check_file_name(name: Any, *, file: str, tensor: str | None = None) -> str:
     """A shard file name from an index: a plain ``*.safetensors`` name inside the directory
     (``safetensors.index``; an absolute path, ``..`` or a subdirectory is refused)."""
-    if not isinstance(name, str) or not _text(name):
+    if not isinstance(name, str) or not is_unicode(name):
         _fail(ManifestError, "safetensors.index", f"weight_map gives {json.dumps(name)[:60]}, not a file name",
               file, tensor)
     if (not name or "/" in name or "\\" in name or "\x00" in name or name in (".", "..")
@@ -285,7 +277,7 @@ def parse_index(raw: bytes, *, file: str) -> dict[str, str]:
         _fail(ManifestError, "safetensors.index", "index has no weight_map object", file)
     out: dict[str, str] = {}
     for name, target in wm.items():
-        if not name or not _text(name):
+        if not name or not is_unicode(name):
             _fail(ManifestError, "safetensors.index", f"weight_map has the tensor name {name!r}", file)
         out[name] = check_file_name(target, file=file, tensor=name)
     return out
