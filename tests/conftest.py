@@ -1,13 +1,14 @@
 """Shared test set-up: 8 host CPU devices for JAX meshes (set before jax is imported); a moto S3 server."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
 import pytest
+
+from spawn import free_port
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -24,18 +25,12 @@ def every_checkpoint_validates(tmp_path):
         assert report.ok, (str(path), [str(f) for f in report.findings])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def moto():
     """A moto S3 server on a free loopback port; TensorStore's s3 driver points at it through the AWS variables."""
     boto3 = pytest.importorskip("boto3")
     pytest.importorskip("moto")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"

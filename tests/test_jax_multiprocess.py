@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 
 import numpy as np
@@ -29,32 +27,13 @@ def _every_checkpoint_validates(tmp_path):
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import jax_workers  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from spawn import free_port, run_processes  # noqa: E402
 
 
 def _run_group(phase: str, workdir: str, nprocs: int = 2, timeout: float = 180) -> None:
-    port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "jax_workers.py"), phase, str(r), str(nprocs),
-                               str(port), workdir], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(nprocs)]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outputs.append(out.decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0 and f"OK {phase} {r}" in out, f"rank {r} of {phase} failed:\n{out[-6000:]}"
+    port = str(free_port())
+    run_processes(lambda r: [os.path.join(HERE, "jax_workers.py"), phase, str(r), str(nprocs), port, workdir], nprocs,
+                  lambda r: f"OK {phase} {r}", timeout=timeout)
 
 
 def test_save_from_two_processes_and_restore_on_other_meshes(tmp_path):

@@ -28,6 +28,7 @@ import xckpt
 from xckpt.errors import XckptError
 
 import manager_workers as mw
+from spawn import free_port, run_processes
 
 HERE = Path(__file__).parent
 
@@ -200,22 +201,9 @@ def test_torch_two_ranks(tmp_path: Path) -> None:
 
 def test_jax_two_processes(tmp_path: Path) -> None:
     pytest.importorskip("jax")
-    import torch_workers
-
-    port = str(torch_workers.free_port())
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, str(HERE / "manager_workers.py"), "jax", str(r), port, str(tmp_path / "run")],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=120)[0].decode())
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"OK {r}" in out, out[-3000:]
+    port = str(free_port())
+    run_processes(lambda r: [str(HERE / "manager_workers.py"), "jax", str(r), port, str(tmp_path / "run")], 2,
+                  lambda r: f"OK {r}", timeout=120, jax_devices=None)
     assert [s.step for s in xckpt.list_steps(tmp_path / "run") if s.committed] == [6, 8]
     assert _entries(tmp_path / "run") == ["6", "8"]  # nothing else left behind
 

@@ -38,6 +38,8 @@ from xckpt.format.regions import Region
 from xckpt.interop.orbax.checkpoint import open_orbax
 from xckpt.interop.orbax.files import check_tree
 
+from test_orbax_read import assert_same
+
 logging.getLogger("absl").setLevel(logging.ERROR)
 
 #: name -> (use_ocdbt, use_zarr3)
@@ -89,20 +91,6 @@ def atime_works(tmp_path_factory: pytest.TempPathFactory) -> bool:
     os.utime(f, (0, 1))
     f.read_bytes()
     return os.stat(f).st_atime > 1
-
-
-def _same(got: Any, want: Any, where: str = "") -> None:
-    """Equal element by element, with the same types and dtypes."""
-    assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
-    if isinstance(want, dict):
-        assert set(got) == set(want), f"{where}: keys {sorted(got)} != {sorted(want)}"
-        for k in want:
-            _same(got[k], want[k], f"{where}/{k}")
-    elif isinstance(want, np.ndarray):
-        assert got.dtype == want.dtype and got.shape == want.shape, where
-        np.testing.assert_array_equal(got, want, err_msg=where)
-    else:
-        assert got == want, f"{where}: {got!r} != {want!r}"
 
 
 def _copy(ckpts: dict[str, Path], name: str, tmp_path: Path) -> Path:
@@ -248,12 +236,12 @@ def test_linked_root_and_linked_parent_still_load(ckpts: dict[str, Path], name: 
                                                    tmp_path: Path) -> None:
     root = tmp_path / "root"
     os.symlink(ckpts[name], root)
-    _same(xckpt.load(root), want)
+    assert_same(xckpt.load(root), want)
     assert xckpt.inspect(root)["format"] == "orbax"
     parent = tmp_path / "parent"
     os.symlink(ckpts[name].parent, parent)
-    _same(xckpt.load(parent / name), want)
-    _same(xckpt.load(ckpts[name]), want)
+    assert_same(xckpt.load(parent / name), want)
+    assert_same(xckpt.load(ckpts[name]), want)
 
 
 @pytest.mark.parametrize("name", ["zarr3", "ocdbt_zarr3"])

@@ -78,18 +78,20 @@ def _expected(tree: Any) -> Any:
     return tree
 
 
-def _assert_same(got: Any, want: Any, where: str = "") -> None:
+def assert_same(got: Any, want: Any, where: str = "") -> None:
+    """Equal element by element, with the same container types, dtypes and shapes."""
     assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
     if isinstance(want, dict):
         assert set(got) == set(want), f"{where}: keys {sorted(got)} != {sorted(want)}"
         for k in want:
-            _assert_same(got[k], want[k], f"{where}/{k}")
+            assert_same(got[k], want[k], f"{where}/{k}")
     elif isinstance(want, list):
         assert len(got) == len(want), f"{where}: length {len(got)} != {len(want)}"
         for n, (g, w) in enumerate(zip(got, want)):
-            _assert_same(g, w, f"{where}/{n}")
+            assert_same(g, w, f"{where}/{n}")
     elif isinstance(want, np.ndarray):
         assert got.dtype == want.dtype, f"{where}: dtype {got.dtype} != {want.dtype}"
+        assert got.shape == want.shape, f"{where}: shape {got.shape} != {want.shape}"
         np.testing.assert_array_equal(got, want, err_msg=where)
     else:
         assert got == want, f"{where}: {got!r} != {want!r}"
@@ -143,7 +145,7 @@ def test_load_whole_tree(ckpts: dict[str, tuple[Path, Any]], name: str) -> None:
         assert (path / "params.w" / meta).exists()
     assert json.loads((path / "_METADATA").read_text())["use_zarr3"] == ("zarr3" in name)
     got = xckpt.load(path)
-    _assert_same(got, want)
+    assert_same(got, want)
     assert type(got["step"]) is int and got["step"] == 7
     if name.startswith("pytree"):
         assert got["name"] == "run-1" and got["lr"] == 0.25 and got["flag"] is True and got["none"] is None
@@ -170,9 +172,9 @@ def test_partial_read_and_scalar_targets(ckpts: dict[str, tuple[Path, Any]], nam
                                  "step": 0, "layers": [{"k": None}, {"k": np.zeros((2, 3), np.float32)}]})
     np.testing.assert_array_equal(got["params"]["w"], want["params"]["w"][1:3, 5:7].astype(np.float64))
     assert got["params"]["w"].dtype == np.float64
-    _assert_same(got["params"]["b"], want["params"]["b"])
+    assert_same(got["params"]["b"], want["params"]["b"])
     assert got["params"]["i"] is None and got["layers"][0]["k"] is None
-    _assert_same(got["layers"][1]["k"], want["layers"][1]["k"])
+    assert_same(got["layers"][1]["k"], want["layers"][1]["k"])
     assert type(got["step"]) is int and got["step"] == 7
     got = xckpt.load(path, like={"step": np.zeros((), np.int64)})
     assert isinstance(got["step"], np.ndarray) and got["step"].shape == () and got["step"] == 7
@@ -203,7 +205,7 @@ def test_convert_from_orbax_cli(ckpts: dict[str, tuple[Path, Any]], name: str, t
     assert report.bytes_checked > 0
     assert xckpt.inspect(dst)["format"] == "xckpt"
     got = xckpt.load(dst)
-    _assert_same(got, want)
+    assert_same(got, want)
     m = json.loads((dst / "xckpt.json").read_text())
     assert m["metadata"]["converted_from"]["format"] == "orbax"
     if name == "pytree_zarr3":  # float8 is stored raw in xckpt and must come back as the same float8 values
@@ -213,12 +215,12 @@ def test_convert_from_orbax_cli(ckpts: dict[str, tuple[Path, Any]], name: str, t
     again = tmp_path / "again"
     assert xckpt.cli.main(["convert", "--from", "xckpt", str(dst), str(again)]) == 0
     assert xckpt.validate(again, deep=True).ok
-    _assert_same(xckpt.load(again), want)
+    assert_same(xckpt.load(again), want)
     # converting onto an existing path needs --overwrite
     assert xckpt.cli.main(["convert", "--from", "orbax", str(src), str(dst)]) == 2
     assert "already exists" in capsys.readouterr().err
     assert xckpt.cli.main(["convert", "--from", "orbax", "--overwrite", str(src), str(dst)]) == 0
-    _assert_same(xckpt.load(dst), want)
+    assert_same(xckpt.load(dst), want)
 
 
 def test_corrupt_metadata_is_a_manifest_error(ckpts: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:

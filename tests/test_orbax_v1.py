@@ -22,8 +22,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import json
 import logging
 import shutil
-import socket
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -42,6 +40,8 @@ from xckpt.errors import ManifestError, NotACheckpointError, UnsafePathError, Xc
 from xckpt.format import orbax_view
 from xckpt.interop.orbax import layouts
 from xckpt.interop.orbax.checkpoint import open_orbax, orbax_to_xckpt
+
+from spawn import free_port, run_processes
 
 ocpv1 = ocp.v1
 
@@ -132,31 +132,13 @@ def _worker(rank: int, port: int, out: str) -> None:
     print(f"OK worker {rank}", flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def unmerged(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two jax.distributed CPU processes (4 devices each) save ``zarr2/`` and ``zarr3/`` there, unmerged."""
     out = tmp_path_factory.mktemp("unmerged")
-    port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", str(r), str(port), str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=240)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, text) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0 and f"OK worker {r}" in text, f"worker {r} failed:\n{text[-6000:]}"
+    port = str(free_port())
+    run_processes(lambda r: [os.path.abspath(__file__), "worker", str(r), port, str(out)], 2,
+                  lambda r: f"OK worker {r}", timeout=240)
     return out
 
 

@@ -17,7 +17,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import socket
 import sys
 import threading
 import time
@@ -26,18 +25,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from spawn import free_port
+
 import ml_dtypes
 import numpy as np
 
 # ---------------------------------------------------------------------------------------------
 # harness
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_group(world: int, body: str, workdir: Path, *, timeout: float = 240, **kwargs: Any) -> list[Any]:
