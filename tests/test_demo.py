@@ -87,6 +87,10 @@ def test_demo_passes_end_to_end(demo_run):
     assert [o for o, _ in found] == ["PyTorch", "JAX"], found
     assert all(float(v) <= RTOL for _, v in found), found
     assert "PASS: both directions agree" in text
+    # both moves went through the argument-free presets, which showed how they resolved the names
+    assert re.search(r"xckpt\.mapping\.torch_to_flax\(\) on \S+: \d+ target leaves", text)
+    assert "params/blocks_0/attn/q/kernel <- model/blocks.0.attn.q.weight  [transpose(1, 0)]" in text
+    assert re.search(r"xckpt\.mapping\.flax_to_torch\(\) on \S+: \d+ target leaves", text)
     # the side-by-side tables agree with the recorded losses, step by step
     record = json.loads((out / "losses.json").read_text())
     for d, (_, printed_max) in zip(record["directions"], found):
@@ -185,7 +189,8 @@ def test_torch_and_flax_models_agree_on_the_same_weights(tmp_path):
     import jax.numpy as jnp
     import optax
     from jax.sharding import AxisType, Mesh
-    from xckpt_demo import mappings, model_flax, model_torch
+    from xckpt import mapping as M
+    from xckpt_demo import model_flax, model_torch
 
     cfg = Config()
     torch.manual_seed(0)
@@ -203,7 +208,7 @@ def test_torch_and_flax_models_agree_on_the_same_weights(tmp_path):
     gpt, tx = model_flax.GPT(cfg), model_flax.make_optimizer(cfg)
     p_like, o_like = model_flax.abstract_state(gpt, tx, mesh, cfg)
     got = xckpt.load(tmp_path / "t", {"params": p_like, "opt_state": o_like, "step": 0},
-                     mapping=mappings.torch_to_flax())
+                     mapping=M.torch_to_flax())
     params, state = got["params"], got["opt_state"]
     assert got["step"] == 3 and int(state[0].count) == 3
     np.testing.assert_array_equal(np.asarray(params["blocks_1"]["mlp"]["fc"]["kernel"]),

@@ -342,13 +342,16 @@ def test_unfilled_targets_and_unused_sources_are_reported(torchlike):
 
 def test_user_rules_take_precedence_over_a_preset(torchlike):
     path, tree = torchlike
-    preset = M.torch_to_flax()
-    custom = M.Mapping(M.rename("model/layers.1.fc.weight", "params/head/kernel", M.transpose()), preset)
-    mc = custom.plan(path)
-    keys = set(mc.manifest.by_key())
+    model = tree["model"]
+    like = {"params": {"head": {"kernel": np.zeros((6, 5), np.float32)},
+                       "layers_0": {"fc": {"kernel": np.zeros((4, 6), np.float32), "bias": np.zeros(6, np.float32)}},
+                       "layers_1": {"fc": {"bias": np.zeros(5, np.float32)}},
+                       "attn": {"qkv": {"kernel": np.zeros((4, 12), np.float32)}}}}
+    custom = M.Mapping(M.rename("model/layers.1.fc.weight", "params/head/kernel", M.transpose()), M.torch_to_flax())
+    keys = set(custom.plan(path, like).manifest.by_key())
     assert ("params", "head", "kernel") in keys and ("params", "layers_1", "fc", "kernel") not in keys
-    assert ("params", "layers_1", "fc", "bias") in keys
-    with pytest.warns(xckpt.XckptWarning, match="params/layers_0/fc/kernel"):
-        out = xckpt.load(path, {"params": {"head": {"kernel": np.zeros((6, 5), np.float32)}}}, mapping=custom,
-                         strict=False)
-    np.testing.assert_array_equal(out["params"]["head"]["kernel"], tree["model"]["layers.1.fc.weight"].T)
+    out = xckpt.load(path, like, mapping=custom)
+    np.testing.assert_array_equal(out["params"]["head"]["kernel"], model["layers.1.fc.weight"].T)
+    np.testing.assert_array_equal(out["params"]["layers_0"]["fc"]["kernel"], model["layers.0.fc.weight"].T)
+    np.testing.assert_array_equal(out["params"]["layers_1"]["fc"]["bias"], model["layers.1.fc.bias"])
+    np.testing.assert_array_equal(out["params"]["attn"]["qkv"]["kernel"], model["attn.qkv.weight"].T)

@@ -64,8 +64,8 @@ class TorchNet(nn.Module):
         self.conv2 = nn.Conv2d(3, 4, (3, 2))
 
 
-#: torch module -> flax module name used by these tests, beyond the default naming.
-MODULES = {"tok": ("embed", "embedding"), "conv{n}": "conv_{n}d"}
+#: torch module -> flax module where these tests name them differently (the presets' only hint here).
+MODULES = {"tok": "embed", "conv{n}": "conv_{n}d"}
 
 #: torch parameter -> (flax path, how the torch array is laid out in flax).
 LAYOUT = {
@@ -209,7 +209,7 @@ def test_torch_to_flax_nnx_modules(tmp_path):
     xckpt.save({"model": sd}, path)
     model = NnxNet(nnx.Rngs(0))
     like = {"state": _zeros(_np(nnx.state(model, nnx.Param).to_pure_dict()))}
-    out = xckpt.load(path, like, mapping=M.torch_to_flax(MODULES, naming="nnx", params="state"))
+    out = xckpt.load(path, like, mapping=M.torch_to_flax(MODULES))
     for fqn, (fpath, lay) in LAYOUT.items():
         np.testing.assert_array_equal(_get(out["state"], _nnx_path(fpath)), lay(sd[fqn]), err_msg=fqn)
     state = nnx.state(model, nnx.Param)
@@ -225,23 +225,47 @@ def test_flax_nnx_to_torch_modules(tmp_path):
     xckpt.save({"state": pure}, path)
     net = TorchNet()
     out = xckpt.load(path, {"model": _zeros(_np(net.state_dict()))},
-                     mapping=M.flax_to_torch(MODULES, naming="nnx", params="state"))
+                     mapping=M.flax_to_torch(MODULES))
     for fqn, (fpath, lay) in LAYOUT.items():
         np.testing.assert_array_equal(lay(out["model"][fqn]), _get(pure, _nnx_path(fpath)), err_msg=fqn)
     net.load_state_dict({k: torch.from_numpy(v) for k, v in out["model"].items()})
     _check_outputs(_torch_outputs(net), _nnx_outputs(model))
 
 
-def test_unmarked_embedding_is_reported_not_loaded(tmp_path):
-    """Without the kind, a torch embedding is taken for a linear layer: the load says so clearly."""
-    net = TorchNet()
-    path = str(tmp_path / "torch")
-    xckpt.save({"model": _np(net.state_dict())}, path)
-    like = {"params": _zeros(_linen_init(1))}
-    with pytest.raises(xckpt.errors.KeyMismatchError) as info:
-        xckpt.load(path, like, mapping=M.torch_to_flax({"tok": "embed", "conv{n}": "conv_{n}d"}))
-    assert info.value.missing == ["params/embed/embedding"]
-    assert info.value.unexpected == ["params/embed/kernel"]
+class Square(nn.Module):
+    """Two square Linear layers: the shapes alone cannot tell (out, in) from (in, out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4, bias=False)
+
+
+def test_square_weight_without_layer_kind_is_an_error_naming_the_hint(tmp_path):
+    net = Square()
+    sd = _np(net.state_dict())
+    plain, noted = str(tmp_path / "plain"), str(tmp_path / "noted")
+    xckpt.save({"model": sd}, plain)  # numpy arrays: nothing records that these are nn.Linear
+    xckpt.save({"model": net}, noted)  # the module: the adapter records each layer's class and kind
+    like = {"params": {"a": {"kernel": np.zeros((4, 4), np.float32), "bias": np.zeros(4, np.float32)},
+                       "b": {"kernel": np.zeros((4, 4), np.float32)}}}
+    with pytest.raises(M.MappingError, match=r"torch_to_flax\(kinds=\{'a': 'linear'\}\)") as info:
+        xckpt.load(plain, like, mapping=M.torch_to_flax())
+    assert info.value.code == "mapping.ambiguous" and "as stored, transposed" in str(info.value)
+    for path, mapping in ((plain, M.torch_to_flax(kinds={"{m}": "linear"})), (noted, M.torch_to_flax())):
+        out = xckpt.load(path, like, mapping=mapping)
+        np.testing.assert_array_equal(out["params"]["a"]["kernel"], sd["a.weight"].T)
+        np.testing.assert_array_equal(out["params"]["b"]["kernel"], sd["b.weight"].T)
+        np.testing.assert_array_equal(out["params"]["a"]["bias"], sd["a.bias"])
+    # the other way, the target module tells the kind
+    params = {"a": {"kernel": np.arange(16, dtype=np.float32).reshape(4, 4), "bias": np.ones(4, np.float32)},
+              "b": {"kernel": -np.arange(16, dtype=np.float32).reshape(4, 4)}}
+    back = str(tmp_path / "flax")
+    xckpt.save({"params": params}, back)
+    target = Square()
+    xckpt.load(back, {"model": target}, mapping=M.flax_to_torch())
+    np.testing.assert_array_equal(target.a.weight.detach().numpy(), params["a"]["kernel"].T)
+    np.testing.assert_array_equal(target.b.weight.detach().numpy(), params["b"]["kernel"].T)
 
 
 # ---- optimizers -----------------------------------------------------------------------------
@@ -343,7 +367,7 @@ def test_torch_optimizer_to_optax_continues(tmp_path, kind):
     tx = _optax(kind)
     params0 = _zeros(_to_flax(_np(net.state_dict())))
     like = {"params": params0, "opt_state": _zeros(_np(tx.init(params0))), "step": 0}
-    mapping = M.torch_to_flax({"emb": ("emb", "embedding")}, optimizer=kind, rules=SPLIT)
+    mapping = M.torch_to_flax(rules=SPLIT)
     out = xckpt.load(path, like, mapping=mapping)
     assert out["step"] == 2
     # exact values: params and every optimizer field, laid out as flax
@@ -381,7 +405,7 @@ def test_optax_to_torch_optimizer_continues(tmp_path, kind):
     like = {"model": _zeros(_np(target.state_dict())),
             "optim": {"state": {k: {f: np.zeros(() if f == "step" else tuple(p.shape), np.float32) for f in fields}
                                 for k, p in target.named_parameters()}}}
-    mapping = M.flax_to_torch({"emb": ("emb", "embedding")}, optimizer=kind, rules=FUSE)
+    mapping = M.flax_to_torch(rules=FUSE)
     out = xckpt.load(path, like, mapping=mapping)
     np.testing.assert_equal(_to_flax(out["model"]), params)
     for torch_field, optax_field in STATE_FIELDS[kind]:
@@ -407,9 +431,15 @@ def test_preset_errors_before_reading(tmp_path):
     net = OptNet()
     path = str(tmp_path / "torch")
     xckpt.save({"model": _np(net.state_dict())}, path)
-    with pytest.raises(M.MappingError, match="no optimizer state under 'optim/state'"):
-        M.torch_to_flax(optimizer="adamw").plan(path)
-    with pytest.raises(M.MappingError, match="no parameters found under 'weights'"):
-        M.torch_to_flax(model="weights").plan(path)
-    with pytest.raises(M.MappingError, match="unknown module kind"):
-        M.torch_to_flax({"emb": ("emb", "embeding")})
+    with pytest.raises(M.MappingError, match="resolves names and layouts against the load target") as info:
+        M.torch_to_flax().plan(path)
+    assert info.value.code == "mapping.target"
+    with pytest.raises(M.MappingError, match="no target flax leaf names a parameter") as info:
+        M.torch_to_flax().plan(path, {"params": {"other": np.zeros(3, np.float32)}})
+    assert info.value.code == "mapping.no_match"
+    with pytest.raises(M.MappingError, match="found no torch state dict"):
+        M.flax_to_torch().plan(path, {"params": {"lin": {"bias": np.zeros(3, np.float32)}}})
+    with pytest.raises(M.MappingError, match="kind 'linaer' of 'lin' is not one of"):
+        M.torch_to_flax(kinds={"lin": "linaer"})
+    with pytest.raises(M.MappingError, match="does not fit flax params/lin/kernel"):
+        M.torch_to_flax().plan(path, {"params": {"lin": {"kernel": np.zeros((5, 5), np.float32)}}})

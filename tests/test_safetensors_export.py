@@ -317,3 +317,41 @@ def test_sizes_names_and_pieces():
         assert all(r.numel * 4 <= max(piece_bytes, 4) for r in regions)
         np.testing.assert_array_equal(np.concatenate([a[r.slices()].ravel() for r in regions]), a.ravel())
     assert list(pieces((0, 4), 4)) == [] and [r.sizes for r in pieces((), 8)] == [()]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_flax_checkpoint_exported_with_hugging_face_torch_names(tmp_path, family):
+    """A flax/optax training checkpoint goes to safetensors under the torch model's names and layouts through
+    ``M.flax_to_torch()``, resolved against a skeleton on the meta device; ``from_pretrained`` loads it and
+    equals transformers' own flax -> torch conversion, logits included."""
+    pytest.importorskip("jax")
+    import optax
+    from transformers.modeling_flax_pytorch_utils import load_flax_weights_in_pytorch_model
+
+    from xckpt import mapping as M
+
+    if family == "gpt2":
+        cfg, _ = _gpt2()
+        torch_cls, flax_cls = transformers.GPT2LMHeadModel, transformers.FlaxGPT2LMHeadModel
+    else:
+        cfg, _ = _llama()
+        torch_cls, flax_cls = transformers.LlamaForCausalLM, transformers.FlaxLlamaForCausalLM
+    flax_model = flax_cls(cfg, seed=5)
+    src, dst = str(tmp_path / "flax"), str(tmp_path / "hf")
+    xckpt.save({"params": flax_model.params, "opt_state": optax.adamw(1e-3).init(flax_model.params), "step": 3}, src)
+    with torch.device("meta"):
+        skeleton = torch_cls(cfg)
+    xckpt.convert.convert(src, dst, target="safetensors", select="model", max_shard_size="20KB",
+                          mapping=M.flax_to_torch(), like={"model": skeleton})
+    assert os.path.exists(os.path.join(dst, "model.safetensors.index.json"))
+    cfg.save_pretrained(dst)
+    loaded = torch_cls.from_pretrained(dst).eval()
+    want = load_flax_weights_in_pytorch_model(torch_cls(cfg), flax_model.params).eval()
+    got_sd, want_sd = loaded.state_dict(), want.state_dict()
+    assert list(got_sd) == list(want_sd)
+    for k, v in want_sd.items():
+        assert torch.equal(got_sd[k], v), k
+    with torch.no_grad():
+        logits = loaded(INPUT).logits.numpy()
+    np.testing.assert_allclose(logits, np.asarray(flax_model(INPUT.numpy(), params=flax_model.params).logits),
+                               rtol=1e-5, atol=1e-5)

@@ -535,3 +535,45 @@ def test_an_object_store(tmp_path: Path) -> None:
     with pytest.raises(ManifestError) as info:
         xckpt.load("memory://st-test/ck")
     assert info.value.code == "safetensors.offsets" and info.value.file == "memory://st-test/ck/model.safetensors"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_hugging_face_directory_into_a_flax_model_with_the_preset(tmp_path: Path, family: str) -> None:
+    """A model directory written by ``save_pretrained`` (sharded) loads into the flax model of the same family,
+    on a mesh, through ``M.torch_to_flax()`` with no arguments: every parameter equals what transformers' own
+    converter makes of the torch weights, and the flax logits equal the torch ones."""
+    jax = pytest.importorskip("jax")
+    import transformers
+    from flax.traverse_util import flatten_dict
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
+
+    from xckpt import mapping as M
+
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+        torch_cls, flax_cls = transformers.GPT2LMHeadModel, transformers.FlaxGPT2LMHeadModel
+    else:
+        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+        torch_cls, flax_cls = transformers.LlamaForCausalLM, transformers.FlaxLlamaForCausalLM
+    torch.manual_seed(11)
+    model = torch_cls(cfg).eval()
+    model.save_pretrained(str(tmp_path / "hf"), max_shard_size="20KB")
+    flax_model = flax_cls(cfg, seed=1)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
+        mesh, P("x") if a.shape[0] % 2 == 0 else P())), flax_model.params)
+    got = xckpt.load(str(tmp_path / "hf"), like={"params": like}, mapping=M.torch_to_flax())["params"]
+    want = flatten_dict(convert_pytorch_state_dict_to_flax({k: v.detach() for k, v in model.state_dict().items()},
+                                                           flax_model))
+    flat = flatten_dict(got)
+    assert set(flat) == set(flatten_dict(flax_model.params))
+    for k, v in flat.items():
+        assert v.sharding == flatten_dict(like)[k].sharding
+        _same(np.asarray(v), np.asarray(want[k]))
+    ids = np.array([[1, 5, 9, 2, 33, 31, 4, 0]])
+    with torch.no_grad():
+        torch_logits = model(torch.from_numpy(ids)).logits.numpy()
+    flax_logits = np.asarray(flax_model(ids, params=got).logits)
+    np.testing.assert_allclose(flax_logits, torch_logits, rtol=1e-5, atol=1e-5)

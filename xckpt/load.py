@@ -22,6 +22,7 @@ from xckpt.format.manifest import ArrayEntry, Entry, ValueEntry
 from xckpt.format.regions import Region
 from xckpt.format.tree import Default, Key, is_namedtuple, key_str, unflatten
 from xckpt.host import full_target
+from xckpt.mapping.target import Target, TargetLeaf, shape_of
 from xckpt.registry import ArrayTarget
 from xckpt.save import wait_pending_for
 from xckpt.sources.base import Source
@@ -48,11 +49,13 @@ class _Request:
 _EMPTY = object()
 
 
-def _plan_like(like: Any, key: Key, requests: list[_Request], optional: bool = False
-               ) -> Callable[[dict[Key, Any]], Any]:
-    """Collect the leaves of a target tree; return a function that rebuilds it from results."""
+def _plan_like(like: Any, key: Key, requests: list[_Request], optional: bool = False,
+               notes: dict[Key, dict[str, Any]] | None = None) -> Callable[[dict[Key, Any]], Any]:
+    """Collect the leaves of a target tree; return a function that rebuilds it from results.
+
+    ``notes`` collects what the adapters note about the custom containers met, by key."""
     if isinstance(like, Default):
-        return _plan_like(like.value, key, requests, True)
+        return _plan_like(like.value, key, requests, True, notes)
     if like is None:
         requests.append(_Request(key, None))
         return lambda res: None
@@ -60,22 +63,41 @@ def _plan_like(like: Any, key: Key, requests: list[_Request], optional: bool = F
         view = registry.load_view(like)
         if view is not None:
             plain, rebuild = view
-            inner = _plan_like(plain, key, requests, optional)
+            said = registry.notes_for(like) if notes is not None else None
+            if said:
+                notes[key] = said  # type: ignore[index]
+            inner = _plan_like(plain, key, requests, optional, notes)
             return lambda res: rebuild(inner(res))
     if isinstance(like, (dict, list, tuple)) and not like:
         requests.append(_Request(key, _EMPTY))
     if isinstance(like, dict):
-        parts = {k: _plan_like(v, key + (k,), requests, optional) for k, v in like.items()}
+        parts = {k: _plan_like(v, key + (k,), requests, optional, notes) for k, v in like.items()}
         return lambda res: _rebuild_dict(like, parts, res)
     if is_namedtuple(like):
         fields = type(like)._fields
-        subs = [_plan_like(v, key + (f,), requests, optional) for f, v in zip(fields, like)]
+        subs = [_plan_like(v, key + (f,), requests, optional, notes) for f, v in zip(fields, like)]
         return lambda res: type(like)(*[s(res) for s in subs])
     if isinstance(like, (list, tuple)):
-        subs = [_plan_like(v, key + (i,), requests, optional) for i, v in enumerate(like)]
+        subs = [_plan_like(v, key + (i,), requests, optional, notes) for i, v in enumerate(like)]
         return lambda res: type(like)(s(res) for s in subs)
     requests.append(_Request(key, like, optional))
     return lambda res: res.get(key, like)
+
+
+def describe_target(like: Any) -> Target:
+    """What a load target looks like to a mapping: its leaves' keys and shapes, its empty nodes, and the
+    adapters' notes on its containers (nothing is read or changed)."""
+    registry.autoload()
+    requests: list[_Request] = []
+    notes: dict[Key, dict[str, Any]] = {}
+    _plan_like(like, (), requests, notes=notes)
+    return _target(requests, notes)
+
+
+def _target(requests: list[_Request], notes: dict[Key, dict[str, Any]]) -> Target:
+    leaves = [TargetLeaf(r.key, None if r.like is _EMPTY else shape_of(r.like), r.like is _EMPTY, r.optional)
+              for r in requests if r.like is not None]
+    return Target(leaves, notes)
 
 
 def _rebuild_dict(like: dict, parts: dict[Any, Callable[[dict[Key, Any]], Any]], res: dict[Key, Any]) -> dict:
@@ -117,13 +139,18 @@ def load(path: Any, like: Any = None, *, strict: bool = True, partial: bool = Fa
     """
     registry.autoload()
     wait_pending_for(path)
+    requests: list[_Request] = []
+    notes: dict[Key, dict[str, Any]] = {}
+    build = _plan_like(like, (), requests, notes=notes) if like is not None else None
+    target = _target(requests, notes) if like is not None else None
     with paused_gc():
         for attempt in range(REPLACED_RETRIES + 1):
             stored: Source | None = None
             try:
                 stored = open_checkpoint(path)
-                mapped = mapping.apply(stored) if mapping is not None else None
-                return _load(mapped or stored, mapped, like, strict, partial, max_bytes, max_staging_bytes)
+                mapped = mapping.apply(stored, target) if mapping is not None else None
+                return _load(mapped or stored, mapped, like, requests, build, strict, partial, max_bytes,
+                             max_staging_bytes)
             except XckptError as exc:
                 if exc.code != "load.replaced" and (stored is None or not stored.replaced()):
                     raise
@@ -137,8 +164,8 @@ def load(path: Any, like: Any = None, *, strict: bool = True, partial: bool = Fa
     raise AssertionError("unreachable")
 
 
-def _load(ckpt: Source, mapped: Any, like: Any, strict: bool, partial: bool, max_bytes: int | None,
-          staging: int) -> Any:
+def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build: Any, strict: bool, partial: bool,
+          max_bytes: int | None, staging: int) -> Any:
     m = ckpt.manifest
     if like is None:
         unused_all = mapped.unused_sources(None) if mapped is not None else []
@@ -149,9 +176,8 @@ def _load(ckpt: Source, mapped: Any, like: Any, strict: bool, partial: bool, max
                                 if isinstance(e, ArrayEntry)], max_bytes, staging)
         vals = ckpt.values()
         return unflatten(m.tree, [results[i] if i in results else vals[i] for i in range(len(m.leaves))])
-    requests: list[_Request] = []
-    build = _plan_like(like, (), requests)
     by_key = m.by_key()
+    kept = mapped.optional if mapped is not None else set()
     index = {e.key: i for i, e in enumerate(m.leaves)}
     missing, mismatched, jobs = [], [], []
     value_reqs: list[tuple[Key, int, Any]] = []
@@ -160,7 +186,7 @@ def _load(ckpt: Source, mapped: Any, like: Any, strict: bool, partial: bool, max
             continue
         entry = by_key.get(req.key)
         if entry is None:
-            if not req.optional:
+            if not req.optional and req.key not in kept:
                 missing.append(key_str(req.key))
             continue
         i = index[req.key]

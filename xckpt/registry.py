@@ -2,7 +2,9 @@
 
 * sources: turn a framework array into an :class:`ArraySource` (its local shards).
 * targets: turn a load-target leaf into an :class:`ArrayTarget` (regions to read, how to build).
-* containers: present a custom object (module, optimizer, pytree node) as a plain container.
+* containers: present a custom object (module, optimizer, pytree node) as a plain container,
+  with optional notes about it (a torch module's layer classes), recorded at save time and
+  shown to mappings at load time.
 * coordinators: give the coordinator of a running distributed job.
 * converters: turn a checkpoint of one format into another (``xckpt convert``).
 * commands: add a subcommand to the ``xckpt`` command line.
@@ -94,6 +96,7 @@ class Command:
 _sources: list[tuple[Matcher, Callable[[Any], ArraySource]]] = []
 _targets: list[tuple[Matcher, Callable[[Any, Any], ArrayTarget]]] = []
 _containers: list[tuple[Matcher, Callable[[Any], Any], Callable[[Any], tuple[Any, Callable[[Any], Any]]]]] = []
+_notes: list[tuple[Matcher, Callable[[Any], dict[str, Any]]]] = []
 _coordinators: list[Callable[[], Coordinator | None]] = []
 _converters: dict[tuple[str, str], Callable[..., None]] = {}
 _loaded: set[str] = set()
@@ -120,6 +123,15 @@ def register_container(matches: Matcher, save_view: Callable[[Any], Any],
     target tree and a function that turns the loaded plain tree into the result.
     """
     _containers.insert(0, (matches, save_view, load_view))
+
+
+def register_notes(matches: Matcher, notes: Callable[[Any], dict[str, Any]]) -> None:
+    """Register what to note about a custom container (JSON-able; e.g. a module's layer kinds).
+
+    A save records the notes of every container it flattens in the manifest's
+    ``metadata["xckpt.notes"]``; a load shows the target's notes to its mapping.
+    """
+    _notes.insert(0, (matches, notes))
 
 
 def register_coordinator(factory: Callable[[], Coordinator | None]) -> None:
@@ -199,6 +211,11 @@ def save_view(obj: Any) -> Any | None:
 def load_view(obj: Any) -> tuple[Any, Callable[[Any], Any]] | None:
     """The plain target tree and rebuild function of a registered container, or None."""
     return next((lv(obj) for m, _, lv in _containers if m(obj)), None)
+
+
+def notes_for(obj: Any) -> dict[str, Any] | None:
+    """What the registered notes say about container ``obj``, or None."""
+    return next((fn(obj) for m, fn in _notes if m(obj)), None)
 
 
 def default_coordinator() -> Coordinator | None:

@@ -43,6 +43,7 @@ registry.register_container(state.is_stateful, state.stateful_save_view, state.s
 registry.register_container(lambda x: isinstance(x, torch.optim.Optimizer), state.optimizer_save_view,
                             state.optimizer_load_view)
 registry.register_container(lambda x: isinstance(x, nn.Module), state.module_save_view, state.module_load_view)
+registry.register_notes(lambda x: isinstance(x, nn.Module), state.module_notes)
 registry.register_container(lambda x: isinstance(x, RNGState), RNGState.save_view, RNGState.load_view)
 
 registry.register_coordinator(default_coordinator)

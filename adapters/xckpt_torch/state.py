@@ -94,6 +94,44 @@ def module_load_view(model: nn.Module) -> tuple[dict[str, Any], Callable[[Any], 
     return like, rebuild
 
 
+def _layer_kind(module: nn.Module) -> str | None:
+    """How a layer lays out its weight, for the torch <-> flax presets (None: not a standard layer)."""
+    name = type(module).__name__
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if name == "Conv1D" and type(module).__module__.startswith("transformers"):
+        return "linear_in_out"  # Hugging Face's GPT-2 style layer: weight (in, out)
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if isinstance(module, nn.modules.conv._ConvNd) and not isinstance(module, nn.modules.conv._ConvTransposeNd):
+        return "conv"
+    if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)) or \
+            name.endswith(("LayerNorm", "RMSNorm", "GroupNorm")):
+        return "norm"
+    return None
+
+
+def module_notes(model: nn.Module) -> dict[str, Any]:
+    """What a save records and a mapping sees about a module: each layer's class and kind (by module name)
+    and the parameters tied to another one (by parameter name)."""
+    classes, kinds = {}, {}
+    for fqn, module in model.named_modules():
+        if next(module.parameters(recurse=False), None) is None:
+            continue
+        classes[fqn] = f"{type(module).__module__}.{type(module).__qualname__}"
+        kind = _layer_kind(module)
+        if kind is not None:
+            kinds[fqn] = kind
+    first: dict[int, str] = {}
+    tied = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[fqn] = first[id(p)]
+        else:
+            first[id(p)] = fqn
+    return {"torch": "module", "classes": classes, "kinds": kinds, "tied": tied}
+
+
 def optimizer_save_view(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """An optimizer's state dict keyed by parameter FQN (``get_optimizer_state_dict``)."""
     model = model_of(optimizer)

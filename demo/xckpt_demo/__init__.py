@@ -23,10 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from . import mappings, procs
+from . import procs
 from .config import JAX_MESH, TORCH_RESUME_MESH, TORCH_TRAIN_MESH, Config
 from .jobs import Demo
-from .report import Direction, checkpoint_summary, mapping_sample, plot, table, validate
+from .report import Direction, checkpoint_summary, plot, table, validate
 
 
 def _mesh_text(mesh: dict[str, int]) -> str:
@@ -57,9 +57,6 @@ def run(out: Path, cfg: Config) -> int:
     t0 = time.perf_counter()
     torch_train = demo.torch_job("torch_train", "train", TORCH_TRAIN_MESH)
     print(checkpoint_summary(demo.torch_ckpt))
-    print(mapping_sample("xckpt.mapping.torch_to_flax", mappings.torch_to_flax(), demo.torch_ckpt,
-                          ("params/blocks_0/attn/q/kernel", "params/blocks_0/ln1/scale",
-                           "opt_state/0/mu/blocks_0/attn/q/kernel", "opt_state/0/count")))
     print(f"    ({time.perf_counter() - t0:.1f} s)", flush=True)
 
     jn = JAX_MESH["data"] * JAX_MESH["model"]
@@ -69,9 +66,6 @@ def run(out: Path, cfg: Config) -> int:
     t0 = time.perf_counter()
     jax_res = demo.jax_job("jax", JAX_MESH)
     print(checkpoint_summary(demo.jax_ckpt))
-    print(mapping_sample("xckpt.mapping.flax_to_torch", mappings.flax_to_torch(), demo.jax_ckpt,
-                          ("model/blocks.0.attn.q.weight", "optim/state/blocks.0.attn.q.weight/exp_avg_sq",
-                           "optim/state/blocks.0.attn.q.weight/step")))
     print(f"    ({time.perf_counter() - t0:.1f} s)", flush=True)
 
     rw = TORCH_RESUME_MESH["dp"] * TORCH_RESUME_MESH["tp"]

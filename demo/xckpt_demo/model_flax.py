@@ -2,8 +2,8 @@
 
 Module names follow the PyTorch model through the usual flax conventions
 (``blocks.0.attn.q`` -> ``blocks_0/attn/q``; weight -> kernel (in, out), scale,
-embedding), which is what the ready-made :func:`xckpt.mapping.torch_to_flax`
-mapping expects. LayerNorm uses the exact two-pass variance and torch's epsilon,
+embedding); the argument-free :func:`xckpt.mapping.torch_to_flax` pairs them up
+against this tree. LayerNorm uses the exact two-pass variance and torch's epsilon,
 GELU the tanh approximation, as the PyTorch model does.
 """
 

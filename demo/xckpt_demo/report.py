@@ -99,9 +99,9 @@ def checkpoint_summary(path: Path) -> str:
     return line
 
 
-def mapping_sample(name: str, mapping: Any, path: Path, targets: tuple[str, ...]) -> str:
-    """How a mapping sees a checkpoint (resolved from the manifest alone): counts and a few target leaves."""
-    planned = mapping.plan(str(path))
+def mapping_sample(name: str, planned: Any, targets: tuple[str, ...]) -> str:
+    """How a mapping resolved a checkpoint against a load target (nothing read yet): counts and a few leaves."""
+    path = Path(str(planned.loc))
     lines = planned.describe().splitlines()
     made = [x for x in lines if not x.startswith("unused:")]
     out = [f"    {name} on {path.name}: {len(made)} target leaves from {len(planned.base.manifest.leaves)} stored, e.g."]

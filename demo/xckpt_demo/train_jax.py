@@ -88,9 +88,14 @@ def from_torch(job: dict[str, Any], t: Trainer, tag: str) -> list[float]:
     """Restore the PyTorch checkpoint through the torch -> flax mapping, then continue."""
     import xckpt
 
-    from .mappings import torch_to_flax
+    from xckpt import mapping as M
+
+    from .report import mapping_sample
     like = {"params": t.params_like, "opt_state": t.opt_like, "step": 0}
-    out = xckpt.load(job["torch_ckpt"], like=like, mapping=torch_to_flax())
+    print(mapping_sample("xckpt.mapping.torch_to_flax()", M.torch_to_flax().plan(job["torch_ckpt"], like),
+                         ("params/blocks_0/attn/q/kernel", "params/blocks_0/ln1/scale",
+                          "opt_state/0/mu/blocks_0/attn/q/kernel", "opt_state/0/count")), flush=True)
+    out = xckpt.load(job["torch_ckpt"], like=like, mapping=M.torch_to_flax())
     print(f"{tag} loaded {job['torch_ckpt']} through xckpt.mapping.torch_to_flax (step {out['step']}: "
           f"weights transposed to kernels, AdamW exp_avg/exp_avg_sq/step -> optax mu/nu/count "
           f"{int(out['opt_state'][0].count)})", flush=True)

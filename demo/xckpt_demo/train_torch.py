@@ -107,10 +107,19 @@ def resume_jax(job: dict[str, Any], rank: int, mesh: Any, cfg: Any, tag: str) ->
     """Continue from the JAX checkpoint: one load through the flax -> torch mapping."""
     import xckpt
 
-    from .mappings import flax_to_torch
+    from xckpt import mapping as M
+
+    from .report import mapping_sample
     t = Trainer(cfg, mesh, cfg.init_seed + 1)
+    like = {"model": t.model, "optim": t.opt, "step": 0}
+    planned = M.flax_to_torch().plan(job["jax_ckpt"], like)
+    if rank == 0:
+        print(mapping_sample("xckpt.mapping.flax_to_torch()", planned,
+                             ("model/blocks.0.attn.q.weight", "optim/state/blocks.0.attn.q.weight/exp_avg_sq",
+                              "optim/state/blocks.0.attn.q.weight/step")), flush=True)
+    planned.close()
     # optax keeps its hyper-parameters in the transformation, so the optimizer keeps its own param_groups
-    out = xckpt.load(job["jax_ckpt"], like={"model": t.model, "optim": t.opt, "step": 0}, mapping=flax_to_torch())
+    out = xckpt.load(job["jax_ckpt"], like=like, mapping=M.flax_to_torch())
     if rank == 0:
         print(f"{tag} loaded {job['jax_ckpt']} through xckpt.mapping.flax_to_torch "
               f"(step {out['step']}: kernels transposed, optax mu/nu/count -> exp_avg/exp_avg_sq/step)", flush=True)

@@ -62,6 +62,9 @@ class Descriptors:
 
     tree: Node
     leaves: list[LeafDesc]
+    #: What the adapters noted about the containers flattened (``{"key": [...], **notes}``); recorded in
+    #: the manifest's ``metadata["xckpt.notes"]``, not part of the plan.
+    notes: list[dict[str, Any]] = field(default_factory=list)
 
     def to_wire(self) -> bytes:
         """msgpack bytes; meshes and sharding descriptions are listed once and referred to by number."""

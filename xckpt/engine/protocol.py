@@ -103,13 +103,20 @@ def _source(key: Any, obj: Any) -> tuple[Any, LeafDesc]:
 
 def describe(tree: Any) -> tuple[Descriptors, list[Any]]:
     """Flatten ``tree`` and describe each leaf; returns the descriptors and each leaf's source or value."""
-    structure, leaves = flatten(tree, registry.save_view)
+    notes: list[dict[str, Any]] = []
+
+    def note(key: Any, obj: Any) -> None:
+        said = registry.notes_for(obj)
+        if said:
+            notes.append({"key": list(key), **said})
+
+    structure, leaves = flatten(tree, registry.save_view, note)
     descs, sources = [], []
     for key, obj in leaves:
         src, desc = _source(key, obj)
         sources.append(src)
         descs.append(desc)
-    return Descriptors(structure, descs), sources
+    return Descriptors(structure, descs, notes), sources
 
 
 class _Plans:
@@ -158,6 +165,8 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None, opt
     def describe_local() -> dict[str, Any]:
         opts.check()
         descs, sources = describe(tree)
+        if descs.notes:
+            opts.metadata["xckpt.notes"] = descs.notes
         wire = descs.to_wire()
         d = _digest(wire, coord, opts)
         described.update(descs=descs, sources=sources, wire=wire, digest=d)

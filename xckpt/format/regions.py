@@ -85,7 +85,7 @@ def intersect(a: Region, b: Region) -> Region | None:
     return Region(tuple(offs), tuple(sizes))
 
 
-#: Most inner chunks a chunk object may hold (the format's limit, spec section 2.3).
+#: Most inner chunks a chunk object may hold (the format's limit, spec section 2.4).
 MAX_INNER = 2**20
 
 

@@ -58,11 +58,13 @@ def _check_key_component(k: Any, parent: Key) -> None:
                         leaf=key_str(parent))
 
 
-def flatten(tree: Any, view: Callable[[Any], Any] | None = None) -> tuple[Node, list[tuple[Key, Any]]]:
+def flatten(tree: Any, view: Callable[[Any], Any] | None = None,
+            on_view: Callable[[Key, Any], None] | None = None) -> tuple[Node, list[tuple[Key, Any]]]:
     """Flatten ``tree`` into its structure and a list of ``(key, leaf)`` in order.
 
     ``view`` may turn a custom object into a plain container (returning None for
     anything it does not handle); the adapters use it for modules and pytrees.
+    ``on_view(key, obj)`` is called for each object ``view`` turned into a container.
     """
     leaves: list[tuple[Key, Any]] = []
 
@@ -75,6 +77,8 @@ def flatten(tree: Any, view: Callable[[Any], Any] | None = None) -> tuple[Node, 
             return {"kind": "leaf", "index": len(leaves) - 1}
         plain = None if view is None or isinstance(obj, (dict, list, tuple)) else view(obj)
         if plain is not None:
+            if on_view is not None:
+                on_view(key, obj)
             return walk(plain, key, depth + 1)
         if isinstance(obj, dict):
             items = []

@@ -1,280 +1,478 @@
-"""Ready-made mappings between PyTorch and flax/optax checkpoints, in both directions.
+"""Ready-made mappings between PyTorch and flax/optax, resolved against the load target.
 
-``torch_to_flax(...)`` and ``flax_to_torch(...)`` build a :class:`~xckpt.mapping.Mapping`
-from the stored keys: every torch module with a ``weight``/``bias`` (under the
-``model`` subtree) is paired with a flax module (under ``params``), by default by
-name (``layers.0.attn.q`` <-> ``layers_0/attn/q`` for linen, ``layers/0/attn/q``
-for nnx), or as ``modules`` says (patterns with captures, optionally with the
-module kind). Kinds and their leaves:
+``xckpt.load(path, like, mapping=torch_to_flax())`` (or :func:`flax_to_torch`) needs no
+arguments: the preset sees both trees before anything is read, the stored one and the
+target (``like``), and pairs them up.
 
-========== ======================= ============================ ====================
-kind       torch                   flax                         layout
-========== ======================= ============================ ====================
-linear     weight (out, in), bias  kernel (in, out), bias       transpose
-embedding  weight (num, dim)       embedding (num, dim)         same
-norm       weight, bias            scale, bias                  same (LayerNorm ...)
-conv       weight (O, I, *K), bias kernel (*K, I, O), bias      OIHW <-> HWIO
-========== ======================= ============================ ====================
-
-A torch weight of rank 1 is a norm, rank 2 a linear layer (mark embeddings with
-``("path", "embedding")`` in ``modules``), rank 3 or more a convolution; on the
-flax side the leaf names tell. With ``optimizer`` the optimizer state follows every
-parameter rule: torch Adam/AdamW ``exp_avg``/``exp_avg_sq`` <-> optax
-``ScaleByAdamState`` ``mu``/``nu``, torch's per-parameter float ``step`` <-> optax's
-int32 ``count`` (so bias correction continues exactly), SGD ``momentum_buffer`` <->
-optax ``TraceState.trace``. Extra parameter ``rules`` given to a preset are
-mirrored into the optimizer state the same way.
+* **Which subtree is which.** The torch side is a state dict (``<root>/<fqn>``) and an
+  optimizer state dict (``<root>/state/<fqn>/<field>``, ``<root>/param_groups``). The torch
+  adapter notes each module's layer classes and tied parameters, at save time in the
+  manifest (``metadata["xckpt.notes"]``) and at load time from the target module; without
+  notes, a subtree of dotted names ending in ``.weight``/``.bias`` is taken for a state dict.
+  Everything else is the flax side.
+* **Names.** A flax leaf's key, less some leading components (its root: ``params``,
+  ``opt_state/0/mu``, ...), must name a torch parameter once both are put in a common form
+  (:func:`~xckpt.mapping.layouts.canon`: ``h.0.ln_1.weight`` = ``h/0/ln_1/scale`` =
+  ``h_0/ln_1/scale``; linen, nnx, digit-string and integer module names alike). A root
+  ending in ``mu``, ``nu`` or ``trace`` holds optax moments (torch ``exp_avg``,
+  ``exp_avg_sq``, ``momentum_buffer``); any other root holds parameters. A flax leaf
+  whose name matches a run of torch layers ``layers.{i}....`` with the layer index left out,
+  and whose first axis counts them, is a scanned (stacked) array.
+* **Layouts.** From the shapes: as stored, transposed (``nn.Linear`` (out, in) <-> ``Dense``
+  (in, out)), or OI* <-> *IO (convolutions). A square weight fits two; it takes the layout the
+  other layers of its class took in this model (GPT-2's ``Conv1D``), else its kind's usual one
+  (noted by the adapter, or given in ``kinds``); otherwise the load fails before reading,
+  listing the candidates and the hint that decides.
+* **Optimizer state.** Moments follow their parameters through any optax chain (``chain``,
+  ``inject_hyperparams``, ``masked``: a masked-out parameter's moments are left out); every
+  optax ``count`` <-> torch's per-parameter ``step`` (all equal), so bias correction and
+  schedules continue exactly; ``inject_hyperparams``' ``learning_rate``, ``b1``, ``b2``,
+  ``eps``, ``weight_decay``, ``momentum`` <-> the torch param group's (one group). The rest
+  of an optax state (``EmptyState``, clipping, schedule states) is not torch's to hold.
+* **Tied weights.** A torch parameter tied to another (GPT-2's ``lm_head.weight``) is loaded
+  from its partner's source, or left out when flax keeps only one copy.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping as TMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping as TMapping, Sequence
 
-from xckpt.format.manifest import ArrayEntry, Manifest
-from xckpt.format.tree import Key, key_str
-from xckpt.mapping.patterns import Pattern, parse_path, render
+from xckpt.format.manifest import ArrayEntry, Manifest, ValueEntry
+from xckpt.format.tree import Key, iter_nodes, key_str
+from xckpt.mapping import layouts as L
 from xckpt.mapping.errors import MappingError
-from xckpt.mapping.rules import Output, Rule, drop, rename, same
-from xckpt.mapping.transforms import Transform, Transpose, cast
-from xckpt.mapping.view import Mapping, RuleSource, match_rules
+from xckpt.mapping.patterns import Pattern
+from xckpt.mapping.rules import Output, Rule, drop
+from xckpt.mapping.target import Target
+from xckpt.mapping.transforms import Index, Transform, Transpose, cast
+from xckpt.mapping.view import Mapping
+
+#: optax moment fields and the torch optimizer state fields they hold.
+MOMENTS = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer"}
+#: ``inject_hyperparams`` names and where a torch param group keeps them.
+HYPERPARAMS: dict[str, tuple[Any, ...]] = {"learning_rate": ("lr",), "b1": ("betas", 0), "b2": ("betas", 1),
+                                           "eps": ("eps",), "weight_decay": ("weight_decay",),
+                                           "momentum": ("momentum",)}
+
+Shape = tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class _Leaf:
-    """A parameter of a module kind: its torch and flax names, and the layout change by rank."""
+@dataclass
+class TorchSide:
+    """The torch state dict and optimizer state of one tree (stored or target)."""
 
-    torch: str
-    flax: str
-    to_flax: Callable[[int], Transform | None] = lambda rank: None
-    to_torch: Callable[[int], Transform | None] = lambda rank: None
+    model: Key
+    params: dict[str, Shape]
+    kinds: dict[str, str] = field(default_factory=dict)  # module fqn -> layer kind
+    classes: dict[str, str] = field(default_factory=dict)  # module fqn -> class
+    tied: dict[str, str] = field(default_factory=dict)  # parameter fqn -> the parameter it shares
+    optims: list[Key] = field(default_factory=list)
+    state: set[Key] = field(default_factory=set)  # every optimizer state leaf key
+    groups: set[Key] = field(default_factory=set)  # every param_groups leaf key
 
+    def owns(self, key: Key) -> bool:
+        """Whether ``key`` lies in the state dict or an optimizer state."""
+        return key[:len(self.model)] == self.model and len(key) == len(self.model) + 1 or \
+            any(key[:len(o)] == o for o in self.optims)
 
-def _swap(rank: int) -> Transform:
-    return Transpose((1, 0))
-
-
-def _conv_to_flax(rank: int) -> Transform:
-    return Transpose(tuple(range(2, rank)) + (1, 0))
-
-
-def _conv_to_torch(rank: int) -> Transform:
-    return Transpose((rank - 1, rank - 2) + tuple(range(rank - 2)))
-
-
-#: The module kinds the presets know, with their leaves.
-KINDS: dict[str, tuple[_Leaf, ...]] = {
-    "linear": (_Leaf("weight", "kernel", _swap, _swap), _Leaf("bias", "bias")),
-    "embedding": (_Leaf("weight", "embedding"),),
-    "norm": (_Leaf("weight", "scale"), _Leaf("bias", "bias")),
-    "conv": (_Leaf("weight", "kernel", _conv_to_flax, _conv_to_torch), _Leaf("bias", "bias")),
-}
-_ALIASES = {"dense": "linear", "embed": "embedding", "layernorm": "norm", "layer_norm": "norm",
-            "groupnorm": "norm", "rmsnorm": "norm", "conv1d": "conv", "conv2d": "conv", "conv3d": "conv"}
-
-#: Optimizer state fields: torch name -> optax name, per optimizer.
-OPTIMIZERS: dict[str, tuple[tuple[str, str], ...]] = {
-    "adam": (("exp_avg", "mu"), ("exp_avg_sq", "nu")),
-    "adamw": (("exp_avg", "mu"), ("exp_avg_sq", "nu")),
-    "sgd": (("momentum_buffer", "trace"),),
-}
+    def layer(self, fqn: str) -> tuple[str, str]:
+        """(module name, leaf name) of a parameter."""
+        module, _, leaf = fqn.rpartition(".")
+        return module, leaf
 
 
-def _kind(name: str) -> str:
-    k = _ALIASES.get(name.lower(), name.lower())
-    if k not in KINDS:
-        raise MappingError(f"unknown module kind {name!r}; known: {sorted(KINDS)} and {sorted(_ALIASES)}",
-                           code="mapping.preset")
-    return k
+def _is_fqn(k: Any) -> bool:
+    return isinstance(k, str) and "." in k and k.rsplit(".", 1)[1] in ("weight", "bias")
 
 
-def _path(prefix: Any) -> Key:
-    return parse_path(prefix) if isinstance(prefix, str) else tuple(prefix)
+def torch_side(leaves: Sequence[tuple[Key, Shape | None]], notes: TMapping[Key, dict[str, Any]], what: str,
+               where: str) -> TorchSide:
+    """Find the torch state dict (and optimizer states) among ``leaves`` (key, shape); ``notes`` by key."""
+    roots = [k for k, n in notes.items() if n.get("torch") == "module"]
+    if not roots:
+        under: dict[Key, list[Key]] = {}
+        for key, _ in leaves:
+            if key:
+                under.setdefault(key[:-1], []).append(key)
+        roots = [r for r, ks in under.items() if any(_is_fqn(k[-1]) for k in ks)
+                 and all(isinstance(k[-1], str) for k in ks)]
+    if not roots:
+        raise MappingError(f"{what}: found no torch state dict (a subtree of parameter names such as "
+                           f"'layer.weight') in the {where}", code="mapping.no_match")
+    if len(roots) > 1:
+        raise MappingError(f"{what}: several torch state dicts ({[key_str(r) for r in roots]}); load one at a "
+                           f"time (select it in the target)", code="mapping.ambiguous")
+    model = roots[0]
+    n = notes.get(model, {})
+    params = {k[-1]: tuple(s or ()) for k, s in leaves if len(k) == len(model) + 1 and k[:-1] == model
+              and isinstance(k[-1], str)}
+    side = TorchSide(model, params, dict(n.get("kinds", {})), dict(n.get("classes", {})), dict(n.get("tied", {})))
+    for key, _ in leaves:
+        if len(key) >= 4 and key[-2] in params and key[-3] == "state" and key[:-3] != model:
+            o = key[:-3]
+            if o not in side.optims:
+                side.optims.append(o)
+    for key, _ in leaves:
+        for o in side.optims:
+            if key[:len(o) + 1] == o + ("state",):
+                side.state.add(key)
+            elif key[:len(o) + 1] == o + ("param_groups",):
+                side.groups.add(key)
+    return side
 
 
-class TorchFlaxPreset(RuleSource):
-    """The rules between a torch model/optimizer subtree and a flax params/optax subtree."""
+@dataclass
+class Found:
+    """A flax leaf paired with torch parameters: its root, and one parameter or a stack of layers."""
 
-    def __init__(self, to_flax: bool, modules: TMapping[str, str | tuple[str, str]] | None,
-                 optimizer: str | None, rules: Sequence[Rule], naming: str, model: Any, optim: Any,
-                 params: Any, opt_state: Any) -> None:
-        if naming not in ("linen", "nnx"):
-            raise MappingError(f"naming must be 'linen' or 'nnx', not {naming!r}", code="mapping.preset")
-        if optimizer is not None and optimizer not in OPTIMIZERS:
-            raise MappingError(f"optimizer must be one of {sorted(OPTIMIZERS)} or None, not {optimizer!r}",
-                               code="mapping.preset")
+    key: Key
+    shape: Shape
+    root: Key
+    fqns: tuple[str, ...]  # one parameter, or the layers of a stacked leaf in order
+    stacked: bool
+
+    @property
+    def moment(self) -> str | None:
+        """The optax moment field the root holds (``mu``, ``nu``, ``trace``), or None for parameters."""
+        return self.root[-1] if self.root and self.root[-1] in MOMENTS else None
+
+
+class _Index:
+    """Torch parameters by their common-form names: whole, without their first module, without a layer index."""
+
+    def __init__(self, side: TorchSide, modules: list[tuple[Pattern, Pattern]]) -> None:
+        self.full: dict[tuple[str, ...], list[str]] = {}
+        self.short: dict[tuple[str, ...], list[str]] = {}
+        self.scan: dict[tuple[str, ...], dict[int, list[str]]] = {}
+        for fqn in side.params:
+            module, leaf = side.layer(fqn)
+            parts: Sequence[Any] = module.split(".") if module else []
+            for t, f in modules:
+                caps = t.match((module,))
+                if caps is not None:
+                    parts = f.format(caps)
+                    break
+            c = L.canon(parts, leaf, flax=False)
+            self.full.setdefault(c, []).append(fqn)
+            if len(parts) > 1:
+                self.short.setdefault(L.canon(parts[1:], leaf, flax=False), []).append(fqn)
+            for i, reduced in L.without_layer(c):
+                self.scan.setdefault(reduced, {}).setdefault(i, []).append(fqn)
+
+    def find(self, key: Key, shape: Shape) -> Found | None:
+        """The torch parameters a flax leaf names, trying its longest suffix first."""
+        leaf, module = key[-1], key[:-1]
+        if not isinstance(leaf, str):
+            return None
+        suffixes = [(s, L.canon(module[s:], leaf, flax=True)) for s in range(len(module) + 1)]
+        for table in (self.full, self.short):
+            for s, c in suffixes:
+                hit = table.get(c)
+                if hit and len(hit) == 1:
+                    return Found(key, shape, key[:s], (hit[0],), False)
+        for s, c in suffixes:
+            layers = self.scan.get(c)
+            if layers and shape and sorted(layers) == list(range(len(layers))) and shape[0] == len(layers) \
+                    and all(len(v) == 1 for v in layers.values()):
+                return Found(key, shape, key[:s], tuple(layers[i][0] for i in range(len(layers))), True)
+        return None
+
+
+def _empties(manifest: Manifest) -> set[Key]:
+    """Keys of stored None values and empty containers (optax ``EmptyState``, ``MaskedNode``)."""
+    out = {e.key for e in manifest.leaves if isinstance(e, ValueEntry) and e.type == "none"}
+    out |= {k for k, node in iter_nodes(manifest.tree) if node["kind"] != "leaf" and not node["items"]}
+    return out
+
+
+def _transforms(layout: L.Layout, to_flax: bool) -> tuple[Transform, ...]:
+    t = layout if to_flax else layout.inverse()
+    return () if t.perm is None else (Transpose(t.perm),)
+
+
+def _lifted(layout: L.Layout) -> tuple[Transform, ...]:
+    """The layout of each layer applied to a stack of them (axis 0 is the layer)."""
+    return () if layout.perm is None else (Transpose((0,) + tuple(p + 1 for p in layout.perm)),)
+
+
+class TorchFlaxPreset:
+    """The rules between a torch state dict/optimizer and a flax params/optax tree, either way."""
+
+    def __init__(self, to_flax: bool, modules: TMapping[str, str] | None, kinds: TMapping[str, str] | None,
+                 rules: Sequence[Rule]) -> None:
         self.to_flax = to_flax
-        self.optimizer = optimizer
-        self.naming = naming
-        self.user_rules = list(rules)
-        self.model, self.optim = _path(model), _path(optim)
-        self.params, self.opt_state = _path(params), _path(opt_state)
-        self.modules: list[tuple[Pattern, Pattern, str | None]] = []
-        for t, v in (modules or {}).items():
-            f, kind = (v, None) if isinstance(v, str) else (v[0], _kind(v[1]))
-            self.modules.append((Pattern(t), Pattern(f), kind))
         self.name = "torch_to_flax" if to_flax else "flax_to_torch"
+        self.modules = [(Pattern(t), Pattern(f)) for t, f in (modules or {}).items()]
+        self.kinds: list[tuple[Pattern, str]] = []
+        for t, k in (kinds or {}).items():
+            if k not in L.KINDS:
+                raise MappingError(f"{self.name}: kind {k!r} of {t!r} is not one of {list(L.KINDS)}",
+                                   code="mapping.preset")
+            self.kinds.append((Pattern(t), k))
+        self.user_rules = list(rules)
+        self._optional: set[Key] = set()
 
-    # -- parameters ---------------------------------------------------------------------------
-    def rules_for(self, manifest: Manifest) -> list[Rule]:
-        """Parameter rules (the user's, then generated ones), then optimizer rules."""
-        params = self.user_rules + (self._torch_params(manifest) if self.to_flax else self._flax_params(manifest))
-        if not params:
-            where = key_str(self.model if self.to_flax else self.params)
-            raise MappingError(f"{self.name}: no parameters found under {where!r}", code="mapping.no_match")
-        return params + (self._optimizer_rules(manifest, params) if self.optimizer else [])
+    def optional_targets(self) -> set[Key]:
+        """Target hyperparameters the checkpoint may not hold (the target keeps its own)."""
+        return set(self._optional)
 
-    def _torch_params(self, manifest: Manifest) -> list[Rule]:
-        n = len(self.model)
-        groups: dict[str, dict[str, ArrayEntry]] = {}
-        for e in manifest.leaves:
-            k = e.key
-            if isinstance(e, ArrayEntry) and len(k) == n + 1 and k[:n] == self.model and isinstance(k[-1], str):
-                module, _, leaf = k[-1].rpartition(".")
-                groups.setdefault(module, {})[leaf] = e
-        out = []
-        for module, leaves in groups.items():
-            weight = leaves.get("weight")
-            flax_path, kind = self._flax_module(module)
-            if kind is None:
-                if weight is None:
-                    continue
-                rank = len(weight.shape)
-                kind = "norm" if rank == 1 else "linear" if rank == 2 else "conv"
-            for spec in KINDS[kind]:
-                e = leaves.get(spec.torch)
-                if e is None:
-                    continue
-                t = spec.to_flax(len(e.shape))
-                out.append(rename(e.key, self.params + flax_path + (spec.flax,), *([t] if t else []),
-                                  required=False, name=f"torch {kind} {module or '<root>'}.{spec.torch} -> "
-                                                       f"flax {render(flax_path) or '<root>'}/{spec.flax}"))
-        return out
-
-    def _flax_params(self, manifest: Manifest) -> list[Rule]:
-        n = len(self.params)
-        groups: dict[Key, dict[str, ArrayEntry]] = {}
-        for e in manifest.leaves:
-            k = e.key
-            if isinstance(e, ArrayEntry) and len(k) > n and k[:n] == self.params and isinstance(k[-1], str):
-                groups.setdefault(k[n:-1], {})[k[-1]] = e
-        out = []
-        for path, leaves in groups.items():
-            module, kind = self._torch_module(path)
-            if kind is None:
-                if "embedding" in leaves:
-                    kind = "embedding"
-                elif "scale" in leaves:
-                    kind = "norm"
-                elif "kernel" in leaves:
-                    kind = "linear" if len(leaves["kernel"].shape) == 2 else "conv"
-                else:
-                    continue
-            for spec in KINDS[kind]:
-                e = leaves.get(spec.flax)
-                if e is None:
-                    continue
-                t = spec.to_torch(len(e.shape))
-                fqn = f"{module}.{spec.torch}" if module else spec.torch
-                out.append(rename(e.key, self.model + (fqn,), *([t] if t else []), required=False,
-                                  name=f"flax {kind} {render(path) or '<root>'}/{spec.flax} -> torch {fqn}"))
-        return out
-
-    def _flax_module(self, module: str) -> tuple[Key, str | None]:
-        for t, f, kind in self.modules:
-            caps = t.match((module,))
-            if caps is not None:
-                return f.format(caps), kind
-        if not module:
-            return (), None
-        parts: list[Any] = []
-        for c in module.split("."):
-            if c.isdigit() and parts and self.naming == "linen":
-                parts[-1] = f"{parts[-1]}_{c}"
-            else:
-                parts.append(int(c) if c.isdigit() and self.naming == "nnx" else c)
-        return tuple(parts), None
-
-    def _torch_module(self, path: Key) -> tuple[str, str | None]:
-        for t, f, kind in self.modules:
-            caps = f.match(path)
-            if caps is not None:
-                return render(t.format(caps)), kind
-        parts = []
-        for c in path:
-            m = re.fullmatch(r"(.*[^_])_(\d+)", c) if isinstance(c, str) and self.naming == "linen" else None
-            parts.extend([m.group(1), m.group(2)] if m else [str(c)])
-        return ".".join(parts), None
-
-    # -- optimizer state ----------------------------------------------------------------------
-    def _optimizer_rules(self, manifest: Manifest, params: list[Rule]) -> list[Rule]:
-        assert self.optimizer is not None
-        state = self.optim + ("state",)
-        out: list[Rule] = []
-        for torch_field, optax_field in OPTIMIZERS[self.optimizer]:
-            for r in params:
-                if self.to_flax:
-                    m = r.rerooted((self.model, state, (torch_field,)), (self.params, self.opt_state + (optax_field,),
-                                                                          ()), f"{r.label} [{torch_field}]")
-                else:
-                    m = r.rerooted((self.params, self.opt_state + (optax_field,), ()),
-                                   (self.model, state, (torch_field,)), f"{r.label} [{optax_field}]")
-                if m is not None:
-                    out.append(m)
-        keys = [e.key for e in manifest.leaves]
+    # -- entry point ------------------------------------------------------------------------------
+    def rules_for(self, manifest: Manifest, target: Target | None = None) -> list[Rule]:
+        """The rules loading ``manifest`` into ``target``: the user's, then the resolved ones."""
+        if target is None:
+            raise MappingError(f"{self.name}() resolves names and layouts against the load target: pass like=",
+                               code="mapping.target")
+        stored = [(e.key, tuple(e.shape) if isinstance(e, ArrayEntry) else None) for e in manifest.leaves]
+        wanted = [(t.key, t.shape) for t in target.leaves if not t.empty]
         if self.to_flax:
-            if not any(k[:len(state)] == state for k in keys):
-                raise MappingError(f"torch_to_flax(optimizer={self.optimizer!r}): no optimizer state under "
-                                   f"{key_str(state)!r}", code="mapping.no_match")
-            steps = [k for k in keys if len(k) == len(state) + 2 and k[:len(state)] == state and k[-1] == "step"]
-            if steps and self.optimizer in ("adam", "adamw"):
-                out.append(same(steps, self.opt_state + ("count",), cast("int32"), required=False,
-                                name="torch step of every parameter (all equal) -> optax count"))
-            groups = self.optim + ("param_groups",)
-            out.extend(drop(k, name="torch param_groups (hyperparameters live in the optax transformation)")
-                       for k in keys if k[:len(groups)] == groups)
+            notes = {tuple(n["key"]): n for n in manifest.metadata.get("xckpt.notes", [])
+                     if isinstance(n, dict) and isinstance(n.get("key"), list)}
+            side = torch_side(stored, notes, self.name, "checkpoint")
+            flax = [(k, s) for k, s in wanted if s is not None]
         else:
-            if not any(k[:len(self.opt_state)] == self.opt_state for k in keys):
-                raise MappingError(f"flax_to_torch(optimizer={self.optimizer!r}): no optax state under "
-                                   f"{key_str(self.opt_state)!r}", code="mapping.no_match")
-            count = self.opt_state + ("count",)
-            if self.optimizer in ("adam", "adamw") and count in keys:
-                fqns: list[Any] = []
-                for mt in match_rules(manifest.leaves, params)[0]:
-                    for o in mt.rule.outputs:
-                        t = o.target.format(mt.captures)
-                        if len(t) == len(self.model) + 1 and t[:len(self.model)] == self.model and t[-1] not in fqns:
-                            fqns.append(t[-1])
-                outs = tuple(Output(Pattern(state + (f, "step")), (cast("float32"),)) for f in fqns)
-                out.append(Rule((Pattern(count),), outs, None, False, "optax count -> torch step of every parameter"))
+            side = torch_side(wanted, target.notes, self.name, "load target")
+            flax = [(k, s) for k, s in stored if s is not None]
+        index = _Index(side, self.modules)
+        found = [f for k, s in flax if not side.owns(k) for f in [index.find(k, s)] if f is not None]
+        if not found:
+            raise MappingError(f"{self.name}: no {'target' if self.to_flax else 'stored'} flax leaf names a "
+                               f"parameter of the torch state dict at {key_str(side.model)!r}",
+                               code="mapping.no_match")
+        decided = self._layouts(side, found)
+        self._optional = set()
+        body = self._to_flax(manifest, target, side, found, decided) if self.to_flax else \
+            self._to_torch(manifest, target, side, found, decided)
+        return self.user_rules + self._mirrored(side, found) + body
+
+    # -- layouts ----------------------------------------------------------------------------------
+    def _kind(self, side: TorchSide, module: str) -> str | None:
+        for p, k in self.kinds:
+            if p.match((module,)) is not None:
+                return k
+        return side.kinds.get(module)
+
+    def _layouts(self, side: TorchSide, found: list[Found]) -> dict[tuple[str, str], L.Layout]:
+        """The layout change of each (torch parameter, flax leaf name), decided once for all roots."""
+        todo: dict[tuple[str, str], tuple[Found, list[L.Layout], tuple[Any, ...]]] = {}
+        for f in found:
+            fqn = f.fqns[0]
+            shape = f.shape[1:] if f.stacked else f.shape
+            module, leaf = side.layer(fqn)
+            flax_leaf = str(f.key[-1])
+            tshapes = {side.params[q] for q in f.fqns}
+            if len(tshapes) > 1:
+                raise MappingError(f"{self.name}: the layers stacked into {key_str(f.key)} differ in shape: "
+                                   f"{sorted(tshapes)}", code="mapping.shape", leaf=key_str(f.key))
+            tshape = side.params[fqn]
+            options = L.candidates(tshape, shape, flax_leaf)
+            if not options:
+                raise MappingError(f"{self.name}: torch {fqn} {list(tshape)} does not fit flax {key_str(f.key)} "
+                                   f"{list(f.shape)}{' (stacked)' if f.stacked else ''} as stored, transposed or "
+                                   f"as a convolution", code="mapping.shape", leaf=key_str(f.key))
+            group = (side.classes.get(module) or self._kind(side, module) or "?", leaf, flax_leaf, len(tshape))
+            prev = todo.get((fqn, flax_leaf))
+            if prev is None or len(options) < len(prev[1]):
+                todo[(fqn, flax_leaf)] = (f, options, group)
+        seen: dict[tuple[Any, ...], set[L.Layout]] = {}
+        for f, options, group in todo.values():
+            if len(options) == 1:
+                seen.setdefault(group, set()).add(options[0])
+        out: dict[tuple[str, str], L.Layout] = {}
+        for (fqn, flax_leaf), (f, options, group) in todo.items():
+            module, _ = side.layer(fqn)
+            kind = self._kind(side, module)
+            choice = L.decide(options, seen.get(group, set()), kind, len(side.params[fqn]), flax_leaf)
+            if choice is None:
+                names = ", ".join(o.name for o in options)
+                raise MappingError(
+                    f"{self.name}: torch {fqn} {list(side.params[fqn])} fits flax {key_str(f.key)} both {names}, and "
+                    f"neither the other layers of its class ({group[0]}) nor a known layer kind decide; say what "
+                    f"layer it is: {self.name}(kinds={{{module!r}: 'linear'}}) (weight (out, in); a flax kernel is "
+                    f"(in, out)) or 'linear_in_out' (weight (in, out), Hugging Face Conv1D)",
+                    code="mapping.ambiguous", leaf=key_str(f.key))
+            out[(fqn, flax_leaf)] = choice
+        return out
+
+    # -- torch -> flax ----------------------------------------------------------------------------
+    def _to_flax(self, manifest: Manifest, target: Target, side: TorchSide, found: list[Found],
+                 decided: dict[tuple[str, str], L.Layout]) -> list[Rule]:
+        stored = {e.key for e in manifest.leaves}
+        outputs: dict[tuple[Key, ...], list[Output]] = {}
+        labels: dict[tuple[Key, ...], str] = {}
+        used: set[str] = set()
+        for f in found:
+            layout = decided[(f.fqns[0], str(f.key[-1]))]
+            if f.moment is None:
+                sources = tuple(side.model + (q,) for q in f.fqns)
+            else:
+                field_ = MOMENTS[f.moment]
+                sources = ()
+                for o in side.optims:
+                    keys = tuple(o + ("state", q, field_) for q in f.fqns)
+                    if all(k in stored for k in keys):
+                        sources = keys
+                        break
+                if not sources:
+                    continue  # the load reports the target leaf missing
+            used.update(f.fqns)
+            transforms = _lifted(layout) if f.stacked else _transforms(layout, True)
+            outputs.setdefault(sources, []).append(Output(Pattern(f.key), transforms))
+            labels[sources] = (f"torch {f.fqns[0]}{f' .. {f.fqns[-1]} stacked' if f.stacked else ''} -> flax "
+                               f"{key_str(f.key)} ({layout.name})")
+        rules = [Rule(tuple(Pattern(s) for s in srcs), tuple(outs), 0 if len(srcs) > 1 else None, False,
+                      labels[srcs], stack=len(srcs) > 1) for srcs, outs in outputs.items()]
+        rules += self._counts_to_flax(target, side, found)
+        rules += self._hyper_to_flax(target, side)
+        rules += [drop(side.model + (q,), name=f"torch {q}: tied to {side.tied[q]}")
+                  for q in side.params if q not in used and q in side.tied]
+        rules += [drop(k, name="torch optimizer state of a parameter the optax state masks out")
+                  for k in self._masked(target, side, found)]
+        rules += [drop(k, name="torch param_groups (hyperparameters live in the optax transformation)")
+                  for k in sorted(side.groups, key=key_str)]
+        return rules
+
+    def _counts_to_flax(self, target: Target, side: TorchSide, found: list[Found]) -> list[Rule]:
+        tops = {f.root[:1] for f in found if f.moment} - {f.root[:1] for f in found if f.moment is None}
+        counts = [t.key for t in target.leaves if t.key and t.key[-1] == "count" and t.key[:1] in tops
+                  and not t.empty]
+        steps = sorted((k for k in side.state if k[-1] == "step"), key=key_str)
+        if not steps:
+            return []
+        outs = tuple(Output(Pattern(k), (cast("int32"),)) for k in counts)
+        return [Rule(tuple(Pattern(s) for s in steps), outs, None, False,
+                     "torch step of every parameter (all equal) -> every optax count", same=True)]
+
+    def _hyper_to_flax(self, target: Target, side: TorchSide) -> list[Rule]:
+        rules: list[Rule] = []
+        for t in target.leaves:
+            if len(t.key) >= 2 and t.key[-2] == "hyperparams":
+                self._optional.add(t.key)  # kept from the target where torch has no counterpart (eps_root)
+                for o in side.optims if t.key[-1] in HYPERPARAMS else []:
+                    groups = {k[len(o) + 1] for k in side.groups}
+                    src = o + ("param_groups", 0) + HYPERPARAMS[t.key[-1]]
+                    if groups == {0} and src in side.groups:
+                        rules.append(Rule((Pattern(src),), (Output(Pattern(t.key)),), None, False,
+                                          f"torch param group {key_str(src)} -> optax {key_str(t.key)}"))
+                        break
+        return rules
+
+    def _masked(self, target: Target, side: TorchSide, found: list[Found]) -> list[Key]:
+        """Torch moments of parameters whose place in an optax moment tree is an empty (masked) node."""
+        empties = {t.key for t in target.leaves if t.empty}
+        rel = {f.fqns[0]: f.key[len(f.root):] for f in found if f.moment is None and not f.stacked}
+        roots = {f.root for f in found if f.moment}
+        roots |= {e[:i] for e in empties for i in range(1, len(e)) if e[i - 1] in MOMENTS}
+        out = []
+        for root in roots:
+            field_ = MOMENTS[root[-1]]
+            out += [k for fqn, r in rel.items() if root + r in empties for k in side.state if k[-2:] == (fqn, field_)]
+        return out
+
+    # -- flax -> torch ----------------------------------------------------------------------------
+    def _to_torch(self, manifest: Manifest, target: Target, side: TorchSide, found: list[Found],
+                  decided: dict[tuple[str, str], L.Layout]) -> list[Rule]:
+        wanted = {t.key for t in target.leaves}
+        roots = sorted({f.root for f in found if f.moment is None}, key=key_str)
+        if len(roots) > 1:
+            raise MappingError(f"{self.name}: the checkpoint holds parameters under several roots "
+                               f"({[key_str(r) for r in roots]}); load from one of them with a rule",
+                               code="mapping.ambiguous")
+        per_field: dict[str, set[Key]] = {}
+        for f in found:
+            if f.moment:
+                per_field.setdefault(f.moment, set()).add(f.root)
+        for name, rs in per_field.items():
+            if len(rs) > 1:
+                raise MappingError(f"{self.name}: the optax state holds {name!r} under several roots "
+                                   f"({sorted(key_str(r) for r in rs)})", code="mapping.ambiguous")
+        empties = _empties(manifest)
+        rel = {f.fqns[0]: f.key[len(f.root):] for f in found if f.moment is None and not f.stacked}
+        for root in {e[:i] for e in empties for i in range(1, len(e)) if e[i - 1] in MOMENTS}:
+            for fqn, r in rel.items():
+                if root + r in empties:  # masked out in optax: the torch optimizer keeps its own
+                    self._optional |= {o + ("state", fqn, MOMENTS[root[-1]]) for o in side.optims}
+        partners: dict[str, list[str]] = {}
+        for q, first in side.tied.items():
+            partners.setdefault(first, []).append(q)
+        rules: list[Rule] = []
+        for f in found:
+            layout = decided[(f.fqns[0], str(f.key[-1]))]
+            outs: list[Output] = []
+            for i, fqn in enumerate(f.fqns):
+                if f.moment is None:
+                    keys = [side.model + (q,) for q in [fqn] + partners.get(fqn, [])]
+                else:
+                    keys = [o + ("state", fqn, MOMENTS[f.moment]) for o in side.optims]
+                per = ((Index(0, i),) if f.stacked else ()) + _transforms(layout, False)
+                outs += [Output(Pattern(k), per) for k in keys if k in wanted]
+            if outs:
+                rules.append(Rule((Pattern(f.key),), tuple(outs), None, False,
+                                  f"flax {key_str(f.key)} -> torch {f.fqns[0]}"
+                                  f"{f' .. {f.fqns[-1]} (one per layer)' if f.stacked else ''} ({layout.name})"))
+        adam = sorted({f.root[:-1] for f in found if f.moment in ("mu", "nu")}, key=key_str)
+        stored = {e.key: e for e in manifest.leaves}
+        steps = [k for k in sorted(wanted, key=key_str) if k in side.state and k[-1] == "step"]
+        if adam and steps and adam[0] + ("count",) in stored:
+            rules.append(Rule((Pattern(adam[0] + ("count",)),), tuple(Output(Pattern(k), (cast("float32"),))
+                                                                     for k in steps), None, False,
+                              "optax count -> torch step of every parameter"))
+        tops = {f.root[:1] for f in found if f.moment} - {f.root[:1] for f in found if f.moment is None}
+        for key in stored:
+            if len(key) >= 2 and key[-2] == "hyperparams" and key[-1] in HYPERPARAMS and key[:1] in tops:
+                outs2 = [Output(Pattern(g[:len(o) + 2] + HYPERPARAMS[key[-1]])) for o in side.optims
+                         for g in sorted({g[:len(o) + 2] for g in side.groups if g[:len(o) + 1] == o + ("param_groups",)},
+                                         key=key_str) if g + HYPERPARAMS[key[-1]] in wanted]
+                if outs2:
+                    rules.append(Rule((Pattern(key),), tuple(outs2), None, False,
+                                      f"optax {key_str(key)} -> torch param groups"))
+        moments = {f.key for f in found if f.moment}
+        rules += [drop(k, name="optax state torch keeps no counterpart of (EmptyState, schedule and clipping "
+                               "states, masked-out nodes)")
+                  for k in stored if k[:1] in tops and k not in moments]
+        return rules
+
+    # -- the user's rules, mirrored into the optimizer state -----------------------------------------
+    def _mirrored(self, side: TorchSide, found: list[Found]) -> list[Rule]:
+        if not self.user_rules:
+            return []
+        params = sorted({f.root for f in found if f.moment is None}, key=key_str)
+        moments = sorted({f.root for f in found if f.moment}, key=key_str)
+        if len(params) != 1:
+            return []
+        out: list[Rule] = []
+        for r in self.user_rules:
+            for root in moments:
+                field_ = MOMENTS[root[-1]]
+                for o in side.optims:
+                    if self.to_flax:
+                        m = r.rerooted((side.model, o + ("state",), (field_,)), (params[0], root, ()))
+                    else:
+                        m = r.rerooted((params[0], root, ()), (side.model, o + ("state",), (field_,)))
+                    if m is not None:
+                        out.append(m)
         return out
 
 
-def torch_to_flax(modules: TMapping[str, str | tuple[str, str]] | None = None, *, optimizer: str | None = None,
-                  rules: Sequence[Rule] = (), naming: str = "linen", model: Any = "model", optim: Any = "optim",
-                  params: Any = "params", opt_state: Any = "opt_state/0", passthrough: bool = True) -> Mapping:
-    """Load a torch checkpoint into flax/optax targets.
+def torch_to_flax(modules: TMapping[str, str] | None = None, *, kinds: TMapping[str, str] | None = None,
+                  rules: Sequence[Rule] = (), passthrough: bool = True) -> Mapping:
+    """Load a torch checkpoint (a state dict and optimizer state) into a flax/optax target.
 
-    ``modules`` maps torch module paths to flax module paths (``{"layers.{i}.attn.q_proj":
-    "layers_{i}/attn/q"}``, a value may be ``(path, kind)``); unmapped modules keep their
-    names in the ``naming`` convention ("linen" or "nnx"). ``optimizer`` ("adam", "adamw",
-    "sgd") maps the torch optimizer state under ``optim`` (as saved from
-    ``get_optimizer_state_dict``) to the optax state node at ``opt_state`` (the
-    ``ScaleByAdamState``/``TraceState``, e.g. ``"opt_state/0"`` for ``optax.adamw``).
-    ``rules`` are extra parameter rules, tried first and mirrored into the optimizer state.
+    No argument is needed (see the module docstring). Hints, where the trees alone cannot
+    decide: ``modules`` maps torch module names to flax module paths whose names differ
+    (``{"tok_emb": "embed"}``, patterns with ``{captures}``); ``kinds`` says what layer a
+    torch module is (``"linear"``, ``"linear_in_out"``, ``"embedding"``, ``"norm"``, ``"conv"``)
+    where the checkpoint does not record it; ``rules`` are tried first (and mirrored into the
+    optimizer moments).
     """
-    return Mapping(TorchFlaxPreset(True, modules, optimizer, rules, naming, model, optim, params, opt_state),
-                   passthrough=passthrough)
+    return Mapping(TorchFlaxPreset(True, modules, kinds, rules), passthrough=passthrough)
 
 
-def flax_to_torch(modules: TMapping[str, str | tuple[str, str]] | None = None, *, optimizer: str | None = None,
-                  rules: Sequence[Rule] = (), naming: str = "linen", model: Any = "model", optim: Any = "optim",
-                  params: Any = "params", opt_state: Any = "opt_state/0", passthrough: bool = True) -> Mapping:
-    """Load a flax/optax checkpoint into torch targets (arguments as :func:`torch_to_flax`).
+def flax_to_torch(modules: TMapping[str, str] | None = None, *, kinds: TMapping[str, str] | None = None,
+                  rules: Sequence[Rule] = (), passthrough: bool = True) -> Mapping:
+    """Load a flax/optax checkpoint (xckpt or Orbax) into torch targets: a module and its optimizer.
 
-    ``modules`` still maps torch paths to flax paths. The optax ``count`` becomes the
-    ``step`` of every torch parameter (a float32 scalar, as torch keeps it).
+    No argument is needed; the hints are those of :func:`torch_to_flax` (``modules`` still maps
+    torch names to flax paths). Every optax ``count`` becomes the ``step`` of each torch parameter.
     """
-    return Mapping(TorchFlaxPreset(False, modules, optimizer, rules, naming, model, optim, params, opt_state),
-                   passthrough=passthrough)
+    return Mapping(TorchFlaxPreset(False, modules, kinds, rules), passthrough=passthrough)

@@ -7,6 +7,8 @@ produces one or more outputs, each a target pattern and a list of transforms:
 * :func:`split` — one fused source (QKV), several targets, each a slice of it;
 * :func:`concat` — several sources (matched together through shared captures)
   concatenated into one target;
+* :func:`stack` — several leaves of one shape stacked along a new first axis
+  (per-layer tensors -> one scanned array);
 * :func:`same` — several sources that must hold the same value, one target
   (torch's per-parameter Adam ``step`` -> optax's ``count``; checked when read);
 * :func:`drop` — consume sources without producing anything.
@@ -47,6 +49,7 @@ class Rule:
     name: str = ""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     same: bool = False  # several sources that must hold the same value (not concatenated)
+    stack: bool = False  # sources stacked along a new axis ``concat_axis`` = 0 (per-layer -> scanned)
 
     @property
     def label(self) -> str:
@@ -74,7 +77,7 @@ class Rule:
         if any(s is None for s in sources):
             return None
         return Rule(tuple(sources), tuple(outputs), self.concat_axis, False,  # type: ignore[arg-type]
-                    name or (f"{self.label} (mirrored)"), self.extra, self.same)
+                    name or (f"{self.label} (mirrored)"), self.extra, self.same, self.stack)
 
 
 def _transforms(transforms: Sequence[Transform]) -> tuple[Transform, ...]:
@@ -154,6 +157,18 @@ def same(sources: Sequence[PatternLike], target: PatternLike, *transforms: Trans
     for p in pats[1:] + (out,):
         _check_fields(pats[0], [p])
     return Rule(pats, (Output(out, _transforms(transforms)),), None, required, name, same=True)
+
+
+def stack(sources: Sequence[PatternLike], target: PatternLike, *, then: Sequence[Transform] = (),
+          required: bool = True, name: str = "") -> Rule:
+    """Stack several leaves of one shape along a new first axis (per-layer tensors -> one scanned array)."""
+    pats = tuple(Pattern(s) for s in sources)
+    if not pats:
+        raise MappingError("stack needs at least one source", code="mapping.pattern")
+    out = Pattern(target)
+    for p in pats[1:] + (out,):
+        _check_fields(pats[0], [p])
+    return Rule(pats, (Output(out, _transforms(then)),), 0, required, name, stack=True)
 
 
 def drop(source: PatternLike, *, required: bool = False, name: str = "") -> Rule:

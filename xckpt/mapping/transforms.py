@@ -167,3 +167,33 @@ def cast(dtype: Any) -> Cast:
     return Cast(dtype if isinstance(dtype, str) else dtypes.logical_name(dtype))
 
 
+
+
+@dataclass(frozen=True)
+class Index(Transform):
+    """Keep entry ``index`` of ``axis`` and drop that axis (one layer of a scanned array)."""
+
+    axis: int
+    index: int
+
+    def apply(self, layout: Layout) -> Layout:
+        """The shape without ``axis``."""
+        rank = len(layout.shape)
+        if not -rank <= self.axis < rank:
+            raise TransformError(f"{self} does not fit an array of rank {rank}")
+        axis = self.axis % rank
+        if not 0 <= self.index < layout.shape[axis]:
+            raise TransformError(f"{self} does not fit axis {axis} of size {layout.shape[axis]} "
+                                 f"(shape {list(layout.shape)})")
+
+        def cut(values: tuple[int, ...]) -> tuple[int, ...]:
+            return values[:axis] + values[axis + 1:]
+
+        return Layout(cut(layout.shape), layout.dtype, cut(layout.chunk_shape), cut(layout.inner_chunk_shape), None)
+
+    def view(self, store: ts.TensorStore) -> ts.TensorStore:
+        """The entry, its axis dropped."""
+        return store[ts.d[self.axis % store.rank][self.index]]
+
+    def __str__(self) -> str:
+        return f"index(axis={self.axis}, {self.index})"

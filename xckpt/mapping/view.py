@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Protocol, Sequence, Union, runtime_checkable
 
 import tensorstore as ts
 
@@ -23,17 +23,23 @@ from xckpt.format.tree import Key, Node, key_str
 from xckpt.mapping.errors import MappingError
 from xckpt.mapping.patterns import render
 from xckpt.mapping.rules import Rule
+from xckpt.mapping.target import Target
 from xckpt.mapping.transforms import Layout, Transform, TransformError
 from xckpt.mapping.virtual import same_view
 from xckpt.sources.detect import open_checkpoint
 
 
-class RuleSource:
-    """Something that yields rules for a given stored manifest (a preset, a :class:`Mapping`)."""
+@runtime_checkable
+class RuleSource(Protocol):
+    """Something that yields rules for a stored manifest and a load target (a preset, a :class:`Mapping`)."""
 
-    def rules_for(self, manifest: Manifest) -> list[Rule]:
-        """The rules to apply to ``manifest``, in order of precedence."""
-        raise NotImplementedError
+    def rules_for(self, manifest: Manifest, target: Target | None = None) -> list[Rule]:
+        """The rules to apply to ``manifest`` (loading into ``target``, None: the whole checkpoint), in order."""
+        ...
+
+    def optional_targets(self) -> set[Key]:
+        """Target keys this source leaves to the target where the checkpoint has nothing for them."""
+        ...
 
 
 @dataclass
@@ -66,6 +72,8 @@ class MappedCheckpoint:
         self._plans = {p.entry.key: p for p in plans}
         self._unused = unused
         self._related = related
+        #: Target keys the mapping leaves to the target where the checkpoint has nothing for them.
+        self.optional: set[Key] = set()
 
     def values(self) -> dict[int, Any]:
         """Value leaves by (target) leaf index."""
@@ -84,6 +92,8 @@ class MappedCheckpoint:
             if plan.rule.same and len(stores) > 1:
                 store = same_view(stores, [key_str(base_leaves[i].key) for i in plan.sources])
             elif plan.concat_axis is not None:
+                if plan.rule.stack:
+                    stores = [s[ts.newaxis, ...] for s in stores]
                 store = ts.concat(stores, axis=plan.concat_axis)
                 store = store[ts.d[:].translate_to[0]]
             for t in plan.transforms:
@@ -187,20 +197,34 @@ class Mapping(RuleSource):
         """A mapping with this one's rules first, then ``other``'s."""
         return Mapping(self, other, passthrough=self.passthrough)
 
-    def rules_for(self, manifest: Manifest) -> list[Rule]:
-        """Every rule, presets expanded for ``manifest``."""
+    def rules_for(self, manifest: Manifest, target: Target | None = None) -> list[Rule]:
+        """Every rule, presets expanded for ``manifest`` and ``target``."""
         out: list[Rule] = []
         for p in self.parts:
-            out.extend([p] if isinstance(p, Rule) else p.rules_for(manifest))
+            out.extend([p] if isinstance(p, Rule) else p.rules_for(manifest, target))
         return out
 
-    def apply(self, ckpt: Any) -> MappedCheckpoint:
-        """The checkpoint seen through this mapping; raises :class:`MappingError` before any data is read."""
-        return resolve(ckpt, self.rules_for(ckpt.manifest), passthrough=self.passthrough)
+    def optional_targets(self) -> set[Key]:
+        """Target keys some preset leaves to the target where the checkpoint has nothing for them."""
+        out: set[Key] = set()
+        for p in self.parts:
+            if not isinstance(p, Rule):
+                out |= p.optional_targets()
+        return out
 
-    def plan(self, path: Any) -> MappedCheckpoint:
-        """Open the checkpoint at ``path`` and apply the mapping (to inspect it: ``.describe()``)."""
-        return self.apply(open_checkpoint(path))
+    def apply(self, ckpt: Any, target: Target | None = None) -> MappedCheckpoint:
+        """The checkpoint seen through this mapping, loading into ``target``; raises :class:`MappingError`
+        before any data is read."""
+        mapped = resolve(ckpt, self.rules_for(ckpt.manifest, target), passthrough=self.passthrough)
+        mapped.optional = self.optional_targets()
+        return mapped
+
+    def plan(self, path: Any, like: Any = None) -> MappedCheckpoint:
+        """Open the checkpoint at ``path`` and apply the mapping for loading into ``like`` (to inspect it:
+        ``.describe()``)."""
+        from xckpt.load import describe_target
+
+        return self.apply(open_checkpoint(path), None if like is None else describe_target(like))
 
 
 @dataclass
@@ -310,6 +334,15 @@ def _source_layout(rule: Rule, srcs: list[Entry], file: str) -> Layout | None:
         return layout
     if rule.concat_axis is None:
         return layout
+    if rule.stack:
+        for e in srcs[1:]:
+            if not isinstance(e, ArrayEntry) or e.shape != first.shape or e.dtype != first.dtype:
+                what = f"{list(e.shape)} {e.dtype}" if isinstance(e, ArrayEntry) else "a value"
+                raise MappingError(f"rule {rule.label!r} cannot stack {key_str(e.key)} ({what}) with "
+                                   f"{key_str(first.key)} ({list(first.shape)} {first.dtype})",
+                                   code="mapping.shape", file=file, leaf=key_str(e.key))
+        return Layout((len(srcs),) + first.shape, first.dtype, (1,) + first.chunk_shape,
+                      (1,) + first.inner_chunk_shape, None)
     axis = rule.concat_axis
     rank = len(first.shape)
     if not -rank <= axis < rank:

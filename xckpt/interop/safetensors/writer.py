@@ -293,18 +293,24 @@ def write_export(ckpt: Source, dst: str, plan: ExportPlan, *, overwrite: bool = 
 
 
 def xckpt_to_safetensors(src: str, dst: str, *, overwrite: bool = False, select: str | None = None,
-                         max_shard_size: int | str | None = None) -> None:
+                         max_shard_size: int | str | None = None, mapping: Any = None, like: Any = None) -> None:
     """Export the checkpoint at ``src`` (xckpt or Orbax) as Hugging Face safetensors in the directory ``dst``.
 
     ``select``: keep only the leaves under this key prefix (``"model"``, ``"model/encoder"``) and strip
     it from their names. ``max_shard_size``: bytes per file (``"5GB"``, ``"200MB"``, an int; default 5GB).
+    ``mapping`` (and the ``like`` it resolves against) renames and lays out the arrays first: a flax
+    checkpoint exported with Hugging Face torch names is ``mapping=M.flax_to_torch(), like={"model":
+    model}, select="model"``, where ``model`` may live on the meta device (nothing of it is read).
     Everything is checked (names, dtypes) before ``dst`` is touched; non-array leaves are skipped with an
     :class:`~xckpt.errors.XckptWarning`.
     """
+    from xckpt.load import describe_target
     from xckpt.sources.detect import open_checkpoint  # here: detect imports this package's reader
 
     ckpt = open_checkpoint(src)
     try:
+        if mapping is not None:
+            ckpt = mapping.apply(ckpt, None if like is None else describe_target(like))
         plan = plan_export(ckpt.manifest, select=select, max_shard_size=max_shard_size)
         if plan.skipped:
             shown = ", ".join(plan.skipped[:8]) + (f" and {len(plan.skipped) - 8} more" if len(plan.skipped) > 8 else "")
