@@ -322,7 +322,7 @@ class TorchFlaxPreset:
                                f"{key_str(f.key)} ({layout.name})")
         rules = [Rule(tuple(Pattern(s) for s in srcs), tuple(outs), 0 if len(srcs) > 1 else None, False,
                       labels[srcs], stack=len(srcs) > 1) for srcs, outs in outputs.items()]
-        rules += self._counts_to_flax(target, side, found)
+        rules += self._counts_to_flax(target, side, found, stored)
         rules += self._hyper_to_flax(target, side)
         rules += [drop(side.model + (q,), name=f"torch {q}: tied to {side.tied[q]}")
                   for q in side.params if q not in used and q in side.tied]
@@ -332,16 +332,21 @@ class TorchFlaxPreset:
                   for k in sorted(side.groups, key=key_str)]
         return rules
 
-    def _counts_to_flax(self, target: Target, side: TorchSide, found: list[Found]) -> list[Rule]:
+    def _counts_to_flax(self, target: Target, side: TorchSide, found: list[Found], stored: set[Key]) -> list[Rule]:
         tops = {f.root[:1] for f in found if f.moment} - {f.root[:1] for f in found if f.moment is None}
         counts = [t.key for t in target.leaves if t.key and t.key[-1] == "count" and t.key[:1] in tops
                   and not t.empty]
+        # a TrainState's own step (beside its params) continues torch's, unless the checkpoint has one there
+        beside = {f.root[:-1] for f in found if f.moment is None and f.root}
+        counts += [t.key for t in target.leaves if t.key[-1:] == ("step",) and t.key[:-1] in beside
+                   and t.shape in ((), None) and t.key not in stored]
         steps = sorted((k for k in side.state if k[-1] == "step"), key=key_str)
         if not steps:
             return []
         outs = tuple(Output(Pattern(k), (cast("int32"),)) for k in counts)
         return [Rule(tuple(Pattern(s) for s in steps), outs, None, False,
-                     "torch step of every parameter (all equal) -> every optax count", same=True)]
+                     "torch step of every parameter (all equal) -> every optax count (and a TrainState's step)",
+                     same=True)]
 
     def _hyper_to_flax(self, target: Target, side: TorchSide) -> list[Rule]:
         rules: list[Rule] = []
