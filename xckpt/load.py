@@ -140,9 +140,9 @@ def load(path: Any, like: Any = None, *, strict: bool = True, partial: bool = Fa
     registry.autoload()
     wait_pending_for(path)
     requests: list[_Request] = []
-    notes: dict[Key, dict[str, Any]] = {}
+    notes: dict[Key, dict[str, Any]] | None = {} if mapping is not None else None  # only a mapping reads them
     build = _plan_like(like, (), requests, notes=notes) if like is not None else None
-    target = _target(requests, notes) if like is not None else None
+    target = _target(requests, notes or {}) if like is not None and mapping is not None else None
     with paused_gc():
         for attempt in range(REPLACED_RETRIES + 1):
             stored: Source | None = None

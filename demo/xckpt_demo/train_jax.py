@@ -92,9 +92,11 @@ def from_torch(job: dict[str, Any], t: Trainer, tag: str) -> list[float]:
 
     from .report import mapping_sample
     like = {"params": t.params_like, "opt_state": t.opt_like, "step": 0}
-    print(mapping_sample("xckpt.mapping.torch_to_flax()", M.torch_to_flax().plan(job["torch_ckpt"], like),
+    planned = M.torch_to_flax().plan(job["torch_ckpt"], like)
+    print(mapping_sample("xckpt.mapping.torch_to_flax()", planned,
                          ("params/blocks_0/attn/q/kernel", "params/blocks_0/ln1/scale",
                           "opt_state/0/mu/blocks_0/attn/q/kernel", "opt_state/0/count")), flush=True)
+    planned.close()
     out = xckpt.load(job["torch_ckpt"], like=like, mapping=M.torch_to_flax())
     print(f"{tag} loaded {job['torch_ckpt']} through xckpt.mapping.torch_to_flax (step {out['step']}: "
           f"weights transposed to kernels, AdamW exp_avg/exp_avg_sq/step -> optax mu/nu/count "

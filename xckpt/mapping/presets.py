@@ -186,6 +186,14 @@ def _empties(manifest: Manifest) -> set[Key]:
     return out
 
 
+def _masked_out(empties: set[Key], found: list[Found]) -> set[tuple[str, str]]:
+    """(parameter, torch moment field) pairs whose place in an optax moment tree (a root ending in ``mu``,
+    ``nu`` or ``trace``) is one of the ``empties`` (``optax.masked``'s ``MaskedNode``)."""
+    rel = {f.fqns[0]: f.key[len(f.root):] for f in found if f.moment is None and not f.stacked}
+    roots = {e[:i] for e in empties for i in range(1, len(e)) if e[i - 1] in MOMENTS}
+    return {(fqn, MOMENTS[root[-1]]) for root in roots for fqn, r in rel.items() if root + r in empties}
+
+
 def _transforms(layout: L.Layout, to_flax: bool) -> tuple[Transform, ...]:
     t = layout if to_flax else layout.inverse()
     return () if t.perm is None else (Transpose(t.perm),)
@@ -364,15 +372,8 @@ class TorchFlaxPreset:
 
     def _masked(self, target: Target, side: TorchSide, found: list[Found]) -> list[Key]:
         """Torch moments of parameters whose place in an optax moment tree is an empty (masked) node."""
-        empties = {t.key for t in target.leaves if t.empty}
-        rel = {f.fqns[0]: f.key[len(f.root):] for f in found if f.moment is None and not f.stacked}
-        roots = {f.root for f in found if f.moment}
-        roots |= {e[:i] for e in empties for i in range(1, len(e)) if e[i - 1] in MOMENTS}
-        out = []
-        for root in roots:
-            field_ = MOMENTS[root[-1]]
-            out += [k for fqn, r in rel.items() if root + r in empties for k in side.state if k[-2:] == (fqn, field_)]
-        return out
+        pairs = _masked_out({t.key for t in target.leaves if t.empty}, found)
+        return [k for k in side.state if k[-2:] in pairs]
 
     # -- flax -> torch ----------------------------------------------------------------------------
     def _to_torch(self, manifest: Manifest, target: Target, side: TorchSide, found: list[Found],
@@ -391,12 +392,8 @@ class TorchFlaxPreset:
             if len(rs) > 1:
                 raise MappingError(f"{self.name}: the optax state holds {name!r} under several roots "
                                    f"({sorted(key_str(r) for r in rs)})", code="mapping.ambiguous")
-        empties = _empties(manifest)
-        rel = {f.fqns[0]: f.key[len(f.root):] for f in found if f.moment is None and not f.stacked}
-        for root in {e[:i] for e in empties for i in range(1, len(e)) if e[i - 1] in MOMENTS}:
-            for fqn, r in rel.items():
-                if root + r in empties:  # masked out in optax: the torch optimizer keeps its own
-                    self._optional |= {o + ("state", fqn, MOMENTS[root[-1]]) for o in side.optims}
+        for fqn, field_ in _masked_out(_empties(manifest), found):  # the torch optimizer keeps its own
+            self._optional |= {o + ("state", fqn, field_) for o in side.optims}
         partners: dict[str, list[str]] = {}
         for q, first in side.tied.items():
             partners.setdefault(first, []).append(q)

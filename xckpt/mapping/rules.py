@@ -150,25 +150,27 @@ def concat(sources: Sequence[PatternLike], target: PatternLike, *, axis: int = 0
 def same(sources: Sequence[PatternLike], target: PatternLike, *transforms: Transform, required: bool = True,
          name: str = "") -> Rule:
     """One target from several leaves that must be equal (checked when read; a difference fails the load)."""
-    pats = tuple(Pattern(s) for s in sources)
-    if not pats:
-        raise MappingError("same needs at least one source", code="mapping.pattern")
-    out = Pattern(target)
-    for p in pats[1:] + (out,):
-        _check_fields(pats[0], [p])
+    pats, out = _one_from_many("same", sources, target)
     return Rule(pats, (Output(out, _transforms(transforms)),), None, required, name, same=True)
 
 
 def stack(sources: Sequence[PatternLike], target: PatternLike, *, then: Sequence[Transform] = (),
           required: bool = True, name: str = "") -> Rule:
     """Stack several leaves of one shape along a new first axis (per-layer tensors -> one scanned array)."""
+    pats, out = _one_from_many("stack", sources, target)
+    return Rule(pats, (Output(out, _transforms(then)),), 0, required, name, stack=True)
+
+
+def _one_from_many(what: str, sources: Sequence[PatternLike], target: PatternLike) -> tuple[tuple[Pattern, ...],
+                                                                                               Pattern]:
+    """The source patterns and target pattern of a rule making one leaf from several (fields checked)."""
     pats = tuple(Pattern(s) for s in sources)
     if not pats:
-        raise MappingError("stack needs at least one source", code="mapping.pattern")
+        raise MappingError(f"{what} needs at least one source", code="mapping.pattern")
     out = Pattern(target)
     for p in pats[1:] + (out,):
         _check_fields(pats[0], [p])
-    return Rule(pats, (Output(out, _transforms(then)),), 0, required, name, stack=True)
+    return pats, out
 
 
 def drop(source: PatternLike, *, required: bool = False, name: str = "") -> Rule:

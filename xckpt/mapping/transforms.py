@@ -84,10 +84,7 @@ class Slice(Transform):
 
     def apply(self, layout: Layout) -> Layout:
         """Shape with ``axis`` cut to the slice."""
-        rank = len(layout.shape)
-        if not -rank <= self.axis < rank:
-            raise TransformError(f"{self} does not fit an array of rank {rank}")
-        axis = self.axis % rank
+        axis = _axis(self, self.axis, len(layout.shape))
         n = layout.shape[axis]
         if not 0 <= self.start <= self.stop <= n:
             raise TransformError(f"{self} does not fit axis {axis} of size {n} (shape {list(layout.shape)})")
@@ -131,6 +128,13 @@ class Cast(Transform):
 
     def __str__(self) -> str:
         return f"cast({self.dtype})"
+
+
+def _axis(transform: Transform, axis: int, rank: int) -> int:
+    """``axis`` of an array of ``rank`` as a non-negative index; :class:`TransformError` when it has none."""
+    if not -rank <= axis < rank:
+        raise TransformError(f"{transform} does not fit an array of rank {rank}")
+    return axis % rank
 
 
 def _perm(values: Sequence[int], perm: Sequence[int]) -> tuple[int, ...]:
@@ -178,10 +182,7 @@ class Index(Transform):
 
     def apply(self, layout: Layout) -> Layout:
         """The shape without ``axis``."""
-        rank = len(layout.shape)
-        if not -rank <= self.axis < rank:
-            raise TransformError(f"{self} does not fit an array of rank {rank}")
-        axis = self.axis % rank
+        axis = _axis(self, self.axis, len(layout.shape))
         if not 0 <= self.index < layout.shape[axis]:
             raise TransformError(f"{self} does not fit axis {axis} of size {layout.shape[axis]} "
                                  f"(shape {list(layout.shape)})")

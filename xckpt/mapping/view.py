@@ -324,25 +324,20 @@ def _source_layout(rule: Rule, srcs: list[Entry], file: str) -> Layout | None:
                                leaf=key_str(first.key))
         return None
     layout = Layout(first.shape, first.dtype, first.chunk_shape, first.inner_chunk_shape, first.sharding)
-    if rule.same:
+    if rule.same or rule.stack:  # several leaves of one shape and dtype
         for e in srcs[1:]:
             if not isinstance(e, ArrayEntry) or e.shape != first.shape or e.dtype != first.dtype:
-                what = f"{list(e.shape)} {e.dtype}" if isinstance(e, ArrayEntry) else "a value"
-                raise MappingError(f"rule {rule.label!r}: {key_str(e.key)} ({what}) must match {key_str(first.key)} "
-                                   f"({list(first.shape)} {first.dtype})", code="mapping.shape", file=file,
-                                   leaf=key_str(e.key))
-        return layout
-    if rule.concat_axis is None:
-        return layout
-    if rule.stack:
-        for e in srcs[1:]:
-            if not isinstance(e, ArrayEntry) or e.shape != first.shape or e.dtype != first.dtype:
-                what = f"{list(e.shape)} {e.dtype}" if isinstance(e, ArrayEntry) else "a value"
-                raise MappingError(f"rule {rule.label!r} cannot stack {key_str(e.key)} ({what}) with "
-                                   f"{key_str(first.key)} ({list(first.shape)} {first.dtype})",
+                what = f"{key_str(e.key)} ({list(e.shape)} {e.dtype})" if isinstance(e, ArrayEntry) else \
+                    f"{key_str(e.key)} (a value)"
+                how = f" cannot stack {what} with " if rule.stack else f": {what} must match "
+                raise MappingError(f"rule {rule.label!r}{how}{key_str(first.key)} ({list(first.shape)} {first.dtype})",
                                    code="mapping.shape", file=file, leaf=key_str(e.key))
+        if rule.same:
+            return layout
         return Layout((len(srcs),) + first.shape, first.dtype, (1,) + first.chunk_shape,
                       (1,) + first.inner_chunk_shape, None)
+    if rule.concat_axis is None:
+        return layout
     axis = rule.concat_axis
     rank = len(first.shape)
     if not -rank <= axis < rank:
