@@ -252,6 +252,7 @@ def test_square_weight_without_layer_kind_is_an_error_naming_the_hint(tmp_path):
     with pytest.raises(M.MappingError, match=r"torch_to_flax\(kinds=\{'a': 'linear'\}\)") as info:
         xckpt.load(plain, like, mapping=M.torch_to_flax())
     assert info.value.code == "mapping.ambiguous" and "as stored, transposed" in str(info.value)
+    assert info.value.file == plain and info.value.leaf == "params/a/kernel"
     for path, mapping in ((plain, M.torch_to_flax(kinds={"{m}": "linear"})), (noted, M.torch_to_flax())):
         out = xckpt.load(path, like, mapping=mapping)
         np.testing.assert_array_equal(out["params"]["a"]["kernel"], sd["a.weight"].T)

@@ -215,7 +215,11 @@ class Mapping(RuleSource):
     def apply(self, ckpt: Any, target: Target | None = None) -> MappedCheckpoint:
         """The checkpoint seen through this mapping, loading into ``target``; raises :class:`MappingError`
         before any data is read."""
-        mapped = resolve(ckpt, self.rules_for(ckpt.manifest, target), passthrough=self.passthrough)
+        try:
+            rules = self.rules_for(ckpt.manifest, target)
+        except MappingError as exc:  # a preset knows the leaves, the checkpoint its file
+            raise exc.at(file=str(ckpt.loc)) from None
+        mapped = resolve(ckpt, rules, passthrough=self.passthrough)
         mapped.optional = self.optional_targets()
         return mapped
 
