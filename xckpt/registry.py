@@ -17,6 +17,7 @@ mapping ``{(source, target): function}``), ``xckpt.commands`` (value: a :class:`
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import sys
@@ -139,8 +140,10 @@ def register_coordinator(factory: Callable[[], Coordinator | None]) -> None:
     _coordinators.insert(0, factory)
 
 
-def _entry_points(group: str) -> list[Any]:
-    return list(importlib.metadata.entry_points(group=group))
+@functools.cache
+def _entry_points(group: str) -> tuple[Any, ...]:
+    """The installed entry points of ``group``, read once per process (reading them scans every package)."""
+    return tuple(importlib.metadata.entry_points(group=group))
 
 
 def adapters() -> dict[str, str]:

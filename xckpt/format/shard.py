@@ -15,9 +15,9 @@ crc32c (u32 LE) of the save's generation, the object's name in the checkpoint an
 TensorStore skip it; a chunk object swapped within an array, or copied from another
 checkpoint, carries a tag that names another place, and the reader refuses it (``chunk.place``).
 
-Writing streams: :func:`encode_parts` yields the object one inner chunk at a time, each
-copied into a small buffer and checksummed while it is in the cache, so a writer never
-holds a whole object. Reading checks before it trusts: :func:`parse_index` verifies the
+Writing streams: :func:`encode_parts` yields the object in pieces of about 256 KiB, each
+checksummed as it passes (copied into a small buffer first only where the data is not
+already laid out as stored), so a writer never holds a whole object. Reading checks before it trusts: :func:`parse_index` verifies the
 index's crc32c and every entry against the object's size (no overlap, exact sizes when
 uncompressed), :func:`open_inner` verifies an inner chunk's crc32c.
 """
@@ -35,6 +35,9 @@ import numpy as np
 
 from xckpt.errors import DataError, IntegrityError, XckptError
 
+#: Bytes an uncompressed inner chunk is checksummed and written in at a time: small enough that a
+#: block copied into the scratch buffer is still in the cache when it is checksummed and written.
+PIECE_BYTES = 256 << 10
 #: Index entry of an inner chunk that is not stored.
 MISSING = 2**64 - 1
 _CRC = 4
@@ -83,9 +86,21 @@ class Geometry:
         return self.n_inner * (self.inner_nbytes + _CRC) + self.index_nbytes
 
     @cached_property
+    def row_nbytes(self) -> int:
+        """Bytes of one row of an inner chunk (its elements with the same first index)."""
+        return math.prod(self.inner_shape[1:]) * self.dtype.itemsize
+
+    @cached_property
+    def block_rows(self) -> int:
+        """Rows of an inner chunk :func:`encode_parts` handles at a time: about :data:`PIECE_BYTES`."""
+        return max(1, min(self.inner_shape[0] if self.inner_shape else 1, PIECE_BYTES // max(1, self.row_nbytes)))
+
+    @cached_property
     def scratch_nbytes(self) -> int:
-        """Bytes of the buffer :func:`encode_parts` needs: one inner chunk and its checksum."""
-        return self.inner_nbytes + _CRC
+        """Bytes of the buffer :func:`encode_parts` needs: a block of rows (a whole inner chunk when compressed)."""
+        if self.compression != "none" or not self.inner_shape:
+            return self.inner_nbytes
+        return self.block_rows * self.row_nbytes
 
     @cached_property
     def le_dtype(self) -> np.dtype:
@@ -118,14 +133,43 @@ class Geometry:
         return np.ndarray(self.inner_shape, dtype=self.le_dtype, buffer=raw)
 
 
-def _fill(geom: Geometry, data: np.ndarray, sl: tuple[slice, ...], view: np.ndarray) -> None:
-    """Copy the part ``sl`` of a chunk's data into an inner chunk's payload ``view`` (zero-padded)."""
-    part = data[tuple(slice(s.start, s.stop) for s in sl) + (Ellipsis,)]
+def _fill(geom: Geometry, part: np.ndarray, view: np.ndarray) -> None:
+    """Copy an inner chunk's data ``part`` (clipped to the array) into its payload ``view`` (zero-padded)."""
     if part.shape != geom.inner_shape:
         view[...] = 0
-        view[tuple(slice(0, s.stop - s.start) for s in sl)] = part
+        view[tuple(slice(0, s) for s in part.shape) + (Ellipsis,)] = part
     else:
         np.copyto(view, part, casting="equiv")
+
+
+def _pieces(geom: Geometry, part: np.ndarray, scratch: np.ndarray) -> Iterator[np.ndarray]:
+    """The payload of one uncompressed inner chunk (``part``: its data, clipped to the array) in pieces
+    of about :data:`PIECE_BYTES`: views of ``part`` itself when it already is the payload (C order,
+    little-endian, not clipped), else blocks of rows copied (zero-padded) into ``scratch``."""
+    n = geom.inner_nbytes
+    if part.shape == geom.inner_shape and part.flags.c_contiguous and part.dtype.str == geom.le_dtype.str:
+        flat = part.reshape(-1).view(np.uint8)
+        for start in range(0, n, PIECE_BYTES):
+            yield flat[start:start + PIECE_BYTES]
+        return
+    if not geom.inner_shape:  # a 0-d array's one element
+        view = np.ndarray((), dtype=geom.le_dtype, buffer=scratch[:n])
+        np.copyto(view, part, casting="equiv")
+        yield scratch[:n]
+        return
+    rows, have = geom.inner_shape[0], part.shape[0]
+    padded = part.shape[1:] != geom.inner_shape[1:]
+    for a in range(0, rows, geom.block_rows):
+        b = min(rows, a + geom.block_rows)
+        raw = scratch[:(b - a) * geom.row_nbytes]
+        view = np.ndarray((b - a,) + geom.inner_shape[1:], dtype=geom.le_dtype, buffer=raw)
+        if padded or b > have:
+            view[...] = 0
+        if a < have:
+            src = part[a:min(b, have)]
+            np.copyto(view[(slice(0, src.shape[0]),) + tuple(slice(0, s) for s in src.shape[1:])], src,
+                      casting="equiv")
+        yield raw
 
 
 def place_crc(place: bytes, index: np.ndarray) -> int:
@@ -152,28 +196,35 @@ def encode_parts(geom: Geometry, data: np.ndarray, scratch: np.ndarray,
     is given: :func:`place_of`) and the index.
 
     ``data`` is the chunk clipped to the array (every dimension at most the chunk's), in the
-    storage dtype; parts of inner chunks outside it are zero-filled and inner chunks wholly
-    outside it are not stored. Each inner chunk is copied into ``scratch`` (uint8, at least
-    ``scratch_nbytes``) and checksummed there while it is still in the cache; a yielded part
-    is only valid until the next one is asked for, so a writer writes each part as it comes.
+    storage dtype; parts of inner chunks outside the array are zero-filled and inner chunks
+    wholly outside it are not stored. An uncompressed inner chunk
+    goes out in pieces of about :data:`PIECE_BYTES`, checksummed as they pass: slices of
+    ``data`` itself where it already is the payload, else copied into ``scratch`` (uint8, at
+    least ``scratch_nbytes``) while they are in the cache; a compressed one is copied whole,
+    compressed and checksummed. A yielded part is only valid until the next one is asked for,
+    so a writer writes each part as it comes.
     """
     index = np.full((geom.n_inner, 2), MISSING, dtype="<u8")
     offset = 0
     n = geom.inner_nbytes
     for k, _, sl in geom.inner_chunks(tuple(int(s) for s in data.shape)):
-        _fill(geom, data, sl, geom.payload_view(scratch, 0))
-        payload = scratch[:n]
+        part = data[sl + (Ellipsis,)]
         if geom.compression == "zstd":
             from xckpt.format.codecs import zstd_compress
-            payload = np.frombuffer(zstd_compress(payload), dtype=np.uint8)
-            crc = _le32(checksum(payload))
+            _fill(geom, part, geom.payload_view(scratch, 0))
+            payload = np.frombuffer(zstd_compress(scratch[:n]), dtype=np.uint8)
+            size = payload.size
             yield payload
-            yield crc
+            yield _le32(checksum(payload))
         else:
-            scratch[n:n + _CRC] = _le32(checksum(payload))
-            yield scratch[:n + _CRC]
-        index[k] = (offset, payload.size + _CRC)
-        offset += payload.size + _CRC
+            crc = 0
+            for piece in _pieces(geom, part, scratch):
+                crc = crc32c.crc32c(piece, crc)
+                yield piece
+            yield _le32(crc)
+            size = n
+        index[k] = (offset, size + _CRC)
+        offset += size + _CRC
     raw_index = index.reshape(-1).view(np.uint8)
     tail = np.empty(tail_nbytes(geom, place), dtype=np.uint8)  # the tag (when tagged) and the index: one part
     index_part = tail[tail.size - geom.index_nbytes:]
@@ -190,7 +241,7 @@ def _le32(value: int) -> np.ndarray:
 
 def encode(geom: Geometry, data: np.ndarray, place: bytes | None = None) -> np.ndarray:
     """The whole object of one chunk (see :func:`encode_parts` for ``data`` and ``place``)."""
-    scratch = np.empty(geom.inner_nbytes + _CRC, dtype=np.uint8)
+    scratch = np.empty(geom.scratch_nbytes, dtype=np.uint8)
     return np.concatenate([np.array(part, copy=True) for part in encode_parts(geom, data, scratch, place)])
 
 
