@@ -340,6 +340,32 @@ def test_unfilled_targets_and_unused_sources_are_reported(torchlike):
     assert out == {"step": 7}
 
 
+def test_a_rule_source_of_ones_own_expands_against_the_checkpoint_and_leaves_keys_to_the_target(torchlike):
+    """Anything with ``expand(manifest, target)`` is a rule source: its rules apply in order and the
+    target keys it declares optional keep the target's own value when the checkpoint has none."""
+    path, tree = torchlike
+
+    class Biases:
+        def expand(self, manifest, target=None):
+            keys = [e.key for e in manifest.leaves if e.key[-1:] == ("layers.0.fc.bias",)]
+            assert target is not None and [t.key for t in target.leaves] == [("b",), ("extra",)]
+            return M.Expansion([M.rename("/".join(keys[0]), "b"), M.drop("model/{p}")], {("extra",)})
+
+    assert isinstance(Biases(), M.RuleSource)
+    like = {"b": np.zeros(6, np.float32), "extra": np.full(2, 5, np.float32)}
+    out = xckpt.load(path, like, mapping=M.Mapping(Biases()))
+    np.testing.assert_array_equal(out["b"], tree["model"]["layers.0.fc.bias"])
+    np.testing.assert_array_equal(out["extra"], np.full(2, 5, np.float32))
+
+    class Strict(Biases):
+        def expand(self, manifest, target=None):
+            return M.Expansion(super().expand(manifest, target).rules)
+
+    with pytest.raises(KeyMismatchError) as info:
+        xckpt.load(path, like, mapping=M.Mapping(Strict()))
+    assert info.value.missing == ["extra"]
+
+
 def test_user_rules_take_precedence_over_a_preset(torchlike):
     path, tree = torchlike
     model = tree["model"]

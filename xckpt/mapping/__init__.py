@@ -21,9 +21,9 @@ from xckpt.mapping.rules import Output, Rule, concat, drop, rename, same, split,
 from xckpt.mapping.reshape import Reshape, reshape
 from xckpt.mapping.target import Target, TargetLeaf
 from xckpt.mapping.transforms import Cast, Index, Slice, Transform, Transpose, cast, transpose
-from xckpt.mapping.view import MappedCheckpoint, Mapping, RuleSource
+from xckpt.mapping.view import Expansion, MappedCheckpoint, Mapping, RuleSource
 
-__all__ = ["Mapping", "MappedCheckpoint", "MappingError", "Rule", "Output", "RuleSource", "Pattern",
+__all__ = ["Mapping", "MappedCheckpoint", "MappingError", "Rule", "Output", "RuleSource", "Expansion", "Pattern",
            "rename", "split", "concat", "same", "stack", "drop", "transpose", "cast", "reshape",
            "Transform", "Transpose", "Slice", "Index", "Cast", "Reshape", "Target", "TargetLeaf",
            "torch_to_flax", "flax_to_torch", "KINDS", "MOMENTS"]

@@ -46,7 +46,7 @@ from xckpt.mapping.patterns import Pattern
 from xckpt.mapping.rules import Output, Rule, drop
 from xckpt.mapping.target import Target
 from xckpt.mapping.transforms import Index, Transform, Transpose, cast
-from xckpt.mapping.view import Mapping
+from xckpt.mapping.view import Expansion, Mapping
 
 #: optax moment fields and the torch optimizer state fields they hold.
 MOMENTS = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer"}
@@ -219,15 +219,11 @@ class TorchFlaxPreset:
                                    code="mapping.preset")
             self.kinds.append((Pattern(t), k))
         self.user_rules = list(rules)
-        self._optional: set[Key] = set()
-
-    def optional_targets(self) -> set[Key]:
-        """Target hyperparameters the checkpoint may not hold (the target keeps its own)."""
-        return set(self._optional)
 
     # -- entry point ------------------------------------------------------------------------------
-    def rules_for(self, manifest: Manifest, target: Target | None = None) -> list[Rule]:
-        """The rules loading ``manifest`` into ``target``: the user's, then the resolved ones."""
+    def expand(self, manifest: Manifest, target: Target | None = None) -> Expansion:
+        """The rules loading ``manifest`` into ``target`` (the user's, then the resolved ones), and the
+        target keys the checkpoint may not hold (hyperparameters torch lacks, masked-out moments)."""
         if target is None:
             raise MappingError(f"{self.name}() resolves names and layouts against the load target: pass like=",
                                code="mapping.target")
@@ -248,10 +244,10 @@ class TorchFlaxPreset:
                                f"parameter of the torch state dict at {key_str(side.model)!r}",
                                code="mapping.no_match")
         decided = self._layouts(side, found)
-        self._optional = set()
-        body = self._to_flax(manifest, target, side, found, decided) if self.to_flax else \
-            self._to_torch(manifest, target, side, found, decided)
-        return self.user_rules + self._mirrored(side, found) + body
+        optional: set[Key] = set()
+        body = self._to_flax(manifest, target, side, found, decided, optional) if self.to_flax else \
+            self._to_torch(manifest, target, side, found, decided, optional)
+        return Expansion(self.user_rules + self._mirrored(side, found) + body, optional)
 
     # -- layouts ----------------------------------------------------------------------------------
     def _kind(self, side: TorchSide, module: str) -> str | None:
@@ -304,7 +300,7 @@ class TorchFlaxPreset:
 
     # -- torch -> flax ----------------------------------------------------------------------------
     def _to_flax(self, manifest: Manifest, target: Target, side: TorchSide, found: list[Found],
-                 decided: dict[tuple[str, str], L.Layout]) -> list[Rule]:
+                 decided: dict[tuple[str, str], L.Layout], optional: set[Key]) -> list[Rule]:
         stored = {e.key for e in manifest.leaves}
         outputs: dict[tuple[Key, ...], list[Output]] = {}
         labels: dict[tuple[Key, ...], str] = {}
@@ -331,7 +327,7 @@ class TorchFlaxPreset:
         rules = [Rule(tuple(Pattern(s) for s in srcs), tuple(outs), 0 if len(srcs) > 1 else None, False,
                       labels[srcs], stack=len(srcs) > 1) for srcs, outs in outputs.items()]
         rules += self._counts_to_flax(target, side, found, stored)
-        rules += self._hyper_to_flax(target, side)
+        rules += self._hyper_to_flax(target, side, optional)
         rules += [drop(side.model + (q,), name=f"torch {q}: tied to {side.tied[q]}")
                   for q in side.params if q not in used and q in side.tied]
         rules += [drop(k, name="torch optimizer state of a parameter the optax state masks out")
@@ -356,11 +352,11 @@ class TorchFlaxPreset:
                      "torch step of every parameter (all equal) -> every optax count (and a TrainState's step)",
                      same=True)]
 
-    def _hyper_to_flax(self, target: Target, side: TorchSide) -> list[Rule]:
+    def _hyper_to_flax(self, target: Target, side: TorchSide, optional: set[Key]) -> list[Rule]:
         rules: list[Rule] = []
         for t in target.leaves:
             if len(t.key) >= 2 and t.key[-2] == "hyperparams":
-                self._optional.add(t.key)  # kept from the target where torch has no counterpart (eps_root)
+                optional.add(t.key)  # kept from the target where torch has no counterpart (eps_root)
                 for o in side.optims if t.key[-1] in HYPERPARAMS else []:
                     groups = {k[len(o) + 1] for k in side.groups}
                     src = o + ("param_groups", 0) + HYPERPARAMS[t.key[-1]]
@@ -377,7 +373,7 @@ class TorchFlaxPreset:
 
     # -- flax -> torch ----------------------------------------------------------------------------
     def _to_torch(self, manifest: Manifest, target: Target, side: TorchSide, found: list[Found],
-                  decided: dict[tuple[str, str], L.Layout]) -> list[Rule]:
+                  decided: dict[tuple[str, str], L.Layout], optional: set[Key]) -> list[Rule]:
         wanted = {t.key for t in target.leaves}
         roots = sorted({f.root for f in found if f.moment is None}, key=key_str)
         if len(roots) > 1:
@@ -393,7 +389,7 @@ class TorchFlaxPreset:
                 raise MappingError(f"{self.name}: the optax state holds {name!r} under several roots "
                                    f"({sorted(key_str(r) for r in rs)})", code="mapping.ambiguous")
         for fqn, field_ in _masked_out(_empties(manifest), found):  # the torch optimizer keeps its own
-            self._optional |= {o + ("state", fqn, field_) for o in side.optims}
+            optional |= {o + ("state", fqn, field_) for o in side.optims}
         partners: dict[str, list[str]] = {}
         for q, first in side.tied.items():
             partners.setdefault(first, []).append(q)

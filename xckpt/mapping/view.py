@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, Sequence, Union, runtime_checkable
 
 import tensorstore as ts
@@ -29,16 +29,21 @@ from xckpt.mapping.virtual import same_view
 from xckpt.sources.detect import open_checkpoint
 
 
+@dataclass
+class Expansion:
+    """What a rule source gives for one load: its rules, in order, and the target keys it leaves to
+    the target where the checkpoint has nothing for them (e.g. an optax hyperparameter torch lacks)."""
+
+    rules: list[Rule]
+    optional: set[Key] = field(default_factory=set)
+
+
 @runtime_checkable
 class RuleSource(Protocol):
     """Something that yields rules for a stored manifest and a load target (a preset, a :class:`Mapping`)."""
 
-    def rules_for(self, manifest: Manifest, target: Target | None = None) -> list[Rule]:
-        """The rules to apply to ``manifest`` (loading into ``target``, None: the whole checkpoint), in order."""
-        ...
-
-    def optional_targets(self) -> set[Key]:
-        """Target keys this source leaves to the target where the checkpoint has nothing for them."""
+    def expand(self, manifest: Manifest, target: Target | None = None) -> Expansion:
+        """The rules to apply to ``manifest`` (loading into ``target``, None: the whole checkpoint)."""
         ...
 
 
@@ -197,30 +202,27 @@ class Mapping(RuleSource):
         """A mapping with this one's rules first, then ``other``'s."""
         return Mapping(self, other, passthrough=self.passthrough)
 
-    def rules_for(self, manifest: Manifest, target: Target | None = None) -> list[Rule]:
-        """Every rule, presets expanded for ``manifest`` and ``target``."""
-        out: list[Rule] = []
+    def expand(self, manifest: Manifest, target: Target | None = None) -> Expansion:
+        """Every rule, presets expanded for ``manifest`` and ``target``, and the keys they leave to the target."""
+        out = Expansion([])
         for p in self.parts:
-            out.extend([p] if isinstance(p, Rule) else p.rules_for(manifest, target))
-        return out
-
-    def optional_targets(self) -> set[Key]:
-        """Target keys some preset leaves to the target where the checkpoint has nothing for them."""
-        out: set[Key] = set()
-        for p in self.parts:
-            if not isinstance(p, Rule):
-                out |= p.optional_targets()
+            if isinstance(p, Rule):
+                out.rules.append(p)
+            else:
+                part = p.expand(manifest, target)
+                out.rules.extend(part.rules)
+                out.optional |= part.optional
         return out
 
     def apply(self, ckpt: Any, target: Target | None = None) -> MappedCheckpoint:
         """The checkpoint seen through this mapping, loading into ``target``; raises :class:`MappingError`
         before any data is read."""
         try:
-            rules = self.rules_for(ckpt.manifest, target)
+            expansion = self.expand(ckpt.manifest, target)
         except MappingError as exc:  # a preset knows the leaves, the checkpoint its file
             raise exc.at(file=str(ckpt.loc)) from None
-        mapped = resolve(ckpt, rules, passthrough=self.passthrough)
-        mapped.optional = self.optional_targets()
+        mapped = resolve(ckpt, expansion.rules, passthrough=self.passthrough)
+        mapped.optional = expansion.optional
         return mapped
 
     def plan(self, path: Any, like: Any = None) -> MappedCheckpoint:
