@@ -498,6 +498,56 @@ def test_links_and_special_files_are_refused(tmp_path: Path) -> None:
         assert info.value.code == "path.link"
 
 
+def test_a_hub_cache_snapshot_reads_through_its_own_blob_links(tmp_path: Path,
+                                                               hf_sharded: tuple[Path, dict, Any]) -> None:
+    """A model in the Hugging Face hub cache, its snapshot's files linked to ``<repo>/blobs/<hash>`` by
+    huggingface_hub's own code, loads from the snapshot (or one file of it); any other link in it is
+    still refused: one that leaves the blobs folder, climbs out of it, or a blob that is a link."""
+    import hashlib
+    import shutil
+
+    import transformers
+    from huggingface_hub import file_download, try_to_load_from_cache
+
+    src, saved, cfg = hf_sharded
+    cache, rev = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--xckpt--tiny-llama"
+    snap = repo / "snapshots" / rev
+    for d in (repo / "refs", repo / "blobs", snap):
+        d.mkdir(parents=True)
+    (repo / "refs" / "main").write_text(rev)
+    names = sorted(f.name for f in src.iterdir() if f.is_file())
+    for name in names:
+        blob = repo / "blobs" / hashlib.sha256((src / name).read_bytes()).hexdigest()
+        shutil.copyfile(src / name, blob)
+        file_download._create_symlink(str(blob), str(snap / name))
+    index = snap / "model.safetensors.index.json"
+    assert os.path.islink(index) and try_to_load_from_cache("xckpt/tiny-llama", index.name, cache_dir=cache) == \
+        str(index)
+    for path in (snap, index):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        xckpt.load(str(path), like=model)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, saved[k]), k
+    shard = snap / next(n for n in names if n.startswith("model-"))
+    blob_name = os.readlink(shard).rsplit("/", 1)[1]
+    climbs = "../../blobs/" + os.path.relpath(src / shard.name, repo / "blobs")  # names a real file
+    for hostile in (str(src / shard.name), climbs, "../../refs/main"):
+        os.unlink(shard)
+        os.symlink(hostile, shard)
+        with pytest.raises(UnsafePathError) as info:
+            xckpt.load(str(snap))
+        assert info.value.code == "path.link" and info.value.file == str(shard), hostile
+    os.unlink(shard)
+    os.symlink(f"../../blobs/{blob_name}", shard)
+    xckpt.load(str(snap), like=transformers.LlamaForCausalLM(cfg).to(torch.bfloat16))  # the hub's own form again
+    os.rename(repo / "blobs" / blob_name, tmp_path / "moved")
+    os.symlink(tmp_path / "moved", repo / "blobs" / blob_name)  # the blob itself a link
+    with pytest.raises(UnsafePathError) as info:
+        xckpt.load(str(snap))
+    assert info.value.code == "path.link"
+
+
 def test_a_file_truncated_after_opening(tmp_path: Path) -> None:
     """The files are checked when opened; one cut short afterwards fails its read with ``safetensors.truncated``."""
     np_save_file({"a": np.arange(1000, dtype=np.float32)}, str(tmp_path / "model.safetensors"))

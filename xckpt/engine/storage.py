@@ -4,6 +4,9 @@
 the checkpoint root without following symbolic links, opens files without blocking and
 refuses anything but a regular file (a link or a FIFO in a checkpoint is an error, never
 followed or waited on), reads straight into the caller's buffer, and fsyncs what it wrote.
+One kind of link is followed: in a Hugging Face hub cache snapshot
+(``<repo>/snapshots/<revision>/``), a file that links to its content in the repository's own
+``<repo>/blobs/`` folder, as the hub's downloads lay them out (:func:`hub_blobs`).
 :class:`KvStore` serves every other URL through a TensorStore key-value store (``s3://``
 among them), so the same engine code writes and reads both.
 """
@@ -237,8 +240,19 @@ def _write_synced(fd: int, data: Any) -> None:
         os.close(fd)
 
 
+def hub_blobs(root: str) -> str | None:
+    """The ``blobs`` folder of the Hugging Face hub cache repository whose snapshot ``root`` is
+    (``<repo>/snapshots/<revision>``), else None."""
+    snapshots = os.path.dirname(os.path.abspath(root))
+    if os.path.basename(snapshots) != "snapshots":
+        return None
+    blobs = os.path.join(os.path.dirname(snapshots), "blobs")
+    return blobs if os.path.isdir(blobs) and not os.path.islink(blobs) else None
+
+
 class LocalStore:
-    """A local checkpoint directory; no path component below the root is followed if it is a link.
+    """A local checkpoint directory; no path component below the root is followed if it is a link
+    (but for a hub cache snapshot's links to its own blobs, :func:`hub_blobs`).
 
     The root directory is opened once, when the store is made, and every read goes through
     that descriptor: a reader keeps reading the directory it opened even if another save
@@ -255,6 +269,33 @@ class LocalStore:
         self._made: set[str] = set()  # directories this store wrote into (made, or found)
         with self._lock:
             self._dir(())
+        blobs = None if create else hub_blobs(root)
+        self._blobs: tuple[str, int] | None = None
+        if blobs is not None:
+            try:
+                self._blobs = (blobs, os.open(blobs, _DIR_FLAGS))
+            except OSError:
+                pass
+
+    def _blob(self, d: int, parts: tuple[str, ...]) -> int | None:
+        """Open what the link ``parts`` (in the directory ``d``) names if it is a hub cache snapshot's link to
+        a regular file directly in its repository's blobs folder (``../../blobs/<name>``, one more ``../``
+        per subfolder, or that folder's absolute path); None for any other link."""
+        if self._blobs is None:
+            return None
+        folder, fd = self._blobs
+        try:
+            target = os.readlink(parts[-1], dir_fd=d)
+        except OSError:
+            return None
+        for prefix in ("../" * (len(parts) + 1) + "blobs/", folder.rstrip("/") + "/"):
+            name = target[len(prefix):] if target.startswith(prefix) else ""
+            if name and "/" not in name and name not in (".", ".."):
+                try:
+                    return os.open(name, _READ_FLAGS, dir_fd=fd)
+                except OSError:
+                    return None
+        return None
 
     def replaced(self) -> bool:
         """Whether the directory this store reads is no longer at its path (replaced or removed)."""
@@ -334,13 +375,20 @@ class LocalStore:
                 d = self._dir(parts[:-1])
                 if d is None:
                     return None
-                fd = os.open(parts[-1], _READ_FLAGS, dir_fd=d)
+                try:
+                    fd = os.open(parts[-1], _READ_FLAGS, dir_fd=d)
+                except OSError as exc:
+                    blob = self._blob(d, parts) if exc.errno == errno.ELOOP else None
+                    if blob is None:
+                        raise
+                    fd = blob
         except FileNotFoundError:
             return None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise UnsafePathError(f"{path} is a symbolic link; a checkpoint holds plain files only",
-                                      code="path.link", file=path) from None
+                raise UnsafePathError(f"{path} is a symbolic link; a checkpoint holds plain files only (a hub "
+                                      "cache snapshot's links to its own blobs excepted)", code="path.link",
+                                      file=path) from None
             raise XckptError(f"cannot open {path}: {exc.strerror}", code="io.read", file=path) from None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -396,7 +444,8 @@ class LocalStore:
             pass
 
     def exists(self, name: str) -> bool:
-        """Whether a regular file is there, in the directory this store opened (links are not followed)."""
+        """Whether a regular file is there, in the directory this store opened (links are not followed, but
+        for a hub cache snapshot's links to its blobs)."""
         parts = tuple(name.split("/"))
         try:
             with self._lock:
@@ -404,6 +453,14 @@ class LocalStore:
                 if d is None:
                     return False
                 st = os.stat(parts[-1], dir_fd=d, follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    blob = self._blob(d, parts)
+                    if blob is None:
+                        return False
+                    try:
+                        st = os.fstat(blob)
+                    finally:
+                        os.close(blob)
         except (OSError, XckptError):
             return False
         return stat.S_ISREG(st.st_mode)
@@ -488,6 +545,9 @@ class LocalStore:
             for fd in self._dirs.values():
                 os.close(fd)
             self._dirs.clear()
+            if self._blobs is not None:
+                os.close(self._blobs[1])
+                self._blobs = None
 
 
 class KvBlob:
