@@ -32,7 +32,7 @@ import xckpt  # noqa: E402
 from xckpt.convert import convert  # noqa: E402
 from xckpt.errors import XckptError  # noqa: E402
 from xckpt_torch import dcp_metadata  # noqa: E402
-from xckpt_torch.tensors import to_host  # noqa: E402
+from xckpt_torch.staging import to_host  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("every_checkpoint_validates")
 

@@ -39,7 +39,8 @@ from xckpt.engine.storage import Location
 from xckpt.errors import ManifestError, NotACheckpointError, UnsafePathError, XckptError
 from xckpt.format import orbax_view
 from xckpt.interop.orbax import layouts
-from xckpt.interop.orbax.checkpoint import open_orbax, orbax_to_xckpt
+from xckpt.interop.orbax.checkpoint import open_orbax
+from xckpt.interop.orbax.layouts import orbax_to_xckpt
 
 from spawn import free_port, run_processes
 

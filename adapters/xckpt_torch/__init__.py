@@ -30,7 +30,8 @@ from .dcp import XckptLoadPlanner, XckptSavePlanner, XckptStorageReader, XckptSt
 from .dcp_convert import dcp_to_xckpt, xckpt_to_dcp
 from .rng import RNGState, rng_state
 from .state import bind
-from .tensors import from_numpy, logical_dtype, to_host, torch_dtype
+from .staging import to_host
+from .tensors import from_numpy, logical_dtype, torch_dtype
 
 registry.register_source(dtensor.is_plain_tensor, dtensor.tensor_source)
 registry.register_source(dtensor.is_dtensor, dtensor.dtensor_source)

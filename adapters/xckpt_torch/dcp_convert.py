@@ -48,7 +48,8 @@ from xckpt.sources.detect import open_checkpoint
 
 from .dcp_metadata import DcpDirectory
 from .dcp_tree import as_leaf, insert, key_of, listify
-from .tensors import from_numpy, logical_dtype, to_host, torch_dtype
+from .staging import to_host
+from .tensors import from_numpy, logical_dtype, torch_dtype
 
 
 def _torch_load(data: bytes, what: str, path: str, code: str) -> Any:

@@ -36,7 +36,8 @@ from xckpt.format.tree import Value, flatten
 
 from .dcp_planners import raw_object
 from .dcp_tree import as_leaf, insert, key_of, listify
-from .tensors import logical_dtype, to_host
+from .staging import to_host
+from .tensors import logical_dtype
 
 
 def _region(item: Any) -> Region:

@@ -16,6 +16,8 @@ import threading
 import numpy as np
 import torch
 
+from xckpt.errors import UnsupportedError
+
 from .tensors import cpu_to_numpy
 
 _streams: dict[int, "torch.cuda.Stream"] = {}
@@ -48,3 +50,12 @@ def stage_to_host(t: torch.Tensor) -> np.ndarray:
     t.record_stream(stream)
     done.synchronize()
     return cpu_to_numpy(buf)
+
+
+def to_host(t: torch.Tensor) -> np.ndarray:
+    """The data of a tensor on any device as host numpy (zero-copy on CPU, staged on CUDA)."""
+    if t.device.type == "cpu":
+        return cpu_to_numpy(t)
+    if t.device.type == "meta":
+        raise UnsupportedError("a tensor on the meta device has no data to save", code="tensor.meta")
+    return stage_to_host(t)

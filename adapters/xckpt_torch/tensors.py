@@ -63,16 +63,6 @@ def cpu_view(t: torch.Tensor) -> np.ndarray:
     return t.view(raw).numpy().view(xdtypes.numpy_dtype(name))
 
 
-def to_host(t: torch.Tensor) -> np.ndarray:
-    """The data of a tensor on any device as host numpy (zero-copy on CPU, staged on CUDA)."""
-    if t.device.type == "cpu":
-        return cpu_to_numpy(t)
-    if t.device.type == "meta":
-        raise UnsupportedError("a tensor on the meta device has no data to save", code="tensor.meta")
-    from .staging import stage_to_host
-    return stage_to_host(t)
-
-
 def from_numpy(arr: np.ndarray, name: str | None = None) -> torch.Tensor:
     """A CPU tensor sharing memory with ``arr`` (of logical dtype ``name``, default: arr's)."""
     arr = np.asarray(arr)

@@ -30,7 +30,6 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 
-from xckpt.engine.copy import copy_checkpoint
 from xckpt.engine.read import ReadRequest
 from xckpt.engine.storage import LocalStore, Location, Store
 from xckpt.engine.views import read_views, translate
@@ -295,22 +294,3 @@ def _string(loc: Location, strings: dict[str, Any], e: ValueEntry) -> str:
         raise ManifestError(f"{STRINGS} holds {type(value).__name__} for {name!r}, not a string",
                             code="orbax.strings_invalid", file=file, leaf=key_str(e.key))
     return value
-
-
-def orbax_to_xckpt(src: str, dst: str, *, overwrite: bool = False) -> None:
-    """Convert the Orbax checkpoint at ``src`` into an xckpt checkpoint at ``dst``, leaf by leaf.
-
-    ``src`` is any layout :func:`~xckpt.interop.orbax.layouts.find_layout` recognises: an item
-    (``_METADATA``), an Orbax v1 checkpoint, a ``CheckpointManager`` step directory.
-    """
-    from xckpt.interop.orbax.layouts import open_layout_at  # it imports this module
-
-    ckpt = open_layout_at(src)
-    try:
-        copy_checkpoint(ckpt, dst, overwrite=overwrite)
-    finally:
-        ckpt.close()
-
-
-#: The converters this module offers (entry point ``xckpt.converters``: ``orbax``).
-CONVERTERS = {("orbax", "xckpt"): orbax_to_xckpt}

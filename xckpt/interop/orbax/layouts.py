@@ -50,6 +50,7 @@ from typing import Any, Callable, Sequence
 
 import tensorstore as ts
 
+from xckpt.engine.copy import copy_checkpoint
 from xckpt.engine.read import ReadRequest
 from xckpt.engine.storage import LocalStore, Location, Store
 from xckpt.errors import ManifestError, NotACheckpointError, UnsafePathError, UnsupportedError, XckptWarning
@@ -520,3 +521,20 @@ class OrbaxComposite:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+def orbax_to_xckpt(src: str, dst: str, *, overwrite: bool = False) -> None:
+    """Convert the Orbax checkpoint at ``src`` into an xckpt checkpoint at ``dst``, leaf by leaf.
+
+    ``src`` is any layout :func:`~xckpt.interop.orbax.layouts.find_layout` recognises: an item
+    (``_METADATA``), an Orbax v1 checkpoint, a ``CheckpointManager`` step directory.
+    """
+    ckpt = open_layout_at(src)
+    try:
+        copy_checkpoint(ckpt, dst, overwrite=overwrite)
+    finally:
+        ckpt.close()
+
+
+#: The converters this module offers (entry point ``xckpt.converters``: ``orbax``).
+CONVERTERS = {("orbax", "xckpt"): orbax_to_xckpt}
