@@ -12,6 +12,9 @@ B. One torch AdamW checkpoint loads into flax targets whose optax state is adamw
    (a TrainState and an inject_hyperparams state written by xckpt.save into a fresh torch AdamW).
 C. Scanned layers: a linen model whose blocks are an ``nn.scan`` (params stacked on a leading layer axis)
    against a torch model with an ``nn.ModuleList``, both directions, through xckpt.save and Orbax.
+D. Batch statistics: a Hugging Face ResNet (convolutions, BatchNorm) trained in torch with SGD momentum
+   loads into ``FlaxResNetForImageClassification``'s params and batch_stats and an optax.sgd trace, exact
+   against transformers' converter, logits within 1e-5; and back into a fresh torch model.
 
 Everything is real (transformers, flax, optax, orbax, torch); arrays are compared element by element,
 and the expected layouts come from tables written out here (or from transformers), not from xckpt.
@@ -861,3 +864,102 @@ def test_torch_layers_into_scanned_flax(tmp_path: Path) -> None:
     new_params, _ = _optax_step(tx, out["params"], out["opt_state"], _torch_to_scan(grads))
     jax.tree.map(lambda a, b: _assert_close(np.asarray(a), b, "after one more step"), new_params,
                  _torch_to_scan(_params_np(net)))
+
+
+# ---------------------------------------------------------------------------------------------------- D
+
+
+def _resnet() -> tuple[Any, Any]:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    cfg = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 2], num_labels=3, layer_type="basic")
+    torch.manual_seed(0)
+    return ResNetForImageClassification(cfg), cfg
+
+
+def _resnet_to_flax(tree: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The flax ResNet's leaves from torch's, by the table of how transformers names both (transformers'
+    own converter names the blocks ``layer/0`` where the flax model has ``layer/layer_0``)."""
+    out: dict[str, Any] = {}
+    for name, v in tree.items():
+        parts = name.split(".")
+        if "layer" in parts[:-2] and parts[0] == "resnet":
+            i = parts.index("layer", 4)
+            parts[i + 1] = f"layer_{parts[i + 1]}"
+        root, leaf = "params", parts[-1]
+        if leaf == "num_batches_tracked":
+            continue
+        if leaf in ("running_mean", "running_var"):
+            root, leaf = "batch_stats", leaf[len("running_"):]
+        elif leaf == "weight" and v.ndim == 4:
+            leaf, v = "kernel", v.transpose(2, 3, 1, 0)
+        elif leaf == "weight" and v.ndim == 2:
+            leaf, v = "kernel", v.T
+        elif leaf == "weight":
+            leaf = "scale"
+        node = out.setdefault(root, {})
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[leaf] = v
+    return out
+
+
+def test_resnet_batch_stats_both_ways(tmp_path: Path) -> None:
+    """Conv kernels OIHW <-> HWIO, BatchNorm running_mean/var <-> batch_stats mean/var (a linen list
+    attribute inside a module of the same name, ``layer/layer_0``, is torch's ``layer.0``), SGD momentum
+    buffers <-> optax trace; num_batches_tracked, which flax does not keep, keeps the target's own."""
+    from transformers import FlaxResNetForImageClassification
+
+    net, cfg = _resnet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net.train()
+    for i in range(2):  # moves the running statistics and fills the momentum buffers
+        x = torch.from_numpy(np.random.default_rng(i).standard_normal((4, 3, 32, 32)).astype(np.float32))
+        opt.zero_grad()
+        net(x).logits.square().mean().backward()
+        opt.step()
+    net.eval()
+    xckpt.save({"model": net, "optim": opt}, str(tmp_path / "torch"))
+
+    fnet = FlaxResNetForImageClassification(cfg, _do_init=True)
+    expect = _resnet_to_flax({k: v.numpy() for k, v in net.state_dict().items()})
+    assert sorted(_flat(expect)) == sorted(_flat(fnet.params))  # the table names the model's own leaves
+    tx = optax.sgd(0.1, momentum=0.9)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, fnet.params)
+    like = {"model": {"params": zeros["params"], "batch_stats": zeros["batch_stats"]},
+            "opt_state": tx.init(zeros["params"])}
+    got = xckpt.load(str(tmp_path / "torch"), like=like, mapping=M.torch_to_flax())
+    _assert_trees_equal(got["model"], expect, "resnet params and batch_stats")
+    traces = {name: opt.state[p]["momentum_buffer"].numpy() for name, p in net.named_parameters()}
+    want_trace = _resnet_to_flax(traces)
+    _assert_trees_equal(_of_class(got["opt_state"], optax.TraceState)[0].trace, want_trace["params"], "trace")
+    x = np.random.default_rng(9).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    with torch.no_grad():
+        t_logits = net(torch.from_numpy(x)).logits.numpy()
+    f_logits = np.asarray(fnet(x, params=got["model"], train=False).logits)
+    _assert_close(f_logits, t_logits, "logits")
+
+    xckpt.save({"model": got["model"], "opt_state": got["opt_state"]}, str(tmp_path / "flax"))
+    back, _ = _resnet()
+    with torch.no_grad():
+        for name, b in back.named_buffers():
+            if name.endswith("num_batches_tracked"):
+                b.fill_(7)
+    back_opt = torch.optim.SGD(back.parameters(), lr=0.1, momentum=0.9)
+    _continue_torch_init(back, back_opt)
+    xckpt.load(str(tmp_path / "flax"), like={"model": back, "optim": back_opt}, mapping=M.flax_to_torch())
+    for name, v in net.state_dict().items():
+        got_v = back.state_dict()[name]
+        if name.endswith("num_batches_tracked"):
+            assert int(got_v) == 7, name  # the target's own
+        else:
+            np.testing.assert_array_equal(got_v.numpy(), v.numpy(), err_msg=name)
+    for (name, p), q in zip(net.named_parameters(), back.parameters()):
+        np.testing.assert_array_equal(back_opt.state[q]["momentum_buffer"].numpy(), traces[name], err_msg=name)
+
+
+def _continue_torch_init(net: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Give a fresh SGD-momentum optimizer its state (one step on a zero loss), so it can be loaded into."""
+    opt.zero_grad()
+    sum(p.sum() * 0 for p in net.parameters()).backward()
+    opt.step()

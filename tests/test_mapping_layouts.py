@@ -39,6 +39,18 @@ def test_weight_names_are_one_token_and_case_does_not_matter():
     assert L.canon(["x"], "bias", flax=False) != L.canon(("x",), "kernel", flax=True)
 
 
+
+def test_a_list_attribute_inside_its_namesake_module_and_batch_statistics_meet():
+    """linen's ``layer/layer_0`` (a list attribute named like its module) is torch's ``layer.0``; a module
+    named like its parent counts once on both sides; indices never collapse (``0.0`` is not ``0``);
+    torch's running statistics are flax's batch_stats names."""
+    assert L.canon(["stages", 0, "layer", "layer_1", "conv"], "kernel", flax=True) == \
+        L.canon("stages.0.layer.1.conv".split("."), "weight", flax=False)
+    assert L.canon(["embedder", "embedder", "norm"], "mean", flax=True) == \
+        L.canon(["embedder", "embedder", "norm"], "running_mean", flax=False) == ("embedder", "norm", "mean")
+    assert L.canon(["layers", "0", "0"], "bias", flax=False) != L.canon(["layers", "0"], "bias", flax=False)
+    assert L.canon(["bn"], "running_var", flax=False) == L.canon(["bn"], "var", flax=True)
+
 @given(st.lists(PART, min_size=1, max_size=5))
 def test_without_layer_drops_each_index_once(parts):
     c = L.canon([str(p) for p in parts], "weight", flax=False)

@@ -21,6 +21,11 @@ WEIGHT_NAMES = ("kernel", "scale", "embedding", "weight")
 WEIGHT = "<weight>"
 _SPLIT = re.compile(r"[._/]+")
 
+#: Torch normalization buffers (batch statistics) and the flax ``batch_stats`` leaf names that hold them.
+STATS = {"running_mean": "mean", "running_var": "var"}
+#: Torch buffers flax keeps no counterpart of (BatchNorm's count of batches, used only without momentum).
+TORCH_ONLY = ("num_batches_tracked",)
+
 #: Layer kinds the torch adapter records and the presets know: how the weight is laid out.
 KINDS = ("linear", "linear_in_out", "embedding", "norm", "conv")
 
@@ -33,13 +38,21 @@ def tokens(component: str | int) -> tuple[str, ...]:
 def canon(module: Sequence[str | int], leaf: str, *, flax: bool) -> tuple[str, ...]:
     """The common form of a parameter: its module path's tokens, then its leaf's.
 
-    ``module`` is the torch module name split at dots, or the flax key without its leaf.
+    ``module`` is the torch module name split at dots, or the flax key without its leaf. A
+    name token repeated right after itself counts once: a linen module holding a list
+    attribute of its own name (``layer/layer_0``) is torch's ``layer.0``, and a module named
+    like its parent (``embedder.embedder``) is the same either way. A torch batch statistic
+    (``running_mean``) is named as flax's (``mean``).
     """
     out: list[str] = []
     for c in module:
-        out.extend(tokens(c))
+        for t in tokens(c):
+            if not (out and t == out[-1] and not t.isdigit()):
+                out.append(t)
     is_weight = leaf in WEIGHT_NAMES if flax else leaf == "weight"
-    return tuple(out) + ((WEIGHT,) if is_weight else tokens(leaf))
+    if is_weight:
+        return tuple(out) + (WEIGHT,)
+    return tuple(out) + tokens(leaf if flax else STATS.get(leaf, leaf))
 
 
 def without_layer(canonical: tuple[str, ...]) -> list[tuple[int, tuple[str, ...]]]:

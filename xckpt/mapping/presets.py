@@ -31,6 +31,9 @@ target (``like``), and pairs them up.
   of an optax state (``EmptyState``, clipping, schedule states) is not torch's to hold.
 * **Tied weights.** A torch parameter tied to another (GPT-2's ``lm_head.weight``) is loaded
   from its partner's source, or left out when flax keeps only one copy.
+* **Batch statistics.** BatchNorm's ``running_mean``/``running_var`` <-> flax
+  ``batch_stats/.../mean``/``var`` (a root of their own); ``num_batches_tracked``, which flax
+  does not keep, is left out going to flax and keeps the torch target's own coming back.
 """
 
 from __future__ import annotations
@@ -136,6 +139,16 @@ class Found:
     def moment(self) -> str | None:
         """The optax moment field the root holds (``mu``, ``nu``, ``trace``), or None for parameters."""
         return self.root[-1] if self.root and self.root[-1] in MOMENTS else None
+
+    @property
+    def stat(self) -> bool:
+        """Whether it is a batch statistic (torch ``running_mean``/``running_var``, flax ``batch_stats``)."""
+        return self.fqns[0].rpartition(".")[2] in L.STATS
+
+    @property
+    def param(self) -> bool:
+        """Whether it is a parameter (not a moment, not a batch statistic)."""
+        return self.moment is None and not self.stat
 
 
 class _Index:
@@ -330,6 +343,8 @@ class TorchFlaxPreset:
         rules += self._hyper_to_flax(target, side, optional)
         rules += [drop(side.model + (q,), name=f"torch {q}: tied to {side.tied[q]}")
                   for q in side.params if q not in used and q in side.tied]
+        rules += [drop(side.model + (q,), name=f"torch {q}: flax keeps no counterpart")
+                  for q in side.params if q not in used and side.layer(q)[1] in L.TORCH_ONLY]
         rules += [drop(k, name="torch optimizer state of a parameter the optax state masks out")
                   for k in self._masked(target, side, found)]
         rules += [drop(k, name="torch param_groups (hyperparameters live in the optax transformation)")
@@ -375,11 +390,12 @@ class TorchFlaxPreset:
     def _to_torch(self, manifest: Manifest, target: Target, side: TorchSide, found: list[Found],
                   decided: dict[tuple[str, str], L.Layout], optional: set[Key]) -> list[Rule]:
         wanted = {t.key for t in target.leaves}
-        roots = sorted({f.root for f in found if f.moment is None}, key=key_str)
-        if len(roots) > 1:
-            raise MappingError(f"{self.name}: the checkpoint holds parameters under several roots "
-                               f"({[key_str(r) for r in roots]}); load from one of them with a rule",
-                               code="mapping.ambiguous")
+        for what, roots in (("parameters", {f.root for f in found if f.param}),
+                            ("batch statistics", {f.root for f in found if f.stat})):
+            if len(roots) > 1:
+                raise MappingError(f"{self.name}: the checkpoint holds {what} under several roots "
+                                   f"({sorted(key_str(r) for r in roots)}); load from one of them with a rule",
+                                   code="mapping.ambiguous")
         per_field: dict[str, set[Key]] = {}
         for f in found:
             if f.moment:
@@ -390,6 +406,7 @@ class TorchFlaxPreset:
                                    f"({sorted(key_str(r) for r in rs)})", code="mapping.ambiguous")
         for fqn, field_ in _masked_out(_empties(manifest), found):  # the torch optimizer keeps its own
             optional |= {o + ("state", fqn, field_) for o in side.optims}
+        optional |= {side.model + (q,) for q in side.params if side.layer(q)[1] in L.TORCH_ONLY}  # the target's own
         partners: dict[str, list[str]] = {}
         for q, first in side.tied.items():
             partners.setdefault(first, []).append(q)
@@ -434,7 +451,7 @@ class TorchFlaxPreset:
     def _mirrored(self, side: TorchSide, found: list[Found]) -> list[Rule]:
         if not self.user_rules:
             return []
-        params = sorted({f.root for f in found if f.moment is None}, key=key_str)
+        params = sorted({f.root for f in found if f.param}, key=key_str)
         moments = sorted({f.root for f in found if f.moment}, key=key_str)
         if len(params) != 1:
             return []
