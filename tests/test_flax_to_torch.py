@@ -155,6 +155,15 @@ def _lm_loss_jax(logits: jax.Array, ids: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).mean()
 
 
+def _compiled(net: linen.Module, width: int) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """A linen model's init (params for ids of ``width``), apply and next-token-loss gradient, each compiled
+    once for the module."""
+    init = jax.jit(lambda key: net.init(key, jnp.zeros((2, width), jnp.int32))["params"])
+    apply = jax.jit(lambda params, ids: net.apply({"params": params}, ids))
+    grad = jax.jit(lambda params, ids: jax.grad(lambda p: _lm_loss_jax(net.apply({"params": p}, ids), ids))(params))
+    return init, apply, grad
+
+
 def _torch_adamw(params: Any, lr: float = LR, weight_decay: float = WD) -> torch.optim.AdamW:
     """torch AdamW with this file's hyperparameters."""
     return torch.optim.AdamW(params, lr=lr, betas=(B1, B2), eps=EPS, weight_decay=weight_decay)
@@ -424,22 +433,7 @@ def _variant(kind: str) -> tuple[optax.GradientTransformation, Callable[[nn.Modu
     raise AssertionError(kind)
 
 
-@jax.jit
-def _flax_init_jit(key: jax.Array) -> Any:
-    """FlaxNet.init, compiled once for the module."""
-    return FlaxNet().init(key, jnp.zeros((2, 6), jnp.int32))["params"]
-
-
-@jax.jit
-def _flax_apply(params: Any, ids: jax.Array) -> jax.Array:
-    """FlaxNet.apply, compiled once for the module."""
-    return FlaxNet().apply({"params": params}, ids)
-
-
-@jax.jit
-def _flax_grad(params: Any, ids: jax.Array) -> Any:
-    """Gradient of FlaxNet's next-token loss."""
-    return jax.grad(lambda p: _lm_loss_jax(FlaxNet().apply({"params": p}, ids), ids))(params)
+_flax_init_jit, _flax_apply, _flax_grad = _compiled(FlaxNet(), 6)
 
 
 def _flax_init(seed: int) -> dict:
@@ -749,22 +743,7 @@ def _torch_to_scan(tree: dict[str, np.ndarray]) -> dict:
     return out
 
 
-@jax.jit
-def _scan_init_jit(key: jax.Array) -> Any:
-    """ScanNet.init, compiled once for the module."""
-    return ScanNet().init(key, jnp.zeros((2, 5), jnp.int32))["params"]
-
-
-@jax.jit
-def _scan_apply(params: Any, ids: jax.Array) -> jax.Array:
-    """ScanNet.apply, compiled once for the module."""
-    return ScanNet().apply({"params": params}, ids)
-
-
-@jax.jit
-def _scan_grad(params: Any, ids: jax.Array) -> Any:
-    """Gradient of ScanNet's next-token loss."""
-    return jax.grad(lambda p: _lm_loss_jax(ScanNet().apply({"params": p}, ids), ids))(params)
+_scan_init_jit, _scan_apply, _scan_grad = _compiled(ScanNet(), 5)
 
 
 def _scan_init(seed: int) -> dict:
@@ -946,7 +925,6 @@ def test_resnet_batch_stats_both_ways(tmp_path: Path) -> None:
             if name.endswith("num_batches_tracked"):
                 b.fill_(7)
     back_opt = torch.optim.SGD(back.parameters(), lr=0.1, momentum=0.9)
-    _continue_torch_init(back, back_opt)
     xckpt.load(str(tmp_path / "flax"), like={"model": back, "optim": back_opt}, mapping=M.flax_to_torch())
     for name, v in net.state_dict().items():
         got_v = back.state_dict()[name]
@@ -956,10 +934,3 @@ def test_resnet_batch_stats_both_ways(tmp_path: Path) -> None:
             np.testing.assert_array_equal(got_v.numpy(), v.numpy(), err_msg=name)
     for (name, p), q in zip(net.named_parameters(), back.parameters()):
         np.testing.assert_array_equal(back_opt.state[q]["momentum_buffer"].numpy(), traces[name], err_msg=name)
-
-
-def _continue_torch_init(net: nn.Module, opt: torch.optim.Optimizer) -> None:
-    """Give a fresh SGD-momentum optimizer its state (one step on a zero loss), so it can be loaded into."""
-    opt.zero_grad()
-    sum(p.sum() * 0 for p in net.parameters()).backward()
-    opt.step()
