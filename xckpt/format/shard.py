@@ -46,9 +46,10 @@ TAG_MAGIC = b"XCKPLACE"
 TAG_NBYTES = 16
 
 
-def checksum(data: np.ndarray) -> int:
-    """The crc32c of a contiguous uint8 array (the GIL is released while it runs)."""
-    return crc32c.crc32c(data)
+def checksum(data: np.ndarray, value: int = 0) -> int:
+    """The crc32c of a contiguous uint8 array, continuing from ``value`` (the crc32c of what came before;
+    the GIL is released while it runs)."""
+    return crc32c.crc32c(data, value)
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,7 @@ def _pieces(geom: Geometry, part: np.ndarray, scratch: np.ndarray) -> Iterator[n
             yield flat[start:start + PIECE_BYTES]
         return
     if not geom.inner_shape:  # a 0-d array's one element
-        view = np.ndarray((), dtype=geom.le_dtype, buffer=scratch[:n])
-        np.copyto(view, part, casting="equiv")
+        _fill(geom, part, geom.payload_view(scratch, 0))
         yield scratch[:n]
         return
     rows, have = geom.inner_shape[0], part.shape[0]
@@ -219,7 +219,7 @@ def encode_parts(geom: Geometry, data: np.ndarray, scratch: np.ndarray,
         else:
             crc = 0
             for piece in _pieces(geom, part, scratch):
-                crc = crc32c.crc32c(piece, crc)
+                crc = checksum(piece, crc)
                 yield piece
             yield _le32(crc)
             size = n
