@@ -336,6 +336,17 @@ def save4(rank: int, world: int, wd: Path) -> dict[str, Any]:
     assert coord.broadcast_bytes(b"\x00from2" if rank == 2 else None, root=2) == b"\x00from2"
     assert coord.gather_bytes(b"y" * rank, root=1) == ([b"", b"y", b"yy", b"yyy"] if rank == 1 else None)
     assert coord.scatter_bytes([b"", b"a", b"bb", b"c"] if rank == 2 else None, root=2) == [b"", b"a", b"bb", b"c"][rank]
+    # messages longer than a slot: the rest follows in a second operation (ranks 2 and 3 here)
+    from xckpt_torch.coordinator import INLINE_BYTES
+
+    def long(r: int) -> bytes:
+        return bytes((r * 7 + i) % 251 for i in range(r * (INLINE_BYTES // 2 + 3)))
+    assert coord.all_gather_bytes(long(rank)) == [long(r) for r in range(4)]
+    assert coord.gather_bytes(long(rank), root=3) == ([long(r) for r in range(4)] if rank == 3 else None)
+    assert coord.broadcast_bytes(long(3) if rank == 1 else None, root=1) == long(3)
+    same = long(3)
+    assert coord.scatter_bytes([same] * 4 if rank == 0 else None, root=0) == same
+    assert coord.scatter_bytes([long(r) for r in range(4)] if rank == 0 else None, root=0) == long(rank)
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     arrays = {n: dtensor_of(n, mesh) for n in ARRAYS}
