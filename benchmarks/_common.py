@@ -268,6 +268,25 @@ def measure(fn: Callable[[], Any], barrier: Callable[[], None] | None = None) ->
     return Sample(seconds, mem.base, mem.peak, r1 - r0), result
 
 
+def rounds(methods: Sequence[str], repeats: int) -> Iterable[tuple[int | None, list[str]]]:
+    """The rounds of a comparison, as ``(run, methods in the order they run)``: first an untimed
+    warm-up round at full size (run None), then ``repeats`` timed runs.
+
+    The warm-up lets every method meet memory the machine has already handed out once (on this
+    VM, memory never touched before costs several times more to fault in, and it would fall on
+    whichever method runs first); the order of the methods alternates from run to run, so no
+    method is always first or always last.
+    """
+    yield None, list(methods)
+    for rep in range(repeats):
+        yield rep, list(methods) if rep % 2 == 0 else list(reversed(methods))
+
+
+def run_name(rep: int | None) -> str:
+    """How a log line names a round of :func:`rounds`."""
+    return "warm-up" if rep is None else f"run {rep}"
+
+
 def median(xs: Iterable[float]) -> float:
     """Median of the values (NaN when there are none)."""
     xs = [x for x in xs if x is not None and not math.isnan(x)]

@@ -17,8 +17,8 @@ and ``jax_enable_x64`` (for the int64 step):
 * raw reference (no goal): the same tree as numpy arrays, one file per array, 2 threads,
   ``tofile`` + flush + ``os.fsync`` / ``np.fromfile``.
 
-Methods are interleaved (xckpt, Orbax, raw, xckpt, Orbax, raw, ...) ``--repeats`` times;
-each run saves into a fresh directory under /dev/shm, loads it back, and deletes it before
+After an untimed warm-up round at full size, methods are interleaved ``--repeats`` times,
+their order reversed every other run (xckpt, Orbax, raw; raw, Orbax, xckpt; ...); each run saves into a fresh directory under /dev/shm, loads it back, and deletes it before
 the next run (one checkpoint at a time); tables show medians.
 Peak RSS is sampled every ~1 ms from /proc/self/statm; bytes read is the /proc/self/io
 ``rchar`` delta around the load call.
@@ -126,8 +126,8 @@ def run(wl: C.Workload, repeats: int, ckptr: Any) -> C.Table:
         return C.raw_load(want, path)
 
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
-    for rep in range(repeats):
-        for m in METHODS:  # save, load, check, delete: one checkpoint on /dev/shm at a time
+    for rep, order in C.rounds(METHODS, repeats):
+        for m in order:  # save, load, check, delete: one checkpoint on /dev/shm at a time
             root = C.fresh_dir(f"jax-{wl.name}-{m}")
             try:
                 path = os.path.join(root, "ckpt")
@@ -138,14 +138,15 @@ def run(wl: C.Workload, repeats: int, ckptr: Any) -> C.Table:
                 C.remove(root)
             if m == "raw":
                 for k, a in want.items():
-                    C.check_equal(k, got[k], a, f"{wl.name} raw load, run {rep}")
+                    C.check_equal(k, got[k], a, f"{wl.name} raw load, {C.run_name(rep)}")
             else:
-                verify(got, like, want, f"{wl.name} jax {m} restore, run {rep}")
+                verify(got, like, want, f"{wl.name} jax {m} restore, {C.run_name(rep)}")
             del got
-            runs[m].append({"save": saved.seconds, "load": loaded.seconds, "rchar": loaded.rchar,
-                            "save_peak": saved.peak_rss, "load_peak": loaded.peak_rss,
-                            "save_growth": saved.growth, "load_growth": loaded.growth, "files": files})
-            C.log(f"{wl.name} jax {m:<5} run {rep}: save {saved.seconds:.2f} s, load {loaded.seconds:.2f} s, verified")
+            if rep is not None:
+                runs[m].append({"save": saved.seconds, "load": loaded.seconds, "rchar": loaded.rchar,
+                                "save_peak": saved.peak_rss, "load_peak": loaded.peak_rss,
+                                "save_growth": saved.growth, "load_growth": loaded.growth, "files": files})
+            C.log(f"{wl.name} jax {m:<5} {C.run_name(rep)}: save {saved.seconds:.2f} s, load {loaded.seconds:.2f} s, verified")
     holder.clear()
 
     def med(m: str, key: str) -> float:

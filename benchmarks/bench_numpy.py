@@ -1,8 +1,9 @@
 """xckpt save and full-load throughput on numpy arrays in one process, against raw files.
 
 The tree is W1's 24 matrices (8 layers x weight, exp_avg, exp_avg_sq, fp32 3328x3328,
-1.06 GB) as numpy arrays in one dict. Measured, interleaved (xckpt, raw, xckpt, raw, ...)
-``--repeats`` times, each run in a fresh directory under /dev/shm deleted afterwards:
+1.06 GB) as numpy arrays in one dict. Measured after an untimed warm-up round at full
+size, interleaved (xckpt, raw; raw, xckpt; ...) ``--repeats`` times, each run in a fresh
+directory under /dev/shm deleted afterwards:
 
 * xckpt: ``xckpt.save(tree, path)`` and the full load ``xckpt.load(path)``;
 * raw: one file per matrix written by 2 threads with ``ndarray.tofile`` + flush + ``os.fsync``,
@@ -58,22 +59,23 @@ def run(wl: C.Workload, repeats: int) -> C.Table:
         return xckpt.load(path) if m == "xckpt" else C.raw_load(tree, path)
 
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
-    for rep in range(repeats):
-        for m in METHODS:
+    for rep, order in C.rounds(METHODS, repeats):
+        for m in order:
             root = C.fresh_dir(f"numpy-{m}")
             try:
                 path = os.path.join(root, "ckpt")
                 s, _ = C.measure(lambda: save(m, path))
                 ld, got = C.measure(lambda: load(m, path))
                 if set(got) != set(tree):
-                    raise AssertionError(f"numpy {m} load, run {rep}: keys differ from the saved tree")
+                    raise AssertionError(f"numpy {m} load, {C.run_name(rep)}: keys differ from the saved tree")
                 for k, a in tree.items():
-                    C.check_equal(k, np.asarray(got[k]), a, f"numpy {m} load, run {rep}")
+                    C.check_equal(k, np.asarray(got[k]), a, f"numpy {m} load, {C.run_name(rep)}")
                 del got
                 gc.collect()
-                runs[m].append({"save": s.seconds, "load": ld.seconds, "rchar": ld.rchar,
-                                "save_peak": s.peak_rss, "load_peak": ld.peak_rss})
-                C.log(f"numpy {m:<5} run {rep}: save {s.seconds:.2f} s, load {ld.seconds:.2f} s, verified")
+                if rep is not None:
+                    runs[m].append({"save": s.seconds, "load": ld.seconds, "rchar": ld.rchar,
+                                    "save_peak": s.peak_rss, "load_peak": ld.peak_rss})
+                C.log(f"numpy {m:<5} {C.run_name(rep)}: save {s.seconds:.2f} s, load {ld.seconds:.2f} s, verified")
             finally:
                 C.remove(root)
 

@@ -8,8 +8,9 @@ spawned side by side (each its own default gloo group, ``torch.set_num_threads(1
 * 2 loading ranks hold preallocated DTensors ``[Shard(1)]`` on a 1-D mesh of 2 (vectors
   Replicate, a plain int64 step), filled with NaN (step -1) before every load, untimed.
 
-Per run, for each method in turn (xckpt, DCP, xckpt, DCP, ..., ``--repeats`` runs each):
-the 4 ranks save into a fresh directory, ``xckpt.save(state, path)`` or
+An untimed warm-up round at full size comes first, then ``--repeats`` timed runs, the
+methods alternating in order (xckpt, DCP; DCP, xckpt; ...: ``_common.rounds``). Per run and
+method: the 4 ranks save into a fresh directory, ``xckpt.save(state, path)`` or
 ``dcp.save(state, storage_writer=FileSystemWriter(path))`` (defaults); the 2 ranks load it
 in place, ``xckpt.load(path, like=state)`` or ``dcp.load(state,
 storage_reader=FileSystemReader(path))``, then recompute the expected shard of every leaf
@@ -383,17 +384,18 @@ def run_saveload(wl: C.Workload, repeats: int) -> C.Table:
     def body(saver: _Group, loader: _Group) -> None:
         """The interleaved runs."""
         sizes["load"] = loader.local_bytes
-        for rep in range(repeats):
-            for m in METHODS:
+        for rep, order in C.rounds(METHODS, repeats):
+            for m in order:
                 path = os.path.join(root, f"{wl.name}-{m}-{rep}", "ckpt")
                 try:
                     s = _collective(saver.run("save", m, path))
-                    ld = _collective(loader.run("load", m, path, f"{wl.name} torch {m} load, run {rep}"))
+                    ld = _collective(loader.run("load", m, path, f"{wl.name} torch {m} load, {C.run_name(rep)}"))
                 finally:
                     C.remove(os.path.dirname(path))
-                runs[m]["save"].append(s)
-                runs[m]["load"].append(ld)
-                C.log(f"{wl.name} torch {m:<5} run {rep}: save {s['seconds']:.2f} s, load {ld['seconds']:.2f} s "
+                if rep is not None:
+                    runs[m]["save"].append(s)
+                    runs[m]["load"].append(ld)
+                C.log(f"{wl.name} torch {m:<5} {C.run_name(rep)}: save {s['seconds']:.2f} s, load {ld['seconds']:.2f} s "
                       f"(max over ranks), verified")
 
     try:
@@ -435,9 +437,9 @@ def run_saveload(wl: C.Workload, repeats: int) -> C.Table:
 def run_async(wl: C.Workload, repeats: int) -> C.Table:
     """Measure save_async against save on the 4 saving ranks; return the table.
 
-    Per run: a synchronous ``xckpt.save``, then ``save_async`` + ``wait``, each into a fresh
-    directory. The loading group (untimed) loads every async checkpoint and checks it; then
-    it is deleted.
+    After an untimed warm-up round, per run: a synchronous ``xckpt.save`` and ``save_async`` +
+    ``wait`` (alternating which goes first), each into a fresh directory. The loading group
+    (untimed) loads every async checkpoint and checks it; then it is deleted.
     """
     root = C.fresh_dir(f"torch-async-{wl.name}")
     runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
@@ -446,20 +448,24 @@ def run_async(wl: C.Workload, repeats: int) -> C.Table:
     def body(saver: _Group, loader: _Group) -> None:
         """The alternating runs."""
         sizes["save"] = saver.local_bytes
-        for rep in range(repeats):
-            path = os.path.join(root, f"sync-{rep}", "ckpt")
-            try:
-                runs["sync"].append(_collective(saver.run("save", "xckpt", path)))
-            finally:
-                C.remove(os.path.dirname(path))
-            path = os.path.join(root, f"async-{rep}", "ckpt")
-            try:
-                runs["async"].append(_collective(saver.run("save_async", path)))
-                loader.run("load", "xckpt", path, f"{wl.name} torch save_async checkpoint, run {rep}")
-            finally:
-                C.remove(os.path.dirname(path))
-            a = runs["async"][-1]
-            C.log(f"{wl.name} torch async run {rep}: sync save {runs['sync'][-1]['seconds']:.2f} s, save_async "
+        for rep, order in C.rounds(["sync", "async"], repeats):
+            got: dict[str, dict[str, Any]] = {}
+            for kind in order:
+                path = os.path.join(root, f"{kind}-{rep}", "ckpt")
+                try:
+                    if kind == "sync":
+                        got[kind] = _collective(saver.run("save", "xckpt", path))
+                    else:
+                        got[kind] = _collective(saver.run("save_async", path))
+                        loader.run("load", "xckpt", path,
+                                   f"{wl.name} torch save_async checkpoint, {C.run_name(rep)}")
+                finally:
+                    C.remove(os.path.dirname(path))
+            if rep is not None:
+                for kind, sample in got.items():
+                    runs[kind].append(sample)
+            a = got["async"]
+            C.log(f"{wl.name} torch async {C.run_name(rep)}: sync save {got['sync']['seconds']:.2f} s, save_async "
                   f"blocking {a['blocking']:.2f} s, total {a['seconds']:.2f} s (max over ranks); checkpoint verified")
 
     try:
