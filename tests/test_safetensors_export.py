@@ -355,3 +355,58 @@ def test_flax_checkpoint_exported_with_hugging_face_torch_names(tmp_path, family
         logits = loaded(INPUT).logits.numpy()
     np.testing.assert_allclose(logits, np.asarray(flax_model(INPUT.numpy(), params=flax_model.params).logits),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_cli_exports_a_flax_checkpoint_for_a_hugging_face_config(tmp_path, family, capsys):
+    """``--mapping flax-to-torch --hf-config`` builds the torch model the config describes on the meta device
+    (its ``architectures`` class, else the causal LM of its type), exports the flax/optax checkpoint under its
+    names, and puts the config beside the weights: ``from_pretrained`` loads the directory as it is and equals
+    transformers' own flax -> torch conversion."""
+    pytest.importorskip("jax")
+    import optax
+    from transformers.modeling_flax_pytorch_utils import load_flax_weights_in_pytorch_model
+
+    if family == "gpt2":
+        cfg, _ = _gpt2()  # no architectures: the causal LM of the model type
+        torch_cls, flax_cls = transformers.GPT2LMHeadModel, transformers.FlaxGPT2LMHeadModel
+    else:
+        cfg, _ = _llama()
+        cfg.architectures = ["LlamaForCausalLM"]
+        torch_cls, flax_cls = transformers.LlamaForCausalLM, transformers.FlaxLlamaForCausalLM
+    flax_model = flax_cls(cfg, seed=7)
+    src, dst, conf = tmp_path / "flax", tmp_path / "hf", tmp_path / "conf"
+    xckpt.save({"params": flax_model.params, "opt_state": optax.adamw(1e-3).init(flax_model.params), "step": 3}, src)
+    cfg.save_pretrained(conf)
+    rc = cli_main(["convert", "--to", "safetensors", "--select", "model", "--mapping", "flax-to-torch",
+                   "--hf-config", str(conf), str(src), str(dst)])
+    assert rc == 0, capsys.readouterr().err
+    assert json.loads((dst / "config.json").read_text()) == json.loads((conf / "config.json").read_text())
+    loaded = torch_cls.from_pretrained(dst).eval()
+    want = load_flax_weights_in_pytorch_model(torch_cls(cfg), flax_model.params).eval()
+    got_sd, want_sd = loaded.state_dict(), want.state_dict()
+    assert list(got_sd) == list(want_sd)
+    for k, v in want_sd.items():
+        assert torch.equal(got_sd[k], v), k
+    if family != "gpt2":
+        return
+    # an export over a previous one (--overwrite) replaces it whole, and gets the config again
+    (dst / "config.json").write_text("{}")
+    rc = cli_main(["convert", "--to", "safetensors", "--select", "model", "--mapping", "flax-to-torch",
+                   "--hf-config", str(conf / "config.json"), "--overwrite", str(src), str(dst)])
+    assert rc == 0 and json.loads((dst / "config.json").read_text()) == json.loads((conf / "config.json").read_text())
+    capsys.readouterr()
+    # refusals: each names what is wrong, and nothing is written
+    bad = [(["--mapping", "flax-to-torch", "--select", "model"], "convert.option", "--hf-config"),
+           (["--hf-config", str(conf), "--select", "model"], "convert.option", "--mapping"),
+           (["--mapping", "flax-to-torch", "--hf-config", str(conf)], "convert.option", "--select"),
+           (["--mapping", "flax-to-torch", "--hf-config", str(tmp_path / "nowhere"), "--select", "model"],
+            "convert.hf_config", str(tmp_path / "nowhere"))]
+    for flags, code, named in bad:
+        rc = cli_main(["convert", "--to", "safetensors", *flags, str(src), str(tmp_path / "refused")])
+        err = capsys.readouterr().err
+        assert rc == 2 and code in err and named in err, (flags, err)
+        assert not (tmp_path / "refused").exists()
+    rc = cli_main(["convert", "--mapping", "flax-to-torch", "--hf-config", str(conf), "--select", "model", str(src),
+                   str(tmp_path / "refused")])
+    assert rc == 2 and "--to safetensors" in capsys.readouterr().err and not (tmp_path / "refused").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import warnings
 from typing import Any, Sequence
@@ -34,6 +35,9 @@ _CONVERT_EXAMPLES = """examples:
   xckpt convert --to safetensors --select model --max-shard-size 2GB ckpt/step_1000 hf_model
                                            the "model" subtree as Hugging Face safetensors shards
                                            (then e.g. config.save_pretrained("hf_model"))
+  xckpt convert --to safetensors --select model --mapping flax-to-torch --hf-config gpt2/config.json \\
+      ckpt/flax_step_1000 hf_model         a flax/optax run under the torch model's names, loadable
+                                           by from_pretrained("hf_model")
 """
 
 _LS_EXAMPLES = """examples:
@@ -116,15 +120,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """Convert between xckpt and other formats."""
     from xckpt import cli_render as r
     from xckpt.convert import convert
-    given = [flag for flag, v in (("--select", args.select), ("--max-shard-size", args.max_shard_size)) if v is not None]
+    given = [flag for flag, v in (("--select", args.select), ("--max-shard-size", args.max_shard_size),
+                                  ("--mapping", args.mapping), ("--hf-config", args.hf_config)) if v is not None]
     if given and args.to_format != "safetensors":
         raise UnsupportedError(f"{' and '.join(given)} apply only to --to safetensors (not --to {args.to_format})",
                                code="convert.option")
+    mapped = _mapped_export(args)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", XckptWarning)
         with r.spinner(f"converting {args.src} ({args.from_format}) to {args.dst} ({args.to_format})"):
             convert(args.src, args.dst, source=args.from_format, target=args.to_format, overwrite=args.overwrite,
-                    select=args.select, max_shard_size=args.max_shard_size)
+                    select=args.select, max_shard_size=args.max_shard_size, **mapped)
+    if args.hf_config is not None:
+        _copy_hf_config(args.hf_config, args.dst)
     for w in caught:
         if issubclass(w.category, XckptWarning):
             print(f"warning: {w.message}", file=sys.stderr)
@@ -132,6 +140,38 @@ def cmd_convert(args: argparse.Namespace) -> int:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     print(f"wrote {args.dst}")
     return 0
+
+
+#: ``--mapping`` presets, by name: the functions of :mod:`xckpt.mapping` that make them.
+_MAPPINGS = {"flax-to-torch": "flax_to_torch"}
+
+
+def _mapped_export(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``mapping`` and ``like`` options of an export renamed for a Hugging Face model (none without
+    ``--mapping``): the preset, resolved against the model ``--hf-config`` describes, under ``--select``."""
+    if (args.mapping is None) != (args.hf_config is None):
+        raise UnsupportedError("--mapping and --hf-config go together: the mapping renames the checkpoint for the "
+                               "model the configuration describes", code="convert.option")
+    if args.mapping is None:
+        return {}
+    if not args.select:
+        raise UnsupportedError("--mapping needs --select: the key the model goes under in the mapped checkpoint "
+                               "(model, as a torch training state holds it)", code="convert.option")
+    from xckpt import mapping
+    build = registry.model_builder("hf")
+    if build is None:
+        raise UnsupportedError("--hf-config needs torch and transformers installed (pip install xckpt[torch] "
+                               "transformers)", code="convert.hf_config")
+    like: Any = build(args.hf_config)
+    for part in reversed([p for p in (args.select or "").split("/") if p]):
+        like = {part: like}
+    return {"mapping": getattr(mapping, _MAPPINGS[args.mapping])(), "like": like}
+
+
+def _copy_hf_config(config: str, dst: str) -> None:
+    """Put the model's ``config.json`` beside the exported weights (the export is a new directory)."""
+    src = os.path.join(config, "config.json") if os.path.isdir(config) else config
+    shutil.copyfile(src, os.path.join(dst, "config.json"))
 
 
 def _list_checkpoints(root: str) -> list[dict[str, Any]]:
@@ -341,6 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "named without it (default: every array leaf)")
     s.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="--to safetensors: bytes per file, e.g. 5GB (default), 200MB, 500KB, 2GiB or a byte count")
+    s.add_argument("--mapping", default=None, choices=sorted(_MAPPINGS),
+                   help="--to safetensors: rename and lay out the arrays for the model of --hf-config "
+                        "(flax-to-torch: a flax/optax checkpoint exported under the torch model's names)")
+    s.add_argument("--hf-config", default=None, metavar="CONFIG",
+                   help="--to safetensors with --mapping: the Hugging Face config.json (or a directory holding "
+                        "one) of the model to export for; it is copied beside the weights")
     s.set_defaults(fn=cmd_convert)
     s = add("ls", "list the steps of a run, or the checkpoints in a directory", _LS_EXAMPLES)
     s.add_argument("root", help="a run's directory (one subdirectory per step) or a directory of checkpoints")

@@ -7,12 +7,15 @@
   shown to mappings at load time.
 * coordinators: give the coordinator of a running distributed job.
 * converters: turn a checkpoint of one format into another (``xckpt convert``).
+* models: build the model a configuration file describes, without its weights, as the target
+  a mapping renames a checkpoint for (``xckpt convert --to safetensors --hf-config``).
 * commands: add a subcommand to the ``xckpt`` command line.
 
 The core never imports these packages by name: they are found through entry points
 (``pyproject.toml``): ``xckpt.adapters`` (name: the framework module, value: its adapter
 module, imported once the framework is), ``xckpt.converters`` (name: a format, value: a
-mapping ``{(source, target): function}``), ``xckpt.commands`` (value: a :class:`Command`).
+mapping ``{(source, target): function}``), ``xckpt.models`` (name: a kind of configuration,
+value: a function from its path to the model), ``xckpt.commands`` (value: a :class:`Command`).
 """
 
 from __future__ import annotations
@@ -183,6 +186,18 @@ def converter_formats() -> list[str]:
     for a, b in _converters:
         formats.update((a, b))
     return sorted(formats)
+
+
+def model_builder(kind: str) -> Callable[[str], Any] | None:
+    """The installed function that builds a model, weightless, from a configuration of ``kind`` (``hf``:
+    a Hugging Face ``config.json``); None when no installed package provides one."""
+    for ep in _entry_points("xckpt.models"):
+        if ep.name == kind:
+            try:
+                return ep.load()
+            except ImportError:
+                return None
+    return None
 
 
 def commands() -> list[Command]:
