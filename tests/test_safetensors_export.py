@@ -319,16 +319,10 @@ def test_sizes_names_and_pieces():
     assert list(pieces((0, 4), 4)) == [] and [r.sizes for r in pieces((), 8)] == [()]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_flax_checkpoint_exported_with_hugging_face_torch_names(tmp_path, family):
-    """A flax/optax training checkpoint goes to safetensors under the torch model's names and layouts through
-    ``M.flax_to_torch()``, resolved against a skeleton on the meta device; ``from_pretrained`` loads it and
-    equals transformers' own flax -> torch conversion, logits included."""
+def _flax_run(family, path, architectures=False):
+    """A flax model of ``family`` and its torch class; its params and AdamW state saved to ``path``."""
     pytest.importorskip("jax")
     import optax
-    from transformers.modeling_flax_pytorch_utils import load_flax_weights_in_pytorch_model
-
-    from xckpt import mapping as M
 
     if family == "gpt2":
         cfg, _ = _gpt2()
@@ -336,21 +330,42 @@ def test_flax_checkpoint_exported_with_hugging_face_torch_names(tmp_path, family
     else:
         cfg, _ = _llama()
         torch_cls, flax_cls = transformers.LlamaForCausalLM, transformers.FlaxLlamaForCausalLM
+    if architectures:
+        cfg.architectures = [torch_cls.__name__]
     flax_model = flax_cls(cfg, seed=5)
-    src, dst = str(tmp_path / "flax"), str(tmp_path / "hf")
-    xckpt.save({"params": flax_model.params, "opt_state": optax.adamw(1e-3).init(flax_model.params), "step": 3}, src)
-    with torch.device("meta"):
-        skeleton = torch_cls(cfg)
-    xckpt.convert.convert(src, dst, target="safetensors", select="model", max_shard_size="20KB",
-                          mapping=M.flax_to_torch(), like={"model": skeleton})
-    assert os.path.exists(os.path.join(dst, "model.safetensors.index.json"))
-    cfg.save_pretrained(dst)
+    xckpt.save({"params": flax_model.params, "opt_state": optax.adamw(1e-3).init(flax_model.params), "step": 3}, path)
+    return cfg, torch_cls, flax_model
+
+
+def _loads_as_transformers_converts(dst, cfg, torch_cls, flax_model):
+    """``from_pretrained(dst)``, checked element by element against transformers' own flax -> torch conversion."""
+    from transformers.modeling_flax_pytorch_utils import load_flax_weights_in_pytorch_model
+
     loaded = torch_cls.from_pretrained(dst).eval()
     want = load_flax_weights_in_pytorch_model(torch_cls(cfg), flax_model.params).eval()
     got_sd, want_sd = loaded.state_dict(), want.state_dict()
     assert list(got_sd) == list(want_sd)
     for k, v in want_sd.items():
         assert torch.equal(got_sd[k], v), k
+    return loaded
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_flax_checkpoint_exported_with_hugging_face_torch_names(tmp_path, family):
+    """A flax/optax training checkpoint goes to safetensors under the torch model's names and layouts through
+    ``M.flax_to_torch()``, resolved against a skeleton on the meta device; ``from_pretrained`` loads it and
+    equals transformers' own flax -> torch conversion, logits included."""
+    from xckpt import mapping as M
+
+    src, dst = str(tmp_path / "flax"), str(tmp_path / "hf")
+    cfg, torch_cls, flax_model = _flax_run(family, src)
+    with torch.device("meta"):
+        skeleton = torch_cls(cfg)
+    xckpt.convert.convert(src, dst, target="safetensors", select="model", max_shard_size="20KB",
+                          mapping=M.flax_to_torch(), like={"model": skeleton})
+    assert os.path.exists(os.path.join(dst, "model.safetensors.index.json"))
+    cfg.save_pretrained(dst)
+    loaded = _loads_as_transformers_converts(dst, cfg, torch_cls, flax_model)
     with torch.no_grad():
         logits = loaded(INPUT).logits.numpy()
     np.testing.assert_allclose(logits, np.asarray(flax_model(INPUT.numpy(), params=flax_model.params).logits),
@@ -363,31 +378,15 @@ def test_cli_exports_a_flax_checkpoint_for_a_hugging_face_config(tmp_path, famil
     (its ``architectures`` class, else the causal LM of its type), exports the flax/optax checkpoint under its
     names, and puts the config beside the weights: ``from_pretrained`` loads the directory as it is and equals
     transformers' own flax -> torch conversion."""
-    pytest.importorskip("jax")
-    import optax
-    from transformers.modeling_flax_pytorch_utils import load_flax_weights_in_pytorch_model
-
-    if family == "gpt2":
-        cfg, _ = _gpt2()  # no architectures: the causal LM of the model type
-        torch_cls, flax_cls = transformers.GPT2LMHeadModel, transformers.FlaxGPT2LMHeadModel
-    else:
-        cfg, _ = _llama()
-        cfg.architectures = ["LlamaForCausalLM"]
-        torch_cls, flax_cls = transformers.LlamaForCausalLM, transformers.FlaxLlamaForCausalLM
-    flax_model = flax_cls(cfg, seed=7)
     src, dst, conf = tmp_path / "flax", tmp_path / "hf", tmp_path / "conf"
-    xckpt.save({"params": flax_model.params, "opt_state": optax.adamw(1e-3).init(flax_model.params), "step": 3}, src)
+    # GPT-2's config names no architectures (the causal LM of its type is built); Llama's does
+    cfg, torch_cls, flax_model = _flax_run(family, src, architectures=family == "llama")
     cfg.save_pretrained(conf)
     rc = cli_main(["convert", "--to", "safetensors", "--select", "model", "--mapping", "flax-to-torch",
                    "--hf-config", str(conf), str(src), str(dst)])
     assert rc == 0, capsys.readouterr().err
     assert json.loads((dst / "config.json").read_text()) == json.loads((conf / "config.json").read_text())
-    loaded = torch_cls.from_pretrained(dst).eval()
-    want = load_flax_weights_in_pytorch_model(torch_cls(cfg), flax_model.params).eval()
-    got_sd, want_sd = loaded.state_dict(), want.state_dict()
-    assert list(got_sd) == list(want_sd)
-    for k, v in want_sd.items():
-        assert torch.equal(got_sd[k], v), k
+    _loads_as_transformers_converts(dst, cfg, torch_cls, flax_model)
     if family != "gpt2":
         return
     # an export over a previous one (--overwrite) replaces it whole, and gets the config again
