@@ -335,6 +335,54 @@ def test_inconsistent_or_broken_metadata(ckpt, tmp_path):
     _fails(ckpt, tmp_path / "out", "convert.dcp_metadata")
 
 
+def test_per_rank_metadata_of_a_save_without_collectives(tmp_path):
+    """A DCP save without collectives leaves one ``__<rank>.metadata`` per rank and no ``.metadata``: they are
+    merged (the chunks of a tensor split between ranks joined, a replica counted once); a rank missing, or
+    ranks that disagree about a tensor, are refused naming the file."""
+    src = tmp_path / "ranks"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
+        dcp.save(_state(), storage_writer=FileSystemWriter(str(src)), planner=_SplitPlanner(), no_dist=True,
+                 use_collectives=False)
+    assert not (src / ".metadata").exists() and (src / "__0.metadata").exists()
+    _convert(src, tmp_path / "one")
+    _check_exact(xckpt.load(tmp_path / "one"))
+    # as two ranks would have written it: rank 1 holds the second chunk of "big" and a replica of "step", in a
+    # data file of its own; rank 0 everything else
+    rank0 = pickle.loads((src / "__0.metadata").read_bytes())
+    rank1 = pickle.loads((src / "__0.metadata").read_bytes())
+    second = rank0.state_dict_metadata["big"].chunks.pop(1)
+    rank1.state_dict_metadata = {"big": dataclasses.replace(rank1.state_dict_metadata["big"], chunks=[second]),
+                                 "step": rank1.state_dict_metadata["step"]}
+    shutil.copyfile(src / "__0_0.distcp", src / "__1_0.distcp")
+    rank1.storage_data = {i: dataclasses.replace(info, relative_path="__1_0.distcp")
+                          for i, info in rank1.storage_data.items() if i.fqn in rank1.state_dict_metadata}
+    del rank0.storage_data[MetadataIndex("big", second.offsets)]
+    (src / "__0.metadata").write_bytes(pickle.dumps(rank0))
+    (src / "__1.metadata").write_bytes(pickle.dumps(rank1))
+    _convert(src, tmp_path / "two")
+    _check_exact(xckpt.load(tmp_path / "two"))
+    (src / "__1.metadata").rename(src / "__2.metadata")  # rank 1's file is missing
+    assert _fails(src, tmp_path / "out", "convert.dcp_metadata").file == str(src / "__1.metadata")
+    (src / "__2.metadata").unlink()
+    assert _fails(src, tmp_path / "out", "shape.tiling").leaf == "big"  # rank 0 alone lacks a chunk of "big"
+    for change in ({"size": torch.Size([BIG_ROWS + 1, *rank1.state_dict_metadata["big"].size[1:]])},
+                   {"chunks": [dataclasses.replace(second, sizes=torch.Size([1, *second.sizes[1:]]))]}):
+        bad = pickle.loads(pickle.dumps(rank1))
+        item = bad.state_dict_metadata["big"]
+        if "chunks" in change:  # the same offsets as a chunk rank 0 also describes, another size
+            rank0_too = pickle.loads(pickle.dumps(rank0))
+            rank0_too.state_dict_metadata["big"].chunks.append(second)
+            rank0_too.storage_data[MetadataIndex("big", second.offsets)] = rank1.storage_data[
+                MetadataIndex("big", second.offsets)]
+            (src / "__0.metadata").write_bytes(pickle.dumps(rank0_too))
+        bad.state_dict_metadata["big"] = dataclasses.replace(item, **change)
+        (src / "__1.metadata").write_bytes(pickle.dumps(bad))
+        err = _fails(src, tmp_path / "out", "convert.dcp_metadata")
+        assert err.file == str(src / "__1.metadata") and "big" in str(err)
+        (src / "__0.metadata").write_bytes(pickle.dumps(rank0))
+
+
 def test_oversized_metadata(ckpt, tmp_path, monkeypatch):
     monkeypatch.setattr(dcp_metadata, "MAX_METADATA_BYTES", (ckpt / ".metadata").stat().st_size - 1)
     _fails(ckpt, tmp_path / "out", "resource.too_large")

@@ -208,21 +208,27 @@ def test_dcp_round_trip_and_conversions(saved, tmp_path):
     np.testing.assert_array_equal(tree["optim"]["state"]["2.bias"]["exp_avg"], want6["optim.2.bias.exp_avg"])
     assert tree["optim"]["param_groups"][0]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
 
-    # a checkpoint written by stock DCP (FileSystemWriter), converted by the CLI
-    assert cli(["convert", "--from", "dcp", str(wd / "dcp_stock"), str(tmp_path / "conv")]) == 0
-    conv = xckpt.load(tmp_path / "conv")
-    for n in ("w", "uneven", "strided", "bf"):
-        np.testing.assert_array_equal(conv["arrays"][n], tw.full(n))
-        assert conv["arrays"][n].dtype == tw.full(n).dtype
-    for key, value in want6.items():
-        if key.startswith("model."):
-            np.testing.assert_array_equal(conv["model"][key[6:]], value)
-    for fqn in ("0.weight", "0.bias", "2.weight", "2.bias"):
-        for k in ("step", "exp_avg", "exp_avg_sq"):
-            np.testing.assert_array_equal(conv["optim"]["state"][fqn][k], want6[f"optim.{fqn}.{k}"])
-    assert (conv["step"], conv["name"], conv["betas"]) == (6, "dcp-run", (0.5, 0.25))
-    assert conv["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
-    assert cli(["validate", "--deep", str(tmp_path / "conv")]) == 0
+    # a checkpoint written by stock DCP (FileSystemWriter), converted by the CLI; and one saved without
+    # collectives (a metadata file per rank, replicas written by every rank)
+    assert sorted(p.name for p in (wd / "dcp_ranks").glob("*.metadata")) == [f"__{r}.metadata" for r in range(4)]
+    assert not (wd / "dcp_ranks" / ".metadata").exists()
+    for stock in ("dcp_ranks", "dcp_stock"):  # dcp_stock last: converted back to DCP below
+        assert cli(["convert", "--from", "dcp", str(wd / stock), str(tmp_path / "conv"), "--overwrite"]) == 0
+        conv = xckpt.load(tmp_path / "conv")
+        for n in ("w", "uneven", "strided", "bf"):
+            np.testing.assert_array_equal(conv["arrays"][n], tw.full(n))
+            assert conv["arrays"][n].dtype == tw.full(n).dtype
+        np.testing.assert_array_equal(conv["plain"], np.arange(6.0, dtype=np.float32))
+        for key, value in want6.items():
+            if key.startswith("model."):
+                np.testing.assert_array_equal(conv["model"][key[6:]], value)
+        for fqn in ("0.weight", "0.bias", "2.weight", "2.bias"):
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                np.testing.assert_array_equal(conv["optim"]["state"][fqn][k], want6[f"optim.{fqn}.{k}"])
+        assert (conv["step"], conv["name"], conv["betas"]) == (6, "dcp-run", (0.5, 0.25))
+        assert conv["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
+        assert cli(["validate", "--deep", str(tmp_path / "conv")]) == 0
+    assert cli(["diff", str(wd / "dcp_ranks"), str(wd / "dcp_stock")]) == 0
 
     # and back to DCP, read by stock DCP
     import torch.distributed.checkpoint as dcp

@@ -436,6 +436,8 @@ def save4(rank: int, world: int, wd: Path) -> dict[str, Any]:
               "plain": torch.arange(6.0), "step": 6, "name": "dcp-run", "betas": (0.5, 0.25)}
     dcp.save(dstate, storage_writer=XckptStorageWriter(wd / "dcp_x"))
     dcp.save(dstate, storage_writer=dcp.FileSystemWriter(wd / "dcp_stock"))
+    # each rank its own metadata file (__<rank>.metadata), no coordination: xckpt merges them
+    dcp.save(dstate, storage_writer=dcp.FileSystemWriter(wd / "dcp_ranks"), use_collectives=False)
     want6 = full_state(m, opt)
     if rank == 0:
         np.savez(wd / "fsdp6_expected.npz", **want6)

@@ -41,8 +41,6 @@ _BLOCK = 1 << 20
 SHARDING_LAYOUT_KEYS = ("mesh_shape", "axis_names", "dim_axes")
 #: Members describing how the stored array is split into objects; compared only where both sides have them.
 _STORAGE_KEYS = ("shard_shape", "num_shards")
-#: The file that marks a PyTorch DCP checkpoint.
-_DCP_METADATA = ".metadata"
 
 #: ``progress(done, total)``: bytes compared so far and in all (both sides counted).
 Progress = Callable[[int, int], None]
@@ -344,7 +342,8 @@ def _is_dcp(path: Any) -> bool:
     if not loc.is_local:
         return False
     p = loc.local_path
-    return os.path.isfile(os.path.join(p, _DCP_METADATA)) and not os.path.lexists(os.path.join(p, names.MANIFEST))
+    return any(os.path.isfile(os.path.join(p, n)) for n in (names.DCP_METADATA, names.DCP_RANK0_METADATA)) \
+        and not os.path.lexists(os.path.join(p, names.MANIFEST))
 
 
 def _open(path: Any, stack: ExitStack) -> tuple[Any, str]:

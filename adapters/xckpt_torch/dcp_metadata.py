@@ -47,6 +47,7 @@ import io
 import os
 import pathlib
 import pickle
+import re
 import stat
 from typing import Any, Callable, Iterable
 
@@ -57,15 +58,17 @@ from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesSt
                                                    TensorStorageMetadata)
 
 from xckpt.errors import DataError, ResourceError, UnsafePathError, UnsupportedError, XckptError
+from xckpt.format import names
 
 __all__ = ["ADMITTED", "MAX_METADATA_BYTES", "METADATA_NAME", "REFUSED_OPCODES", "DcpDirectory", "MetadataUnpickler",
-           "check_metadata", "check_storage_name", "load_metadata"]
+           "check_metadata", "check_storage_name", "load_metadata", "merge_rank_metadata", "rank_metadata_name"]
 
 #: The largest ``.metadata`` file read (bytes).
 MAX_METADATA_BYTES = 1 << 30
 #: DCP's metadata file name.
-METADATA_NAME = ".metadata"
+METADATA_NAME = names.DCP_METADATA
 
+_RANK_METADATA = re.compile(r"__(0|[1-9][0-9]{0,8})\.metadata")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -348,6 +351,53 @@ def _check_metadata(md: Metadata, file: str) -> None:
                 raise bad(f"chunk at {tuple(c.offsets)} of tensor {fqn!r} has no storage entry")
 
 
+def rank_metadata_name(rank: int) -> str:
+    """The metadata file one rank writes when DCP saves without collectives (``use_collectives=False``)."""
+    return f"__{rank}{METADATA_NAME}"
+
+
+def merge_rank_metadata(parts: list[tuple[str, Metadata]]) -> Metadata:
+    """One checkpoint's metadata from the per-rank files ``(path, metadata)`` of a save without collectives,
+    in rank order. Each rank describes what it wrote: a tensor's chunks are the union of every rank's (a
+    chunk at the same offsets written by several ranks, a replica, is kept once: the lowest rank's), a value
+    is the lowest rank's. Ranks must agree on each tensor's shape and properties and on each name's kind
+    (``convert.dcp_metadata``, naming the later rank's file); the result is checked again as a whole.
+    """
+    sdm: dict[str, Any] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    planner: dict[str, Any] = {}
+    first: dict[str, str] = {}
+    for path, md in parts:
+        for fqn, item in md.state_dict_metadata.items():
+            have = sdm.get(fqn)
+            if have is None:
+                sdm[fqn] = (dataclasses.replace(item, chunks=list(item.chunks))
+                            if type(item) is TensorStorageMetadata else item)
+                first[fqn] = path
+                continue
+            if type(have) is not type(item) or (type(item) is TensorStorageMetadata and (
+                    tuple(have.size) != tuple(item.size) or have.properties != item.properties)):
+                raise XckptError(f"the ranks' DCP metadata disagree about {fqn!r} (as in {first[fqn]})",
+                                 code="convert.dcp_metadata", file=path)
+            if type(item) is TensorStorageMetadata:
+                known = {tuple(c.offsets): tuple(c.sizes) for c in have.chunks}
+                for c in item.chunks:
+                    at = tuple(c.offsets)
+                    if at not in known:
+                        known[at] = tuple(c.sizes)
+                        have.chunks.append(c)
+                    elif known[at] != tuple(c.sizes):
+                        raise XckptError(f"the ranks' DCP metadata disagree about the chunk of {fqn!r} at {at} "
+                                         f"(as in {first[fqn]})", code="convert.dcp_metadata", file=path)
+        for index, info in md.storage_data.items():
+            storage.setdefault(index, info)
+        for fqn, where in (md.planner_data or {}).items():
+            planner.setdefault(fqn, where)
+    merged = Metadata(state_dict_metadata=sdm, planner_data=planner or None, storage_data=storage)
+    check_metadata(merged, file=parts[0][0])
+    return merged
+
+
 class DcpDirectory:
     """A DCP checkpoint directory, read without following links, blocking, or reading out of bounds.
 
@@ -410,17 +460,42 @@ class DcpDirectory:
         return fd, st.st_size
 
     def read_metadata(self) -> Metadata:
-        """``.metadata``, size-capped (``resource.too_large``), unpickled and checked (:func:`load_metadata`)."""
-        path = self.path(METADATA_NAME)
+        """``.metadata``, or the per-rank ``__<rank>.metadata`` of a save without collectives (ranks 0 to
+        N-1, none missing) merged (:func:`merge_rank_metadata`); size-capped (``resource.too_large``, all files together), unpickled
+        and checked (:func:`load_metadata`)."""
+        budget = [MAX_METADATA_BYTES]
         try:
-            fd, size = self._open(METADATA_NAME)
+            return self._read_one(METADATA_NAME, budget)
         except FileNotFoundError:
-            raise XckptError(f"{self.root} is not a DCP checkpoint (no .metadata)", code="convert.not_dcp",
-                             file=self.root) from None
+            pass
+        assert self._fd is not None, "DcpDirectory is closed"
+        ranks = sorted(int(m.group(1)) for m in map(_RANK_METADATA.fullmatch, os.listdir(self._fd)) if m)
+        if not ranks:
+            raise XckptError(f"{self.root} is not a DCP checkpoint (no .metadata, nor {rank_metadata_name(0)})",
+                             code="convert.not_dcp", file=self.root)
+        if ranks != list(range(len(ranks))):
+            missing = sorted(set(range(ranks[-1] + 1)) - set(ranks))
+            raise DataError(f"the DCP checkpoint has per-rank metadata up to rank {ranks[-1]} but none of ranks "
+                            f"{missing[:8]}", code="convert.dcp_metadata",
+                            file=self.path(rank_metadata_name(missing[0])))
+        parts = []
+        for r in ranks:
+            try:
+                parts.append((self.path(rank_metadata_name(r)), self._read_one(rank_metadata_name(r), budget)))
+            except FileNotFoundError:  # removed since it was listed
+                raise DataError("a per-rank DCP metadata file is gone", code="convert.dcp_metadata",
+                                file=self.path(rank_metadata_name(r))) from None
+        return merge_rank_metadata(parts)
+
+    def _read_one(self, name: str, budget: list[int]) -> Metadata:
+        """One metadata file, counted against ``budget[0]`` bytes; ``FileNotFoundError`` when missing."""
+        path = self.path(name)
+        fd, size = self._open(name)
         try:
-            if size > MAX_METADATA_BYTES:
-                raise ResourceError(f"the DCP metadata is {size} bytes, above the {MAX_METADATA_BYTES} read",
+            if size > budget[0]:
+                raise ResourceError(f"the DCP metadata is more than the {MAX_METADATA_BYTES} bytes read",
                                     code="resource.too_large", file=path)
+            budget[0] -= size
             data = _pread(fd, 0, size, path)
         finally:
             os.close(fd)
