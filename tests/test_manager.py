@@ -269,6 +269,14 @@ def test_orbax_reads_xckpt_run(tmp_path: Path) -> None:
     for k, v in _params(6).items():
         np.testing.assert_array_equal(np.asarray(out["params"][k]), v)
     om.close()
+    # Orbax v1's training Checkpointer lists the steps too, and loads one by its item's name
+    v1 = ocp.v1.training.Checkpointer(root)
+    assert [c.step for c in v1.checkpoints] == [2, 4, 6]
+    out = v1.load(4, checkpointable_name="default")
+    assert int(out["step"]) == 4
+    for k, v in _params(4).items():
+        np.testing.assert_array_equal(np.asarray(out["params"][k]), v)
+    v1.close()
 
 
 def test_xckpt_reads_and_continues_orbax_run(tmp_path: Path) -> None:
