@@ -163,7 +163,7 @@ def _mapped_export(args: argparse.Namespace) -> dict[str, Any]:
         raise UnsupportedError("--hf-config needs torch and transformers installed (pip install xckpt[torch] "
                                "transformers)", code="convert.hf_config")
     like: Any = build(args.hf_config)
-    for part in reversed([p for p in (args.select or "").split("/") if p]):
+    for part in reversed([p for p in args.select.replace("/", ".").split(".") if p]):  # as --select names it
         like = {part: like}
     return {"mapping": getattr(mapping, _MAPPINGS[args.mapping])(), "like": like}
 
