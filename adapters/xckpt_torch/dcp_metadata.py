@@ -461,8 +461,8 @@ class DcpDirectory:
 
     def read_metadata(self) -> Metadata:
         """``.metadata``, or the per-rank ``__<rank>.metadata`` of a save without collectives (ranks 0 to
-        N-1, none missing) merged (:func:`merge_rank_metadata`); size-capped (``resource.too_large``, all files together), unpickled
-        and checked (:func:`load_metadata`)."""
+        N-1, none missing) merged (:func:`merge_rank_metadata`); size-capped, all files together
+        (``resource.too_large``), unpickled and checked (:func:`load_metadata`)."""
         budget = [MAX_METADATA_BYTES]
         try:
             return self._read_one(METADATA_NAME, budget)
