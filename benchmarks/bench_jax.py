@@ -18,8 +18,9 @@ and ``jax_enable_x64`` (for the int64 step):
   ``tofile`` + flush + ``os.fsync`` / ``np.fromfile``.
 
 After an untimed warm-up round at full size, methods are interleaved ``--repeats`` times,
-their order reversed every other run (xckpt, Orbax, raw; raw, Orbax, xckpt; ...); each run saves into a fresh directory under /dev/shm, loads it back, and deletes it before
-the next run (one checkpoint at a time); tables show medians.
+their order reversed every other run (xckpt, Orbax, raw; raw, Orbax, xckpt; ...); each run
+saves into a fresh directory under /dev/shm, loads it back, and deletes it before the next
+run (one checkpoint at a time); tables show medians.
 Peak RSS is sampled every ~1 ms from /proc/self/statm; bytes read is the /proc/self/io
 ``rchar`` delta around the load call.
 
@@ -146,7 +147,8 @@ def run(wl: C.Workload, repeats: int, ckptr: Any) -> C.Table:
                 runs[m].append({"save": saved.seconds, "load": loaded.seconds, "rchar": loaded.rchar,
                                 "save_peak": saved.peak_rss, "load_peak": loaded.peak_rss,
                                 "save_growth": saved.growth, "load_growth": loaded.growth, "files": files})
-            C.log(f"{wl.name} jax {m:<5} {C.run_name(rep)}: save {saved.seconds:.2f} s, load {loaded.seconds:.2f} s, verified")
+            C.log(f"{wl.name} jax {m:<5} {C.run_name(rep)}: save {saved.seconds:.2f} s, "
+                  f"load {loaded.seconds:.2f} s, verified")
     holder.clear()
 
     def med(m: str, key: str) -> float:

@@ -395,8 +395,8 @@ def run_saveload(wl: C.Workload, repeats: int) -> C.Table:
                 if rep is not None:
                     runs[m]["save"].append(s)
                     runs[m]["load"].append(ld)
-                C.log(f"{wl.name} torch {m:<5} {C.run_name(rep)}: save {s['seconds']:.2f} s, load {ld['seconds']:.2f} s "
-                      f"(max over ranks), verified")
+                C.log(f"{wl.name} torch {m:<5} {C.run_name(rep)}: save {s['seconds']:.2f} s, "
+                      f"load {ld['seconds']:.2f} s (max over ranks), verified")
 
     try:
         _with_groups(wl, root, body)

@@ -125,14 +125,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if given and args.to_format != "safetensors":
         raise UnsupportedError(f"{' and '.join(given)} apply only to --to safetensors (not --to {args.to_format})",
                                code="convert.option")
-    mapped = _mapped_export(args)
+    config = None if args.hf_config is None else _hf_config_file(args.hf_config)
+    mapped = _mapped_export(args, config)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", XckptWarning)
         with r.spinner(f"converting {args.src} ({args.from_format}) to {args.dst} ({args.to_format})"):
             convert(args.src, args.dst, source=args.from_format, target=args.to_format, overwrite=args.overwrite,
                     select=args.select, max_shard_size=args.max_shard_size, **mapped)
-    if args.hf_config is not None:
-        _copy_hf_config(args.hf_config, args.dst)
+    if config is not None:  # beside the weights, so from_pretrained loads the export as it is
+        shutil.copyfile(config, os.path.join(args.dst, "config.json"))
     for w in caught:
         if issubclass(w.category, XckptWarning):
             print(f"warning: {w.message}", file=sys.stderr)
@@ -146,10 +147,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
 _MAPPINGS = {"flax-to-torch": "flax_to_torch"}
 
 
-def _mapped_export(args: argparse.Namespace) -> dict[str, Any]:
+def _hf_config_file(config: str) -> str:
+    """The ``config.json`` that ``--hf-config`` names: the file itself, or the one in the directory it names."""
+    return os.path.join(config, "config.json") if os.path.isdir(config) else config
+
+
+def _mapped_export(args: argparse.Namespace, config: str | None) -> dict[str, Any]:
     """The ``mapping`` and ``like`` options of an export renamed for a Hugging Face model (none without
-    ``--mapping``): the preset, resolved against the model ``--hf-config`` describes, under ``--select``."""
-    if (args.mapping is None) != (args.hf_config is None):
+    ``--mapping``): the preset, resolved against the model the ``config.json`` file ``config`` describes,
+    under ``--select``."""
+    if (args.mapping is None) != (config is None):
         raise UnsupportedError("--mapping and --hf-config go together: the mapping renames the checkpoint for the "
                                "model the configuration describes", code="convert.option")
     if args.mapping is None:
@@ -162,16 +169,11 @@ def _mapped_export(args: argparse.Namespace) -> dict[str, Any]:
     if build is None:
         raise UnsupportedError("--hf-config needs torch and transformers installed (pip install xckpt[torch] "
                                "transformers)", code="convert.hf_config")
-    like: Any = build(args.hf_config)
+    assert config is not None
+    like: Any = build(config)
     for part in reversed([p for p in args.select.replace("/", ".").split(".") if p]):  # as --select names it
         like = {part: like}
     return {"mapping": getattr(mapping, _MAPPINGS[args.mapping])(), "like": like}
-
-
-def _copy_hf_config(config: str, dst: str) -> None:
-    """Put the model's ``config.json`` beside the exported weights (the export is a new directory)."""
-    src = os.path.join(config, "config.json") if os.path.isdir(config) else config
-    shutil.copyfile(src, os.path.join(dst, "config.json"))
 
 
 def _list_checkpoints(root: str) -> list[dict[str, Any]]:

@@ -68,6 +68,10 @@ class TorchCoordinator:
         n = int.from_bytes(raw[:8], "little")
         return n, int.from_bytes(raw[8:_HEADER], "little"), raw[_HEADER:_HEADER + min(n, INLINE_BYTES)]
 
+    def _tail(self, data: bytes) -> torch.Tensor:
+        """The part of ``data`` beyond its slot, to send."""
+        return self._tensor(bytes(data[INLINE_BYTES:]), len(data) - INLINE_BYTES)
+
     def _rest(self, n: int) -> torch.Tensor:
         """A buffer for the part of an ``n``-byte message beyond its slot."""
         return torch.empty(n - INLINE_BYTES, dtype=torch.uint8, device=self.device)
@@ -98,8 +102,7 @@ class TorchCoordinator:
         dist.gather(self._slot(data), slots, dst=self._global(root), group=self.group)
         if self._rank != root:
             if len(data) > INLINE_BYTES:
-                dist.send(self._tensor(bytes(data[INLINE_BYTES:]), len(data) - INLINE_BYTES),
-                          dst=self._global(root), group=self.group)
+                dist.send(self._tail(data), dst=self._global(root), group=self.group)
             return None
         assert slots is not None
         got = [self._unslot(s) for s in slots]
@@ -163,8 +166,7 @@ class TorchCoordinator:
             return head
         if self._rank == root:
             assert data is not None
-            dist.broadcast(self._tensor(bytes(data[INLINE_BYTES:]), n - INLINE_BYTES), src=self._global(root),
-                           group=self.group)
+            dist.broadcast(self._tail(data), src=self._global(root), group=self.group)
             return bytes(data)
         rest = self._rest(n)
         dist.broadcast(rest, src=self._global(root), group=self.group)

@@ -14,12 +14,11 @@ import torch
 from xckpt.errors import UnsupportedError, XckptError
 
 
-def model_from_config(config: str) -> torch.nn.Module:
-    """The model of the Hugging Face configuration ``config`` (a ``config.json``, or a directory holding
-    one) on the meta device: the class its ``architectures`` names, else the causal LM of its model type."""
+def model_from_config(path: str) -> torch.nn.Module:
+    """The model of the Hugging Face configuration file ``path`` (a ``config.json``) on the meta device: the
+    class its ``architectures`` names, else the causal LM of its model type."""
     import transformers
 
-    path = os.path.join(config, "config.json") if os.path.isdir(config) else config
     if not os.path.isfile(path):
         raise XckptError(f"{path}: no Hugging Face config.json there", code="convert.hf_config", file=path)
     try:
