@@ -11,8 +11,8 @@ directory under /dev/shm deleted afterwards:
 
 Every load is compared with the saved arrays element by element (a difference raises).
 The table gives seconds, GB/s (the goal: xckpt >= 0.6 x raw, for save and for load),
-bytes read (/proc/self/io ``rchar`` delta around the load) and peak RSS (sampled every
-~1 ms from /proc/self/statm); medians over the runs.
+bytes read (/proc/self/io ``rchar`` delta around the load) and peak RSS (the kernel's
+high-water mark, reset before the call); medians over the runs.
 
 Run (full size, then a quick reduced-size check)::
 

@@ -24,9 +24,9 @@ process, one file per array written by 2 threads with ``tofile`` + flush + ``os.
 and read back with ``np.fromfile``.
 
 Each call is timed on every rank between barriers and the max over ranks is taken (the
-wall time of the collective); tables show medians over the runs. Peak RSS is sampled
-from a thread every ~1 ms from /proc/self/statm; "peak RSS all procs" sums each
-process's peak. "bytes read" sums the /proc/self/io ``rchar`` deltas around the load
+wall time of the collective); tables show medians over the runs. Peak RSS is each
+process's high-water mark as the kernel keeps it, reset before the call (no thread samples
+beside the measured code); "peak RSS all procs" sums each process's peak. "bytes read" sums the /proc/self/io ``rchar`` deltas around the load
 call over the loading processes. Checkpoints live under /dev/shm.
 
 save_async (``--only async``, on W1): the 4 saving ranks alternate ``xckpt.save`` and

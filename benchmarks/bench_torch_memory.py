@@ -2,8 +2,8 @@
 
 Spawns ``--ranks`` gloo processes on CPU. Each holds ``--tensors`` local shards of
 ``rows x cols`` float32 (its shard), so the model is ``ranks`` times larger than
-one shard. For each method, each rank samples its RSS every half millisecond
-during the save and reports the peak growth over the RSS just before it.
+one shard. For each method, each rank takes its peak RSS during the save (the kernel's
+high-water mark, else sampled every half millisecond) and reports its growth over the RSS just before it.
 Checkpoints are written under /dev/shm and deleted.
 
     .venv/bin/python benchmarks/bench_torch_memory.py --ranks 4 --tensors 16 --rows 1024 --cols 1024
@@ -24,20 +24,21 @@ import _common as C
 
 
 class _Peak(C.PeakRSS):
-    """:class:`_common.PeakRSS` sampling every half millisecond, plus the seconds the block took."""
+    """:class:`_common.PeakRSS` (sampling every half millisecond where the kernel keeps no peak), plus the
+    seconds the block took."""
 
     def __init__(self) -> None:
-        """Sample every 0.5 ms."""
+        """Sample every 0.5 ms, where sampling is needed."""
         super().__init__(interval=0.0005)
 
     def __enter__(self) -> "_Peak":
-        """Start sampling and the clock."""
+        """Start measuring the peak, and the clock."""
         super().__enter__()
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        """Stop the clock and the sampling."""
+        """Stop the clock, then read the peak."""
         self.seconds = time.perf_counter() - self.t0
         super().__exit__(*exc)
 

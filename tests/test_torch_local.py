@@ -267,3 +267,30 @@ def test_failed_load_leaves_the_model_untouched(tmp_path_factory):
     assert info.value.code == "chunk.crc32c" and info.value.leaf == "model/1.bias"
     for k, v in fresh.state_dict().items():
         np.testing.assert_array_equal(v.numpy(), before[k].numpy(), err_msg=k)
+
+
+def test_saving_tensors_does_not_import_dcp(tmp_path):
+    """The adapter imports ``torch.distributed.checkpoint`` (a tenth of a second or more) only where a
+    module, an optimizer or a DCP class is used: a save and load of tensors never pays for it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, xckpt\n"
+        "t = {'w': torch.arange(6.0).reshape(2, 3), 'step': torch.tensor(3)}\n"
+        f"xckpt.save(t, {str(tmp_path / 'c')!r})\n"
+        f"got = xckpt.load({str(tmp_path / 'c')!r}, like={{'w': torch.zeros(2, 3), 'step': torch.tensor(0)}})\n"
+        "assert torch.equal(got['w'], t['w']) and int(got['step']) == 3, got\n"
+        "assert 'xckpt_torch' in sys.modules\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))\n"
+        "import xckpt_torch\n"
+        "print(xckpt_torch.XckptStorageWriter.__module__, xckpt_torch.dcp_to_xckpt.__module__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines == ["[]", "xckpt_torch.dcp_writer xckpt_torch.dcp_convert"], out.stdout
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        import xckpt_torch
+
+        xckpt_torch.nothing  # noqa: B018

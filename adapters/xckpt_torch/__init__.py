@@ -7,7 +7,11 @@ Importing it registers with :mod:`xckpt.registry`:
   ``torch.distributed.checkpoint.state_dict``), for anything with
   ``state_dict()``/``load_state_dict()``, and for :func:`rng_state`;
 * the coordinator of a running ``torch.distributed`` job;
-* the ``dcp`` <-> ``xckpt`` converters.
+* the ``dcp`` <-> ``xckpt`` converters (through the ``xckpt.converters`` entry point).
+
+The DCP storage classes and converters are imported when first used (``xckpt_torch.XckptStorageWriter``
+and the rest): importing ``torch.distributed.checkpoint`` costs a tenth of a second or more, which a
+save of tensors and DTensors need not pay.
 
 Usage::
 
@@ -19,6 +23,9 @@ Usage::
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -26,8 +33,6 @@ from xckpt import registry
 
 from . import dtensor, rng, state
 from .coordinator import TorchCoordinator, default_coordinator
-from .dcp import XckptLoadPlanner, XckptSavePlanner, XckptStorageReader, XckptStorageWriter
-from .dcp_convert import dcp_to_xckpt, xckpt_to_dcp
 from .rng import RNGState, rng_state
 from .state import bind
 from .staging import to_host
@@ -48,6 +53,20 @@ registry.register_notes(lambda x: isinstance(x, nn.Module), state.module_notes)
 registry.register_container(lambda x: isinstance(x, RNGState), RNGState.save_view, RNGState.load_view)
 
 registry.register_coordinator(default_coordinator)
+
+#: Public names imported on first use, and their modules.
+_LAZY = {"XckptStorageWriter": ".dcp", "XckptStorageReader": ".dcp", "XckptSavePlanner": ".dcp",
+         "XckptLoadPlanner": ".dcp", "dcp_to_xckpt": ".dcp_convert", "xckpt_to_dcp": ".dcp_convert"}
+
+
+def __getattr__(name: str) -> Any:
+    """The DCP storage classes and converters, imported when first asked for."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
 
 __all__ = ["rng_state", "RNGState", "bind", "TorchCoordinator", "XckptStorageWriter", "XckptStorageReader",
            "XckptSavePlanner", "XckptLoadPlanner", "dcp_to_xckpt", "xckpt_to_dcp", "to_host", "from_numpy",

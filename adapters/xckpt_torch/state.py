@@ -20,12 +20,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from xckpt.errors import TreeError, XckptError
 from xckpt.format.tree import Default
@@ -76,19 +70,27 @@ def _guard(what: str, fn: Callable[[], Any]) -> Any:
                         code="torch.state_dict") from exc
 
 
+def _state_dict() -> Any:
+    """``torch.distributed.checkpoint.state_dict``, imported where a module or optimizer is met (importing
+    it costs a tenth of a second or more, which a save of plain tensors need not pay)."""
+    import torch.distributed.checkpoint.state_dict as sd
+
+    return sd
+
+
 def module_save_view(model: nn.Module) -> dict[str, Any]:
     """A module's (possibly sharded) state dict, keyed by parameter FQN."""
     _remember(model)
-    return _guard(type(model).__name__, lambda: get_model_state_dict(model))
+    return _guard(type(model).__name__, lambda: _state_dict().get_model_state_dict(model))
 
 
 def module_load_view(model: nn.Module) -> tuple[dict[str, Any], Callable[[Any], nn.Module]]:
     """Load in place into the module's state dict, then hand it to ``set_model_state_dict``."""
     _remember(model)
-    like = _guard(type(model).__name__, lambda: get_model_state_dict(model))
+    like = _guard(type(model).__name__, lambda: _state_dict().get_model_state_dict(model))
 
     def rebuild(loaded: dict[str, Any]) -> nn.Module:
-        set_model_state_dict(model, loaded)
+        _state_dict().set_model_state_dict(model, loaded)
         return model
 
     return like, rebuild
@@ -135,18 +137,18 @@ def module_notes(model: nn.Module) -> dict[str, Any]:
 def optimizer_save_view(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """An optimizer's state dict keyed by parameter FQN (``get_optimizer_state_dict``)."""
     model = model_of(optimizer)
-    return _guard(type(optimizer).__name__, lambda: get_optimizer_state_dict(model, optimizer))
+    return _guard(type(optimizer).__name__, lambda: _state_dict().get_optimizer_state_dict(model, optimizer))
 
 
 def optimizer_load_view(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], Callable[[Any], Any]]:
     """Load into the optimizer's (initialised) state, then ``set_optimizer_state_dict``."""
     model = model_of(optimizer)
-    like = _guard(type(optimizer).__name__, lambda: get_optimizer_state_dict(model, optimizer))
+    like = _guard(type(optimizer).__name__, lambda: _state_dict().get_optimizer_state_dict(model, optimizer))
     if "param_groups" in like:  # state from optax carries no param_groups: keep the optimizer's own
         like = dict(like, param_groups=Default(like["param_groups"]))
 
     def rebuild(loaded: dict[str, Any]) -> torch.optim.Optimizer:
-        set_optimizer_state_dict(model, optimizer, loaded)
+        _state_dict().set_optimizer_state_dict(model, optimizer, loaded)
         return optimizer
 
     return like, rebuild
