@@ -26,14 +26,19 @@ and read back with ``np.fromfile``.
 Each call is timed on every rank between barriers and the max over ranks is taken (the
 wall time of the collective); tables show medians over the runs. Peak RSS is each
 process's high-water mark as the kernel keeps it, reset before the call (no thread samples
-beside the measured code); "peak RSS all procs" sums each process's peak. "bytes read" sums the /proc/self/io ``rchar`` deltas around the load
-call over the loading processes. Checkpoints live under /dev/shm.
+beside the measured code); "peak RSS all procs" sums each process's peak. "bytes read" sums
+the /proc/self/io ``rchar`` deltas around the load call over the loading processes.
+Checkpoints live under /dev/shm.
 
 save_async (``--only async``, on W1): the 4 saving ranks alternate ``xckpt.save`` and
 ``xckpt.save_async(state, path)`` + ``handle.wait()``; reports the blocking time (until
 ``save_async`` returns) and the total (until ``wait`` returns) against the synchronous
 save of the same run, and the peak RSS growth. The 2 loading ranks load every async
 checkpoint (untimed) and check it element by element.
+
+First calls (``--only cold``, not part of ``all``): per run and method, a fresh saving group
+saves once and a fresh loading group loads that checkpoint once (a job's restore is always
+such a call); the packages are imported before the clock starts.
 
 Run (full size, both workloads, then a quick reduced-size check)::
 
@@ -202,7 +207,8 @@ def _save_step(cmd: tuple[Any, ...], state: dict[str, Any], mesh: Any, rank: int
         return {}
     if cmd[0] == "save":
         _, method, path = cmd
-        sample, _ = C.measure(lambda: _save(method)(state, path), dist.barrier)
+        save = _save(method)  # its imports are done before the clock starts
+        sample, _ = C.measure(lambda: save(state, path), dist.barrier)
     else:  # "save_async": the time until it returns, then the time until wait() returns
         _, path = cmd
         blocking: list[float] = []
@@ -236,7 +242,8 @@ def _load_step(cmd: tuple[Any, ...], state: dict[str, Any], mesh: Any, wl: C.Wor
         return {}
     _, method, path, where = cmd
     _spoil(state)
-    sample, _ = C.measure(lambda: _load(method)(state, path), dist.barrier)
+    load = _load(method)  # its imports are done before the clock starts
+    sample, _ = C.measure(lambda: load(state, path), dist.barrier)
     _verify(wl, state, rank, LOAD_WORLD, f"{where}, rank {rank}")
     dist.barrier()
     return asdict(sample)
@@ -488,11 +495,55 @@ def run_async(wl: C.Workload, repeats: int) -> C.Table:
     return t
 
 
+def run_cold(wl: C.Workload, repeats: int) -> C.Table:
+    """Measure first calls: per run and method, a fresh saving group saves once, then a fresh loading
+    group loads once in place and checks it (as a job's restore always is); return the table.
+
+    The packages are imported before the clock starts; whatever a method does the first time it
+    runs in a process (lazy imports, thread pools, a plan it cannot reuse) is timed. An untimed
+    round comes first, as in the other comparisons, so neither method pays this machine's first
+    touch of /dev/shm.
+    """
+    root = C.fresh_dir(f"torch-cold-{wl.name}")
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {m: {"save": [], "load": []} for m in METHODS}
+    C.log(f"{wl.name} torch cold: fresh groups of 4 saving and 2 loading ranks per call ({C.size_note(wl)})")
+    try:
+        for rep, order in C.rounds(METHODS, repeats):
+            for m in order:
+                path = os.path.join(root, f"{wl.name}-{m}-{rep}", "ckpt")
+                got: dict[str, dict[str, Any]] = {}
+                try:
+                    for role, world, cmd in (("save", SAVE_WORLD, ("save", m, path)),
+                                             ("load", LOAD_WORLD, ("load", m, path, f"{wl.name} torch {m} cold "
+                                                                   f"load, {C.run_name(rep)}"))):
+                        group = _Group(role, world, wl, root)
+                        try:
+                            got[role] = _collective(group.run(*cmd))
+                            group.stop()
+                        finally:
+                            group.kill()
+                finally:
+                    C.remove(os.path.dirname(path))
+                if rep is not None:
+                    for op in ("save", "load"):
+                        runs[m][op].append(got[op])
+                C.log(f"{wl.name} torch cold {m:<5} {C.run_name(rep)}: first save {got['save']['seconds']:.2f} s, "
+                      f"first load {got['load']['seconds']:.2f} s (max over ranks), verified")
+    finally:
+        C.remove(root)
+    t = C.Table(f"{wl.title} torch, first calls in fresh processes (4 ranks save [Shard(0)], 2 ranks load "
+                f"[Shard(1)]), /dev/shm, median of {repeats}\n  {C.size_note(wl)}", ["xckpt", "DCP"])
+    for op in ("save", "load"):
+        t.add(f"first {op} s", [C.median(r["seconds"] for r in runs[m][op]) for m in METHODS])
+    return t
+
+
 def main() -> int:
     """Parse flags, run the selected measurements, print one table each (exit 1 on a failed goal with --strict)."""
     p = C.common_args(__doc__.splitlines()[0])
-    p.add_argument("--only", choices=["torch", "async", "all"], default="all",
-                   help="torch: save/load against DCP; async: save_async on W1; all: both (default)")
+    p.add_argument("--only", choices=["torch", "async", "all", "cold"], default="all",
+                   help="torch: save/load against DCP; async: save_async on W1; all: both (default); cold: the "
+                        "first save and load in fresh processes, against DCP's")
     args = p.parse_args()
     tables = []
     C.log_xckpt()
@@ -503,6 +554,10 @@ def main() -> int:
     if args.only in ("async", "all"):
         tables.append(run_async(C.w1(args.scale), args.repeats))
         tables[-1].print()
+    if args.only == "cold":
+        for wl in C.workloads(args.workload, args.scale):
+            tables.append(run_cold(wl, args.repeats))
+            tables[-1].print()
     return 1 if args.strict and any(t.failed for t in tables) else 0
 
 
