@@ -187,7 +187,7 @@ def _reset_peak() -> bool:
         return False
 
 
-def kernel_peak_rss() -> int:
+def _kernel_peak_rss() -> int:
     """This process's peak RSS as the kernel counts it (``VmHWM`` of /proc/self/status)."""
     with open("/proc/self/status") as f:
         for line in f:
@@ -233,7 +233,7 @@ class PeakRSS:
     def __exit__(self, *exc: object) -> None:
         """Read the kernel's peak, or stop sampling and take one last sample."""
         if self._thread is None:
-            self.peak = max(self.base, kernel_peak_rss())
+            self.peak = max(self.base, _kernel_peak_rss())
             return
         self._stop.set()
         self._thread.join()

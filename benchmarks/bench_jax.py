@@ -21,8 +21,8 @@ After an untimed warm-up round at full size, methods are interleaved ``--repeats
 their order reversed every other run (xckpt, Orbax, raw; raw, Orbax, xckpt; ...); each run
 saves into a fresh directory under /dev/shm, loads it back, and deletes it before the next
 run (one checkpoint at a time); tables show medians.
-Peak RSS is the kernel's high-water mark, reset before the call (:class:`_common.PeakRSS`); bytes read is the /proc/self/io
-``rchar`` delta around the load call.
+Peak RSS is the kernel's high-water mark, reset before the call (:class:`_common.PeakRSS`);
+bytes read is the /proc/self/io ``rchar`` delta around the load call.
 
 Run (full size, both workloads, then a quick reduced-size check)::
 

@@ -511,11 +511,11 @@ def run_cold(wl: C.Workload, repeats: int) -> C.Table:
         for rep, order in C.rounds(METHODS, repeats):
             for m in order:
                 path = os.path.join(root, f"{wl.name}-{m}-{rep}", "ckpt")
+                where = f"{wl.name} torch {m} cold load, {C.run_name(rep)}"
                 got: dict[str, dict[str, Any]] = {}
                 try:
                     for role, world, cmd in (("save", SAVE_WORLD, ("save", m, path)),
-                                             ("load", LOAD_WORLD, ("load", m, path, f"{wl.name} torch {m} cold "
-                                                                   f"load, {C.run_name(rep)}"))):
+                                             ("load", LOAD_WORLD, ("load", m, path, where))):
                         group = _Group(role, world, wl, root)
                         try:
                             got[role] = _collective(group.run(*cmd))

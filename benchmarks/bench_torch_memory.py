@@ -3,7 +3,8 @@
 Spawns ``--ranks`` gloo processes on CPU. Each holds ``--tensors`` local shards of
 ``rows x cols`` float32 (its shard), so the model is ``ranks`` times larger than
 one shard. For each method, each rank takes its peak RSS during the save (the kernel's
-high-water mark, else sampled every half millisecond) and reports its growth over the RSS just before it.
+high-water mark, else sampled every half millisecond) and reports its growth over the RSS
+just before it.
 Checkpoints are written under /dev/shm and deleted.
 
     .venv/bin/python benchmarks/bench_torch_memory.py --ranks 4 --tensors 16 --rows 1024 --cols 1024
