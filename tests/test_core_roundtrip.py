@@ -238,3 +238,29 @@ def test_plan_reuse_follows_the_whole_job_not_one_rank(tmp_path):
         if i != 1:
             np.testing.assert_array_equal(out["x"], extra)
         assert xckpt.validate(tmp_path / f"s{i}", deep=True).ok
+
+
+def test_io_threads_follow_the_cpu_affinity(tmp_path):
+    """A process limited to one CPU (a container, ``taskset``) writes and reads on one thread, unless
+    ``XCKPT_IO_THREADS`` says otherwise; a save and a load on that one thread still round-trip a
+    multi-chunk tree exactly (inner chunks of several 1 MiB pieces, copied block by block)."""
+    code = (
+        "import os, sys, numpy as np, xckpt\n"
+        "from xckpt.engine import threads\n"
+        "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "print(threads.usable_cpus(), threads.io_threads())\n"
+        "rng = np.random.default_rng(3)\n"
+        "tree = {'w': rng.standard_normal((1024, 1536)).astype(np.float32), 'v': np.arange(7, dtype=np.int64)}\n"
+        "xckpt.save(tree, sys.argv[1], inner_chunk_bytes=3 << 20)\n"
+        "got = xckpt.load(sys.argv[1])\n"
+        "assert got['w'].shape == tree['w'].shape and got['w'].dtype == tree['w'].dtype\n"
+        "assert np.array_equal(got['w'].view(np.uint32), tree['w'].view(np.uint32))\n"
+        "assert np.array_equal(got['v'], tree['v'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XCKPT_IO_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "one")], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["1", "1"]
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "three")], env={**env, "XCKPT_IO_THREADS": "3"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["1", "3"]

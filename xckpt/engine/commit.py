@@ -23,9 +23,9 @@ import numpy as np
 
 from xckpt._version import __version__
 from xckpt.engine import atomic, claims, failpoints
-from xckpt.engine.plan import ArrayPlan, GlobalPlan, LeafLayout
+from xckpt.engine.plan import INNER_CHUNK_BYTES, ArrayPlan, GlobalPlan, LeafLayout
 from xckpt.engine.storage import Location, Store
-from xckpt.engine.write import ChunkWriter
+from xckpt.engine.write import MAX_INFLIGHT_BYTES, ChunkWriter
 from xckpt.errors import CollectiveError, SaveError, XckptError
 from xckpt.format import dtypes, names, orbax_view, safetensors, values as values_format, zarr
 from xckpt.format.manifest import ArrayEntry, Entry, Manifest, StoredArray, ValueEntry
@@ -41,8 +41,8 @@ class SaveOptions:
 
     overwrite: bool = False
     compression: str = "none"
-    inner_chunk_bytes: int = 4 << 20
-    max_inflight_bytes: int = 256 << 20
+    inner_chunk_bytes: int = INNER_CHUNK_BYTES
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES
     metadata: dict[str, Any] = field(default_factory=dict)
     producer: dict[str, Any] = field(default_factory=dict)
     stale_after_s: float | None = None  # a lease unrenewed this long marks a dead save (None: XCKPT_STALE_AFTER_S)

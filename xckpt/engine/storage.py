@@ -231,9 +231,11 @@ def _write_synced(fd: int, data: Any) -> None:
     """Write every part of ``data`` to the open file ``fd``, fsync and close it."""
     try:
         for part in _parts(data):
-            view = memoryview(part).cast("B")
-            done = 0
-            while done < len(view):
+            view = memoryview(part)
+            if view.ndim != 1 or view.itemsize != 1:
+                view = view.cast("B")
+            done = os.write(fd, view)
+            while done < view.nbytes:  # a short write: the rest
                 done += os.write(fd, view[done:])
         os.fsync(fd)
     finally:

@@ -21,10 +21,20 @@ _lock = threading.Lock()
 _pools: dict[bool, tuple[int, ThreadPoolExecutor]] = {}
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask where the system has one (a container or a
+    ``taskset`` limits it), else every CPU."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def io_threads() -> int:
-    """Threads that encode and write (or read and decode) per process: ``XCKPT_IO_THREADS``, else up to 4."""
+    """Threads that encode and write (or read and decode) per process: ``XCKPT_IO_THREADS``, else one per
+    usable CPU (:func:`usable_cpus`), up to 4."""
     env = os.environ.get("XCKPT_IO_THREADS")
-    return max(1, int(env)) if env else max(1, min(4, os.cpu_count() or 1))
+    return max(1, int(env)) if env else min(4, usable_cpus())
 
 
 def yield_cpu() -> None:

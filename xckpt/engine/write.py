@@ -2,7 +2,7 @@
 
 A :class:`ChunkWriter` takes a chunk's data (a view of the caller's shard, in the storage
 dtype) and, on one of its threads, streams its object into the store in pieces of about
-256 KiB, checksummed as they pass (:func:`xckpt.format.shard.encode_parts`): an inner
+1 MiB, checksummed as they pass (:func:`xckpt.format.shard.encode_parts`): an inner
 chunk already laid out as stored goes straight from the caller's memory, any other is
 copied block by block into a small per-thread buffer, so a save holds no copy of the data
 beyond one block per thread. The chunks queued but not yet written are bounded by

@@ -15,7 +15,7 @@ crc32c (u32 LE) of the save's generation, the object's name in the checkpoint an
 TensorStore skip it; a chunk object swapped within an array, or copied from another
 checkpoint, carries a tag that names another place, and the reader refuses it (``chunk.place``).
 
-Writing streams: :func:`encode_parts` yields the object in pieces of about 256 KiB, each
+Writing streams: :func:`encode_parts` yields the object in pieces of about 1 MiB, each
 checksummed as it passes (copied into a small buffer first only where the data is not
 already laid out as stored), so a writer never holds a whole object. Reading checks before it trusts: :func:`parse_index` verifies the
 index's crc32c and every entry against the object's size (no overlap, exact sizes when
@@ -36,8 +36,11 @@ import numpy as np
 from xckpt.errors import DataError, IntegrityError, XckptError
 
 #: Bytes an uncompressed inner chunk is checksummed and written in at a time: small enough that a
-#: block copied into the scratch buffer is still in the cache when it is checksummed and written.
-PIECE_BYTES = 256 << 10
+#: block copied into the scratch buffer is still in the cache when it is checksummed and written,
+#: large enough that the Python around each piece, and each handover of the GIL between writer
+#: threads, stays small beside it (1 MiB pieces cut the CPU time of a numpy save by about 8 %
+#: against 256 KiB ones on the 2-core VM; 512 KiB to 2.7 MiB measured alike).
+PIECE_BYTES = 1 << 20
 #: Index entry of an inner chunk that is not stored.
 MISSING = 2**64 - 1
 _CRC = 4
