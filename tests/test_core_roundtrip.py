@@ -264,3 +264,20 @@ def test_io_threads_follow_the_cpu_affinity(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "three")], env={**env, "XCKPT_IO_THREADS": "3"},
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == ["1", "3"]
+
+
+def test_make_dirs_creates_missing_parents_and_refuses_a_file_in_the_way(tmp_path):
+    """The save's directory maker: one level, several missing levels, an existing directory (nothing to
+    do), and a regular file at the path or at a parent (refused, as ``os.makedirs`` refuses it)."""
+    from xckpt.engine.storage import make_dirs
+
+    make_dirs(str(tmp_path / "a"))
+    make_dirs(str(tmp_path / "b" / "c" / "d"))
+    make_dirs(str(tmp_path / "b" / "c"))
+    assert (tmp_path / "a").is_dir() and (tmp_path / "b" / "c" / "d").is_dir()
+    (tmp_path / "f").write_bytes(b"x")
+    with pytest.raises(FileExistsError):
+        make_dirs(str(tmp_path / "f"))
+    with pytest.raises(NotADirectoryError):
+        make_dirs(str(tmp_path / "f" / "g"))
+    assert (tmp_path / "f").read_bytes() == b"x"

@@ -201,7 +201,8 @@ def test_encoded_object_equals_brute_force_layout(geom: tuple, dtype: str, piece
                                                   tagged: bool) -> None:
     """An encoded chunk object is exactly its inner chunks (zero-padded, C order, little-endian, each
     followed by its crc32c), then the place tag and the checksummed index, whatever the data's memory
-    layout and however the encoder pieces it (small pieces exercise every block boundary)."""
+    layout and however the encoder pieces it (small pieces exercise every block boundary), streamed in
+    pieces or built whole."""
     import crc32c
 
     from xckpt.format import shard
@@ -218,7 +219,9 @@ def test_encoded_object_equals_brute_force_layout(geom: tuple, dtype: str, piece
     try:
         g = shard.Geometry(chunk, inner, np.dtype(dtype).newbyteorder("="))
         place = b"gen\0a/c/0" if tagged else None
-        got = shard.encode(g, data, place).tobytes()
+        got = shard.encode(g, data, place)
+        scratch = np.empty(g.scratch_nbytes, dtype=np.uint8)
+        streamed = b"".join(bytes(part) for part in shard.encode_parts(g, data, scratch, place))
     finally:
         shard.PIECE_BYTES = old
     body, index = b"", np.full((g.n_inner, 2), shard.MISSING, dtype="<u8")
@@ -232,6 +235,7 @@ def test_encoded_object_equals_brute_force_layout(geom: tuple, dtype: str, piece
     index_part = raw_index + crc32c.crc32c(raw_index).to_bytes(4, "little")
     tag = shard.place_tag(place, np.frombuffer(index_part, np.uint8)).tobytes() if tagged else b""
     assert got == body + tag + index_part
+    assert streamed == got  # a writer's pieces, and a whole object built at once (a small leaf's), agree
 
 
 def test_inner_chunk_shapes_never_exceed_the_format_limit() -> None:

@@ -12,7 +12,7 @@ Loads read each box straight into the local tensor. Nothing is gathered.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -61,7 +61,7 @@ def layout_of(d: DTensor) -> tuple[MeshLayout, tuple[int, ...] | None]:
     return lay, None if coord is None else tuple(int(c) for c in coord)
 
 
-def dtensor_pieces(d: DTensor) -> tuple[MeshLayout, list[tuple[Region, tuple[slice, ...]]], torch.Tensor]:
+def dtensor_pieces(d: DTensor) -> tuple[MeshLayout, Sequence[tuple[Region, tuple[slice, ...]]], torch.Tensor]:
     """A DTensor's layout, its local boxes and its local tensor (detached), checked against each other."""
     lay, coord = layout_of(d)
     with torch.no_grad():  # no autograd node: a tenth of the cost, for every DTensor of every save

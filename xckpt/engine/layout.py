@@ -201,8 +201,16 @@ class MeshLayout:
         """The runs of indices position ``coord`` holds along tensor dimension ``d``."""
         return dim_runs(self.shape[d], self._chains[d], tuple(coord[m] for m in self._dims[d]))
 
-    def pieces(self, coord: Sequence[int]) -> list[tuple[Region, tuple[slice, ...]]]:
-        """The non-empty boxes position ``coord`` holds: ``(global region, slices of its local array)``."""
+    def pieces(self, coord: Sequence[int]) -> tuple[tuple[Region, tuple[slice, ...]], ...]:
+        """The non-empty boxes position ``coord`` holds: ``(global region, slices of its local array)``
+        (worked out once per position: leaves laid out alike share their layout)."""
+        key = ("pieces", tuple(coord))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._pieces(coord)
+        return hit  # type: ignore[no-any-return]
+
+    def _pieces(self, coord: Sequence[int]) -> tuple[tuple[Region, tuple[slice, ...]], ...]:
         per_dim = []
         for d in range(len(self.shape)):
             local, pos = [], 0
@@ -210,12 +218,16 @@ class MeshLayout:
                 local.append((start, pos, n))
                 pos += n
             per_dim.append(local)
-        return [(Region(tuple(g for g, _, _ in combo), tuple(n for _, _, n in combo)),
-                 tuple(slice(lo, lo + n) for _, lo, n in combo)) for combo in product(*per_dim)]
+        return tuple((Region(tuple(g for g, _, _ in combo), tuple(n for _, _, n in combo)),
+                      tuple(slice(lo, lo + n) for _, lo, n in combo)) for combo in product(*per_dim))
 
     def local_shape(self, coord: Sequence[int]) -> tuple[int, ...]:
         """The shape of the local array at ``coord``."""
-        return tuple(sum(n for _, n in self.runs(d, coord)) for d in range(len(self.shape)))
+        key = ("local_shape", tuple(coord))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = tuple(sum(n for _, n in self.runs(d, coord)) for d in range(len(self.shape)))
+        return hit  # type: ignore[no-any-return]
 
     def pieces_of(self, rank: int) -> list[tuple[Region, tuple[int, ...]]]:
         """Every distinct box process ``rank`` holds, with one of its positions holding it."""

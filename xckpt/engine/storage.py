@@ -188,6 +188,26 @@ def _file(root: str, name: str) -> str:
     return os.path.join(root, *name.split("/"))
 
 
+def make_dirs(path: str) -> None:
+    """Create the directory ``path`` and any missing parents: one ``mkdir`` when only the last is
+    missing (``os.makedirs`` first looks at the parent, a system call per file of a save)."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+    except FileNotFoundError:
+        parent = os.path.dirname(path)
+        if parent == path:
+            raise
+        make_dirs(parent)
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            if not os.path.isdir(path):
+                raise
+
+
 def _parts(data: Any) -> Iterable[Any]:
     """The parts of what :meth:`Store.write` takes: one bytes-like object, or an iterable of them."""
     if isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):
@@ -417,7 +437,7 @@ class LocalStore:
         path = _file(self.root, name)
         parent = os.path.dirname(path)
         if parent not in self._made:
-            os.makedirs(parent, exist_ok=True)
+            make_dirs(parent)
             with self._lock:
                 self._made.add(parent)
         target = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}" if atomic else path
@@ -428,7 +448,7 @@ class LocalStore:
     def create(self, name: str, data: bytes) -> bool:
         """Write a file only if nothing is at its name (``O_EXCL``), fsynced; False when something is."""
         path = _file(self.root, name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        make_dirs(os.path.dirname(path))
         try:
             fd = os.open(path, _WRITE_FLAGS | os.O_EXCL, 0o644)
         except FileExistsError:

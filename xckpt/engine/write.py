@@ -106,7 +106,10 @@ class ChunkWriter:
 
         def run() -> None:
             try:
-                parts = shard.encode_parts(geom, data, _scratch.get(geom.scratch_nbytes), place)
+                if data.nbytes < SMALL_BYTES:  # one buffer, one write
+                    parts: Any = shard.encode(geom, data, place)
+                else:
+                    parts = shard.encode_parts(geom, data, _scratch.get(geom.scratch_nbytes), place)
                 self._put(name, parts, leaf, data.nbytes)
             finally:
                 self._room.give(data.nbytes)

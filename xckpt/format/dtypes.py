@@ -28,26 +28,35 @@ _FLOAT8 = {
 LOGICAL_DTYPES: tuple[str, ...] = _NATIVE + tuple(_EXTENSION) + tuple(_FLOAT8)
 
 
+#: The numpy dtype of each logical dtype name.
+_NUMPY: dict[str, np.dtype] = {
+    **{name: np.dtype(name) for name in _NATIVE},
+    **{name: np.dtype(t) for name, t in _EXTENSION.items()},
+    **{name: np.dtype(t) for name, t in _FLOAT8.items()},
+}
+#: The logical name of each numpy dtype that has one (``np.dtype.name`` is slow, and asked for every leaf).
+_LOGICAL: dict[np.dtype, str] = {dt: name for name, dt in _NUMPY.items()}
+
+
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype of a logical dtype name."""
-    if name in _NATIVE:
-        return np.dtype(name)
-    if name in _EXTENSION:
-        return np.dtype(_EXTENSION[name])
-    if name in _FLOAT8:
-        return np.dtype(_FLOAT8[name])
-    raise UnsupportedError(f"unknown dtype {name!r}; supported: {', '.join(LOGICAL_DTYPES)}",
-                           code="dtype.unsupported")
+    dt = _NUMPY.get(name) if isinstance(name, str) else None
+    if dt is None:
+        raise UnsupportedError(f"unknown dtype {name!r}; supported: {', '.join(LOGICAL_DTYPES)}",
+                               code="dtype.unsupported")
+    return dt
 
 
 def logical_name(dtype: object) -> str:
     """The logical dtype name of a numpy dtype (or anything ``np.dtype`` accepts)."""
-    dt = np.dtype(dtype)  # type: ignore[call-overload]
-    name = dt.name
-    if name in LOGICAL_DTYPES:
-        return name
-    raise UnsupportedError(f"dtype {dt} is not storable; supported: {', '.join(LOGICAL_DTYPES)}",
-                           code="dtype.unsupported")
+    dt = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)  # type: ignore[call-overload]
+    name = _LOGICAL.get(dt)
+    if name is None:
+        name = dt.name
+        if name not in LOGICAL_DTYPES:
+            raise UnsupportedError(f"dtype {dt} is not storable; supported: {', '.join(LOGICAL_DTYPES)}",
+                                   code="dtype.unsupported")
+    return name
 
 
 def storage_name(name: str) -> str:

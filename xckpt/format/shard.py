@@ -25,6 +25,7 @@ uncompressed), :func:`open_inner` verifies an inner chunk's crc32c.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import product
@@ -175,7 +176,7 @@ def _pieces(geom: Geometry, part: np.ndarray, scratch: np.ndarray) -> Iterator[n
         yield raw
 
 
-def place_crc(place: bytes, index: np.ndarray) -> int:
+def place_crc(place: bytes, index: bytes | np.ndarray) -> int:
     """The crc32c a place tag holds: of ``place`` (the generation, a NUL, the object's name) and the index."""
     return crc32c.crc32c(index, crc32c.crc32c(place))
 
@@ -242,10 +243,23 @@ def _le32(value: int) -> np.ndarray:
     return np.frombuffer(value.to_bytes(4, "little"), dtype=np.uint8)
 
 
-def encode(geom: Geometry, data: np.ndarray, place: bytes | None = None) -> np.ndarray:
+def encode(geom: Geometry, data: np.ndarray, place: bytes | None = None) -> bytes:
     """The whole object of one chunk (see :func:`encode_parts` for ``data`` and ``place``)."""
+    if (geom.n_inner == 1 and geom.compression == "none" and data.shape == geom.inner_shape
+            and data.flags.c_contiguous and data.dtype.str == geom.le_dtype.str):
+        return _encode_whole(data, place)
     scratch = np.empty(geom.scratch_nbytes, dtype=np.uint8)
-    return np.concatenate([np.array(part, copy=True) for part in encode_parts(geom, data, scratch, place)])
+    return b"".join(bytes(part) for part in encode_parts(geom, data, scratch, place))
+
+
+def _encode_whole(data: np.ndarray, place: bytes | None) -> bytes:
+    """:func:`encode` of an object of one uncompressed inner chunk whose data is its payload as it lies
+    (a small leaf's usual object), built without the streaming machinery: the same bytes."""
+    payload = data.reshape(-1).view(np.uint8)
+    index = struct.pack("<QQ", 0, payload.size + _CRC)
+    index += struct.pack("<I", crc32c.crc32c(index))
+    tag = b"" if place is None else TAG_MAGIC + struct.pack("<I", place_crc(place, index)) + bytes(4)
+    return b"".join((payload, struct.pack("<I", crc32c.crc32c(payload)), tag, index))
 
 
 def tail_nbytes(geom: Geometry, place: bytes | None) -> int:

@@ -10,6 +10,7 @@ chunks they need. TensorStore and zarr-python read these arrays as they are.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any, Sequence
@@ -87,9 +88,16 @@ def chunk_key(index: Sequence[int]) -> str:
 
 def geometry(storage_dtype: str, chunk_shape: Sequence[int], inner_chunk_shape: Sequence[int],
              compression: str) -> Geometry:
-    """The object encoding of an array's chunks."""
-    return Geometry(tuple(int(c) for c in chunk_shape), tuple(int(c) for c in inner_chunk_shape),
-                    np.dtype(dtypes.numpy_dtype(storage_dtype)), compression)
+    """The object encoding of an array's chunks (one shared :class:`Geometry` per encoding, so what it
+    derives is worked out once for every chunk of every array encoded alike)."""
+    return _geometry(storage_dtype, tuple(int(c) for c in chunk_shape), tuple(int(c) for c in inner_chunk_shape),
+                     compression)
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry(storage_dtype: str, chunk_shape: tuple[int, ...], inner_chunk_shape: tuple[int, ...],
+              compression: str) -> Geometry:
+    return Geometry(chunk_shape, inner_chunk_shape, np.dtype(dtypes.numpy_dtype(storage_dtype)), compression)
 
 
 def mismatch(meta: dict[str, Any], expected: dict[str, Any]) -> str | None:
