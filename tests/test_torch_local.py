@@ -249,8 +249,11 @@ def test_coordinator_and_unsupported_placement_in_a_one_rank_group(tmp_path):
         dist.destroy_process_group()
 
 
-def test_failed_load_leaves_the_model_untouched(tmp_path_factory):
-    """A corrupt chunk in the last parameter: the load raises and no parameter was changed."""
+@pytest.mark.parametrize("staging", [xckpt.load.__kwdefaults__["max_staging_bytes"], 0])
+def test_failed_load_leaves_the_model_untouched(tmp_path_factory, staging):
+    """A corrupt chunk in the last parameter: the load raises and no parameter was changed, whether the
+    load reads into staging memory first (a small model) or straight into the parameters (``0``: as a
+    model larger than ``max_staging_bytes``, whose small objects are read and checked whole first)."""
     tmp_path = tmp_path_factory.mktemp("corrupt")  # outside tmp_path: it is invalid on purpose
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
@@ -263,7 +266,7 @@ def test_failed_load_leaves_the_model_untouched(tmp_path_factory):
     fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
     with pytest.raises(xckpt.XckptError) as info:
-        xckpt.load(tmp_path / "c", like={"model": fresh})
+        xckpt.load(tmp_path / "c", like={"model": fresh}, max_staging_bytes=staging)
     assert info.value.code == "chunk.crc32c" and info.value.leaf == "model/1.bias"
     for k, v in fresh.state_dict().items():
         np.testing.assert_array_equal(v.numpy(), before[k].numpy(), err_msg=k)

@@ -10,7 +10,6 @@ rename: the prefix is written in place and the manifest, written last, is the co
 from __future__ import annotations
 
 import errno
-import functools
 import hashlib
 import json
 import math
@@ -351,15 +350,8 @@ def array_metadata(a: ArrayPlan | LeafLayout, dtype: str, segment: int, compress
                                     for _, s in arrays])
         return f"{a.name}/{zarr.METADATA}", zarr.encode_metadata(meta)
     path, s = arrays[segment]
-    return f"{path}/{zarr.METADATA}", _array_json(s.shape, dtypes.storage_name(dtype), s.chunk_shape,
-                                                  s.inner_chunk_shape, compression)
-
-
-@functools.lru_cache(maxsize=4096)
-def _array_json(shape: tuple[int, ...], storage_dtype: str, chunk_shape: tuple[int, ...],
-                inner_chunk_shape: tuple[int, ...], compression: str) -> bytes:
-    """The bytes of an array's ``zarr.json`` (arrays alike, such as a model's many equal vectors, share them)."""
-    return zarr.encode_metadata(zarr.zarr_metadata(shape, storage_dtype, chunk_shape, inner_chunk_shape, compression))
+    return f"{path}/{zarr.METADATA}", zarr.array_json(s.shape, dtypes.storage_name(dtype), s.chunk_shape,
+                                                      s.inner_chunk_shape, compression)
 
 
 def array_entry(a: ArrayPlan, compression: str) -> ArrayEntry:

@@ -27,6 +27,8 @@ from xckpt.format.tree import key_str
 
 #: Objects at most this large are read with one request.
 SMALL_OBJECT = 64 << 10
+#: Small objects a checking pass (``precheck``) keeps, read and checked, for the filling pass, at most.
+MAX_KEPT_BYTES = 64 << 20
 _CRC = 4
 
 
@@ -71,6 +73,7 @@ class _Object:
     valid: tuple[int, ...]
     entry: ArrayEntry
     parts: list[_Part]
+    kept: tuple[np.ndarray, np.ndarray] | None = None  # (whole object, checked index), read by a checking pass
 
     @property
     def leaf(self) -> str:
@@ -81,7 +84,7 @@ class _Object:
 @dataclass
 class _Array:
     path: str
-    expected: dict
+    expected: tuple[tuple[int, ...], str, tuple[int, ...], tuple[int, ...], str]  # zarr_metadata's arguments
     entry: ArrayEntry
 
     @property
@@ -104,8 +107,8 @@ def _arrays(requests: Sequence[ReadRequest]) -> list[_Array]:
             continue
         for a in e.arrays():
             if a.path not in arrays:
-                arrays[a.path] = _Array(a.path, zarr_format.zarr_metadata(
-                    a.shape, e.storage_dtype, a.chunk_shape, a.inner_chunk_shape, e.compression), e)
+                arrays[a.path] = _Array(a.path, (a.shape, e.storage_dtype, a.chunk_shape, a.inner_chunk_shape,
+                                                 e.compression), e)
     return list(arrays.values())
 
 
@@ -138,18 +141,15 @@ def _plan(requests: Sequence[ReadRequest]) -> list[_Object]:
                 want = intersect(local, Region(start, valid))
                 if want is None:
                     continue
-                for k, inner_start, sl in geom.inner_chunks(valid):
-                    ibox = Region(tuple(s + i for s, i in zip(start, inner_start)),
-                                  tuple(x.stop - x.start for x in sl))
-                    got = intersect(want, ibox)
-                    if got is None:
-                        continue
-                    src = tuple(slice(g - i, g - i + n) for g, i, n in zip(got.offsets, ibox.offsets, got.sizes))
-                    at = tuple(slice(g + a.offset[d] - req.region.offsets[d], g + a.offset[d] - req.region.offsets[d] + n)
-                               for d, (g, n) in enumerate(zip(got.offsets, got.sizes)))
-                    dst = req.out[at + (Ellipsis,)]
-                    whole = (got.sizes == geom.inner_shape and dst.flags.c_contiguous
-                             and geom.compression == "none" and dst.dtype == geom.le_dtype)
+                lo = tuple(o - s for o, s in zip(want.offsets, start))  # what is wanted, in chunk coordinates
+                hi = tuple(e - s for e, s in zip(want.ends, start))
+                shift = tuple(s + o - r for s, o, r in zip(start, a.offset, req.region.offsets))  # chunk -> out
+                for k, inner_start, sl in geom.inner_chunks(valid, lo, hi):
+                    got = [(max(x.start, l), min(x.stop, h)) for x, l, h in zip(sl, lo, hi)]
+                    src = tuple(slice(g0 - i, g1 - i) for (g0, g1), i in zip(got, inner_start))
+                    dst = req.out[tuple(slice(g0 + d, g1 + d) for (g0, g1), d in zip(got, shift)) + (Ellipsis,)]
+                    whole = (all(g1 - g0 == n for (g0, g1), n in zip(got, geom.inner_shape))
+                             and dst.flags.c_contiguous and geom.compression == "none" and dst.dtype == geom.le_dtype)
                     obj.parts.append(_Part(k, src, dst, whole))
     return list(objects.values())
 
@@ -164,7 +164,8 @@ def _check_array(store: Store, a: _Array, file: Callable[[str], str]) -> int:
     if raw is None:
         raise DataError("array metadata (zarr.json) is missing", code="array.metadata_missing", file=file(name),
                         leaf=a.leaf)
-    why = zarr_format.check_metadata(raw, a.expected)
+    why = None if raw == zarr_format.array_json(*a.expected) else \
+        zarr_format.check_metadata(raw, zarr_format.zarr_metadata(*a.expected))
     if why is not None:
         code = "array.metadata_json" if "JSON" in why else "array.metadata_mismatch"
         raise DataError(why, code=code, file=file(name), leaf=a.leaf)
@@ -181,10 +182,19 @@ class _Scratch(threading.local):
 
 
 def _read_object(store: Store, obj: _Object, scratch: _Scratch, file: Callable[[str], str],
-                 generation: str | None, fill: bool = True) -> int:
+                 generation: str | None, fill: bool = True, keep: bool = False) -> int:
     """Open one object, check its index (and its place tag, with ``generation``), fill every part (unless
-    ``fill`` is False); returns the bytes read."""
+    ``fill`` is False); returns the bytes read. ``keep`` (with ``fill`` False): an object small enough
+    to be read whole is kept, checked, for the filling pass, which then opens nothing."""
     where = file(obj.name)
+    if obj.kept is not None:
+        whole, index = obj.kept
+        obj.kept = None
+        try:
+            _fill(obj, index, whole, None, scratch)
+        except XckptError as exc:
+            raise exc.at(file=where, leaf=obj.leaf) from None
+        return 0
     try:
         blob = store.open(obj.name)
     except XckptError as exc:
@@ -205,33 +215,47 @@ def _read_object(store: Store, obj: _Object, scratch: _Scratch, file: Callable[[
         index = shard.parse_index(geom, tail, blob.size, obj.valid, place=place)
         done = whole.size if whole is not None else tail.size
         if not fill:
+            if keep and whole is not None:
+                for k in {p.inner for p in obj.parts}:  # its inner chunks' crc32c too: the fill cannot fail
+                    shard.open_inner(geom, whole[int(index[k, 0]):int(index[k, 0]) + int(index[k, 1])])
+                obj.kept = (whole, index)
             return done
-        by_inner: dict[int, list[_Part]] = {}
-        for p in obj.parts:
-            by_inner.setdefault(p.inner, []).append(p)
-        for k, parts in by_inner.items():
-            off, nbytes = int(index[k, 0]), int(index[k, 1])
-            if whole is not None:
-                encoded = whole[off:off + nbytes]
-            elif len(parts) == 1 and parts[0].whole:
-                _read_direct(blob, off, nbytes, parts[0].out, geom)
-                done += nbytes
-                continue
-            else:
-                encoded = scratch.get(nbytes)
-                blob.read_into(off, encoded)
-                done += nbytes
-            payload = shard.open_inner(geom, encoded)
-            data = np.ndarray(geom.inner_shape, dtype=geom.le_dtype, buffer=payload)
-            for p in parts:
-                np.copyto(p.out, data[p.src], casting="equiv")
-        return done
+        return done + _fill(obj, index, whole, blob, scratch)
     except XckptError as exc:
         raise exc.at(file=where, leaf=obj.leaf) from None
     except OSError as exc:
         raise DataError(f"cannot read: {exc.strerror or exc}", code="io.read", file=where, leaf=obj.leaf) from exc
     finally:
         blob.close()
+
+
+def _fill(obj: _Object, index: np.ndarray, whole: np.ndarray | None, blob: Blob | None, scratch: _Scratch) -> int:
+    """Fill every part of an object whose index is checked, from the ``whole`` object when read, else
+    from ``blob``; returns the bytes read from ``blob``."""
+    geom = obj.geom
+    done = 0
+    by_inner: dict[int, list[_Part]] = {}
+    for p in obj.parts:
+        by_inner.setdefault(p.inner, []).append(p)
+    for k, parts in by_inner.items():
+        off, nbytes = int(index[k, 0]), int(index[k, 1])
+        if whole is not None:
+            encoded = whole[off:off + nbytes]
+        elif len(parts) == 1 and parts[0].whole:
+            assert blob is not None
+            _read_direct(blob, off, nbytes, parts[0].out, geom)
+            done += nbytes
+            continue
+        else:
+            assert blob is not None
+            encoded = scratch.get(nbytes)
+            blob.read_into(off, encoded)
+            done += nbytes
+        payload = shard.open_inner(geom, encoded)
+        data = np.ndarray(geom.inner_shape, dtype=geom.le_dtype, buffer=payload)
+        for p in parts:
+            np.copyto(p.out, data[p.src], casting="equiv")
+    return done
 
 
 def _read_direct(blob: Blob, off: int, nbytes: int, out: np.ndarray, geom: shard.Geometry) -> None:
@@ -270,13 +294,14 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
         return total
     scratch = _Scratch()
     ex = pools.pool()
+    big = [o for o in objects if o.geom.max_nbytes >= SMALL_OBJECT]
+    small = [o for o in objects if o.geom.max_nbytes < SMALL_OBJECT]
+    keep = fill and precheck and sum(o.geom.max_nbytes for o in small) <= MAX_KEPT_BYTES
     for do_fill in ((False,) if not fill else (False, True) if precheck else (True,)):
-        big = [o for o in objects if o.geom.max_nbytes >= SMALL_OBJECT]
         futures = [ex.submit(_read_object, store, o, scratch, file, generation, do_fill) for o in big]
         first: BaseException | None = None
         try:  # small objects on this thread: their cost is Python, threads only contend
-            total += sum(_read_object(store, o, scratch, file, generation, do_fill) for o in objects
-                         if o.geom.max_nbytes < SMALL_OBJECT)
+            total += sum(_read_object(store, o, scratch, file, generation, do_fill, keep) for o in small)
         except BaseException as exc:  # noqa: BLE001 - raised once no thread writes into the outputs
             first = exc
         total += pools.gather(futures, first)

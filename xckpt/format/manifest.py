@@ -14,6 +14,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, NoReturn, Union
 
 from xckpt.format.regions import MAX_INNER, Region, check_tiling, grid_shape
@@ -84,6 +85,10 @@ class ArrayEntry:
 
     def arrays(self) -> tuple[StoredArray, ...]:
         """The Zarr arrays holding this leaf (one, or its segments), with paths from the checkpoint root."""
+        return self._arrays
+
+    @cached_property
+    def _arrays(self) -> tuple[StoredArray, ...]:
         if self.segments is None:
             return (StoredArray(self.path, (0,) * len(self.shape), self.shape, self.chunk_shape,
                                 self.inner_chunk_shape),)
@@ -228,6 +233,8 @@ class _Parser:
             self.fail(where, "expected an array of integers")
         if len(v) > MAX_RANK:
             self.fail(where, f"more than {MAX_RANK} dimensions")
+        if all(type(x) is int and minimum <= x < MAX_ELEMENTS for x in v):  # the usual case, in one pass
+            return tuple(v)
         return tuple(self.count(x, f"{where}/{i}", minimum=minimum) for i, x in enumerate(v))
 
     def key_part(self, v: Any, where: str) -> str | int:
@@ -431,43 +438,42 @@ def _depth(node: Any) -> int:
 
 def check_shape(e: ArrayEntry, file: str = names.MANIFEST) -> None:
     """Sanity of an array entry's shape and chunking, before any byte is read or allocated."""
-    leaf = key_str(e.key)
     rank = len(e.shape)
     numel = math.prod(e.shape)
     if numel > MAX_ELEMENTS or numel * dtypes.itemsize(e.dtype) > MAX_ELEMENTS:
         raise ShapeError(f"shape {list(e.shape)} has {numel} elements, more than the format allows (2**53 bytes)",
-                         code="shape.too_large", file=file, leaf=leaf)
+                         code="shape.too_large", file=file, leaf=key_str(e.key))
     seen: set[str] = set()
     for a in e.arrays():
         if len(a.chunk_shape) != rank or len(a.inner_chunk_shape) != rank or len(a.offset) != rank \
                 or len(a.shape) != rank:
             raise ShapeError(f"shape {list(e.shape)}, chunk_shape {list(a.chunk_shape)} and inner_chunk_shape "
-                             f"{list(a.inner_chunk_shape)} differ in rank", code="shape.rank", file=file, leaf=leaf)
+                             f"{list(a.inner_chunk_shape)} differ in rank", code="shape.rank", file=file, leaf=key_str(e.key))
         if any(c % i for c, i in zip(a.chunk_shape, a.inner_chunk_shape)):
             raise ShapeError(f"inner_chunk_shape {list(a.inner_chunk_shape)} does not divide chunk_shape "
-                             f"{list(a.chunk_shape)}", code="shape.chunking", file=file, leaf=leaf)
+                             f"{list(a.chunk_shape)}", code="shape.chunking", file=file, leaf=key_str(e.key))
         if math.prod(grid_shape(a.shape, a.chunk_shape)) > MAX_CHUNKS:
             raise ShapeError(f"chunk_shape {list(a.chunk_shape)} splits shape {list(a.shape)} into more than "
-                             f"{MAX_CHUNKS} objects", code="shape.too_many_chunks", file=file, leaf=leaf)
+                             f"{MAX_CHUNKS} objects", code="shape.too_many_chunks", file=file, leaf=key_str(e.key))
         if math.prod(grid_shape(a.chunk_shape, a.inner_chunk_shape)) > MAX_INNER:
             raise ShapeError(f"inner_chunk_shape {list(a.inner_chunk_shape)} splits chunk_shape {list(a.chunk_shape)} "
                              f"into more than {MAX_INNER} inner chunks", code="shape.too_many_chunks",
-                             file=file, leaf=leaf)
+                             file=file, leaf=key_str(e.key))
         if math.prod(a.chunk_shape) * dtypes.itemsize(e.dtype) > MAX_ELEMENTS:
-            raise ShapeError("chunk is too large", code="shape.too_large", file=file, leaf=leaf)
+            raise ShapeError("chunk is too large", code="shape.too_large", file=file, leaf=key_str(e.key))
         if e.segments is not None:
             name = a.path[len(e.path) + 1:]
             if not name.isdigit() or name in seen:
                 raise UnsafePathError(f"segment path {name!r} must be a decimal number, once",
-                                      file=file, leaf=leaf)
+                                      file=file, leaf=key_str(e.key))
             seen.add(name)
             if not a.region.within(e.shape):
                 raise ShapeError(f"segment {a.offset}+{a.shape} lies outside shape {list(e.shape)}",
-                                 code="shape.segments", file=file, leaf=leaf)
+                                 code="shape.segments", file=file, leaf=key_str(e.key))
     if e.segments is not None:
         why = check_tiling(e.shape, [a.region for a in e.arrays()])
         if why is not None:
-            raise ShapeError(f"segments do not tile the leaf: {why}", code="shape.segments", file=file, leaf=leaf)
+            raise ShapeError(f"segments do not tile the leaf: {why}", code="shape.segments", file=file, leaf=key_str(e.key))
 
 
 def check_consistency(m: Manifest, file: str = names.MANIFEST) -> None:

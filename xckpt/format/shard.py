@@ -112,13 +112,17 @@ class Geometry:
         """The storage dtype, little-endian (the byte order on disk)."""
         return self.dtype.newbyteorder("<") if self.dtype.itemsize > 1 else self.dtype
 
-    def inner_chunks(self, valid: tuple[int, ...]) -> Iterator[tuple[int, tuple[int, ...], tuple[slice, ...]]]:
+    def inner_chunks(self, valid: tuple[int, ...], lo: tuple[int, ...] | None = None,
+                     hi: tuple[int, ...] | None = None) -> Iterator[tuple[int, tuple[int, ...], tuple[slice, ...]]]:
         """``(number, start, slices)`` of every inner chunk intersecting the ``valid`` part of the
         chunk (the chunk clipped to the array), ``slices`` clipped to it, in chunk coordinates; only
-        those are visited, in C order."""
-        counts = [min(-(-v // i), n) for v, i, n in zip(valid, self.inner_shape, self.inner_grid)]
+        those are visited, in C order. ``lo`` and ``hi`` (within ``valid``) narrow the visit to the inner
+        chunks intersecting the box ``[lo, hi)``."""
+        lo = lo or (0,) * len(valid)
+        hi = hi or valid
+        ranges = [range(a // i, min(-(-b // i), n)) for a, b, i, n in zip(lo, hi, self.inner_shape, self.inner_grid)]
         strides = [math.prod(self.inner_grid[d + 1:]) for d in range(len(self.inner_grid))]
-        for g in product(*(range(c) for c in counts)):
+        for g in product(*ranges):
             start = tuple(gi * i for gi, i in zip(g, self.inner_shape))
             k = sum(gi * s for gi, s in zip(g, strides))
             yield k, start, tuple(slice(s, min(s + i, v)) for s, i, v in zip(start, self.inner_shape, valid))

@@ -224,6 +224,14 @@ def parse_metadata(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
     return meta, None
 
 
+@functools.lru_cache(maxsize=4096)
+def array_json(shape: tuple[int, ...], storage_dtype: str, chunk_shape: tuple[int, ...],
+               inner_chunk_shape: tuple[int, ...], compression: str) -> bytes:
+    """The bytes of an array's ``zarr.json`` as xckpt writes it (:func:`zarr_metadata`, encoded once for
+    every array alike: a model's many equal vectors share them)."""
+    return encode_metadata(zarr_metadata(shape, storage_dtype, chunk_shape, inner_chunk_shape, compression))
+
+
 def check_metadata(raw: bytes, expected: dict[str, Any]) -> str | None:
     """Why stored ``zarr.json`` bytes disagree with ``expected``, or None (exact bytes: no parsing)."""
     if raw == encode_metadata(expected):
