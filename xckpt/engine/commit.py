@@ -355,7 +355,14 @@ def array_metadata(a: ArrayPlan | LeafLayout, dtype: str, segment: int, compress
 
 
 def array_entry(a: ArrayPlan, compression: str) -> ArrayEntry:
-    """The manifest entry of a planned array leaf."""
+    """The manifest entry of a planned array leaf (made once per plan and compression)."""
+    e = a.entries.get(compression)
+    if e is None:
+        e = a.entries[compression] = _array_entry(a, compression)
+    return e  # type: ignore[no-any-return]
+
+
+def _array_entry(a: ArrayPlan, compression: str) -> ArrayEntry:
     arrays = stored_arrays(a)
     sharding = dict(a.sharding or {})
     sharding.setdefault("shard_shape", list(arrays[0][1].chunk_shape))

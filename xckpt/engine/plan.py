@@ -134,6 +134,9 @@ class ArrayPlan:
     layout: MeshLayout | None = None
     writers: dict[Region, int] = field(default_factory=dict)  # boxes without a mesh -> writer
     chunks_id: int = -1  # its entry in the answers' table of chunk layouts
+    #: Its manifest entry by compression (:func:`xckpt.engine.commit.array_entry`): a save reusing the
+    #: plan reuses the entries, and the manifest lines they encoded.
+    entries: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def segmented(self) -> bool:

@@ -110,6 +110,11 @@ class ArrayEntry:
         out["sharding"] = self.sharding
         return out
 
+    @cached_property
+    def json_line(self) -> str:
+        """The entry's line in the manifest file (encoded once: the entries of a reused plan are reused)."""
+        return json.dumps(self.to_json(), separators=(",", ":"))
+
 
 @dataclass
 class ValueEntry:
@@ -127,6 +132,11 @@ class ValueEntry:
         if self.orbax_path:
             out["orbax_path"] = self.orbax_path
         return out
+
+    @property
+    def json_line(self) -> str:
+        """The entry's line in the manifest file."""
+        return json.dumps(self.to_json(), separators=(",", ":"))
 
 
 Entry = Union[ArrayEntry, ValueEntry]
@@ -151,10 +161,17 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as a JSON object."""
+        out = self._head()
+        out["leaves"] = [e.to_json() for e in self.leaves]
+        return {k: out[k] for k in ("format", "version", "generation", "producer", "tree", "leaves", "values",
+                                    "metadata") if k in out}
+
+    def _head(self) -> dict[str, Any]:
+        """Every member but the leaves."""
         out: dict[str, Any] = {"format": FORMAT, "version": self.version}
         if self.generation is not None:
             out["generation"] = self.generation
-        out.update(producer=self.producer, tree=self.tree, leaves=[e.to_json() for e in self.leaves])
+        out.update(producer=self.producer, tree=self.tree)
         if self.values is not None:
             out["values"] = self.values
         if self.metadata:
@@ -163,8 +180,8 @@ class Manifest:
 
     def dumps(self) -> bytes:
         """The manifest file's bytes: compact JSON, one leaf per line."""
-        head = {k: v for k, v in self.to_json().items() if k != "leaves"}
-        leaves = ",\n  ".join(json.dumps(e.to_json(), separators=(",", ":")) for e in self.leaves)
+        head = self._head()
+        leaves = ",\n  ".join(e.json_line for e in self.leaves)
         body = json.dumps(head, separators=(",", ":"))
         return (body[:-1] + ',\n "leaves": [\n  ' + leaves + "\n ]\n}\n").encode() if self.leaves else \
             (body[:-1] + ',"leaves":[]}\n').encode()
