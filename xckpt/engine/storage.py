@@ -196,16 +196,8 @@ def make_dirs(path: str) -> None:
     except FileExistsError:
         if not os.path.isdir(path):
             raise
-    except FileNotFoundError:
-        parent = os.path.dirname(path)
-        if parent == path:
-            raise
-        make_dirs(parent)
-        try:
-            os.mkdir(path)
-        except FileExistsError:
-            if not os.path.isdir(path):
-                raise
+    except FileNotFoundError:  # a parent is missing too
+        os.makedirs(path, exist_ok=True)
 
 
 def _parts(data: Any) -> Iterable[Any]:

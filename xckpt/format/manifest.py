@@ -455,42 +455,43 @@ def _depth(node: Any) -> int:
 
 def check_shape(e: ArrayEntry, file: str = names.MANIFEST) -> None:
     """Sanity of an array entry's shape and chunking, before any byte is read or allocated."""
+    leaf = key_str(e.key)
     rank = len(e.shape)
     numel = math.prod(e.shape)
     if numel > MAX_ELEMENTS or numel * dtypes.itemsize(e.dtype) > MAX_ELEMENTS:
         raise ShapeError(f"shape {list(e.shape)} has {numel} elements, more than the format allows (2**53 bytes)",
-                         code="shape.too_large", file=file, leaf=key_str(e.key))
+                         code="shape.too_large", file=file, leaf=leaf)
     seen: set[str] = set()
     for a in e.arrays():
         if len(a.chunk_shape) != rank or len(a.inner_chunk_shape) != rank or len(a.offset) != rank \
                 or len(a.shape) != rank:
             raise ShapeError(f"shape {list(e.shape)}, chunk_shape {list(a.chunk_shape)} and inner_chunk_shape "
-                             f"{list(a.inner_chunk_shape)} differ in rank", code="shape.rank", file=file, leaf=key_str(e.key))
+                             f"{list(a.inner_chunk_shape)} differ in rank", code="shape.rank", file=file, leaf=leaf)
         if any(c % i for c, i in zip(a.chunk_shape, a.inner_chunk_shape)):
             raise ShapeError(f"inner_chunk_shape {list(a.inner_chunk_shape)} does not divide chunk_shape "
-                             f"{list(a.chunk_shape)}", code="shape.chunking", file=file, leaf=key_str(e.key))
+                             f"{list(a.chunk_shape)}", code="shape.chunking", file=file, leaf=leaf)
         if math.prod(grid_shape(a.shape, a.chunk_shape)) > MAX_CHUNKS:
             raise ShapeError(f"chunk_shape {list(a.chunk_shape)} splits shape {list(a.shape)} into more than "
-                             f"{MAX_CHUNKS} objects", code="shape.too_many_chunks", file=file, leaf=key_str(e.key))
+                             f"{MAX_CHUNKS} objects", code="shape.too_many_chunks", file=file, leaf=leaf)
         if math.prod(grid_shape(a.chunk_shape, a.inner_chunk_shape)) > MAX_INNER:
             raise ShapeError(f"inner_chunk_shape {list(a.inner_chunk_shape)} splits chunk_shape {list(a.chunk_shape)} "
                              f"into more than {MAX_INNER} inner chunks", code="shape.too_many_chunks",
-                             file=file, leaf=key_str(e.key))
+                             file=file, leaf=leaf)
         if math.prod(a.chunk_shape) * dtypes.itemsize(e.dtype) > MAX_ELEMENTS:
-            raise ShapeError("chunk is too large", code="shape.too_large", file=file, leaf=key_str(e.key))
+            raise ShapeError("chunk is too large", code="shape.too_large", file=file, leaf=leaf)
         if e.segments is not None:
             name = a.path[len(e.path) + 1:]
             if not name.isdigit() or name in seen:
                 raise UnsafePathError(f"segment path {name!r} must be a decimal number, once",
-                                      file=file, leaf=key_str(e.key))
+                                      file=file, leaf=leaf)
             seen.add(name)
             if not a.region.within(e.shape):
                 raise ShapeError(f"segment {a.offset}+{a.shape} lies outside shape {list(e.shape)}",
-                                 code="shape.segments", file=file, leaf=key_str(e.key))
+                                 code="shape.segments", file=file, leaf=leaf)
     if e.segments is not None:
         why = check_tiling(e.shape, [a.region for a in e.arrays()])
         if why is not None:
-            raise ShapeError(f"segments do not tile the leaf: {why}", code="shape.segments", file=file, leaf=key_str(e.key))
+            raise ShapeError(f"segments do not tile the leaf: {why}", code="shape.segments", file=file, leaf=leaf)
 
 
 def check_consistency(m: Manifest, file: str = names.MANIFEST) -> None:
