@@ -281,3 +281,22 @@ def test_make_dirs_creates_missing_parents_and_refuses_a_file_in_the_way(tmp_pat
     with pytest.raises(NotADirectoryError):
         make_dirs(str(tmp_path / "f" / "g"))
     assert (tmp_path / "f").read_bytes() == b"x"
+
+
+def test_a_load_that_visits_more_directories_than_the_store_keeps_open(tmp_path, monkeypatch):
+    """The directory descriptors a local store keeps are bounded (a quarter of the process's limit, at most
+    1,024): a load visiting more directories closes the least recently used ones and still reads every leaf
+    through the directory it opened first; none stays open after the load."""
+    from xckpt.engine import storage
+
+    tree = {f"g{i}": {"w": np.full((3, i + 1), i, np.float32), "v": np.arange(i + 2, dtype=np.int64)} for i in range(12)}
+    xckpt.save(tree, tmp_path / "c")
+    assert 32 <= storage._dir_cache() <= 1024
+    monkeypatch.setattr(storage, "_DIR_CACHE", 4)
+    before = len(os.listdir("/proc/self/fd"))
+    out = xckpt.load(tmp_path / "c")
+    assert len(os.listdir("/proc/self/fd")) == before
+    for k, sub in tree.items():
+        for name, arr in sub.items():
+            np.testing.assert_array_equal(out[k][name], arr)
+            assert out[k][name].dtype == arr.dtype

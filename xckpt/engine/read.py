@@ -186,21 +186,20 @@ def _read_object(store: Store, obj: _Object, scratch: _Scratch, file: Callable[[
     """Open one object, check its index (and its place tag, with ``generation``), fill every part (unless
     ``fill`` is False); returns the bytes read. ``keep`` (with ``fill`` False): an object small enough
     to be read whole is kept, checked, for the filling pass, which then opens nothing."""
-    where = file(obj.name)
     if obj.kept is not None:
         whole, index = obj.kept
         obj.kept = None
         try:
             _fill(obj, index, whole, None, scratch)
         except XckptError as exc:
-            raise exc.at(file=where, leaf=obj.leaf) from None
+            raise exc.at(file=file(obj.name), leaf=obj.leaf) from None
         return 0
     try:
         blob = store.open(obj.name)
     except XckptError as exc:
         raise exc.at(leaf=obj.leaf) from None
     if blob is None:
-        raise DataError("chunk object is missing", code="chunk.missing", file=where, leaf=obj.leaf)
+        raise DataError("chunk object is missing", code="chunk.missing", file=file(obj.name), leaf=obj.leaf)
     geom = obj.geom
     place = None if generation is None else shard.place_of(generation, obj.name)
     n_tail = shard.tail_nbytes(geom, place)
@@ -222,9 +221,10 @@ def _read_object(store: Store, obj: _Object, scratch: _Scratch, file: Callable[[
             return done
         return done + _fill(obj, index, whole, blob, scratch)
     except XckptError as exc:
-        raise exc.at(file=where, leaf=obj.leaf) from None
+        raise exc.at(file=file(obj.name), leaf=obj.leaf) from None
     except OSError as exc:
-        raise DataError(f"cannot read: {exc.strerror or exc}", code="io.read", file=where, leaf=obj.leaf) from exc
+        raise DataError(f"cannot read: {exc.strerror or exc}", code="io.read", file=file(obj.name),
+                        leaf=obj.leaf) from exc
     finally:
         blob.close()
 

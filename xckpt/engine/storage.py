@@ -32,8 +32,23 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 #: TensorStore's storage generation of a missing key: a write conditioned on it only creates.
 ABSENT = b"\x02"
+
+
+def _dir_cache() -> int:
+    """Directory descriptors one LocalStore keeps open: enough for a load to visit every leaf's two
+    directories once (a leaf ``a`` reads ``a/zarr.json`` and ``a/c/0``) for a few hundred leaves, and at
+    most a quarter of the process's descriptor limit."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, ValueError, OSError):
+        soft = 1024
+    return max(32, min(1024, (soft if soft > 0 else 1 << 20) // 4))
+
+
 #: Directory descriptors one LocalStore keeps open.
-_DIR_CACHE = 128
+_DIR_CACHE = _dir_cache()
 
 
 @dataclass(frozen=True)
@@ -210,11 +225,16 @@ def _parts(data: Any) -> Iterable[Any]:
 class LocalBlob:
     """A regular file opened through :class:`LocalStore`."""
 
-    def __init__(self, name: str, path: str, fd: int, size: int) -> None:
+    def __init__(self, name: str, root: str, fd: int, size: int) -> None:
         self.name = name
-        self.path = path
         self.size: int | None = size
+        self._root = root
         self._fd = fd
+
+    @property
+    def path(self) -> str:
+        """Its path, for messages."""
+        return _file(self._root, self.name)
 
     def read_into(self, offset: int, out: np.ndarray) -> None:
         """Fill ``out`` from ``offset`` (preadv straight into the buffer)."""
@@ -383,7 +403,6 @@ class LocalStore:
     def open(self, name: str) -> LocalBlob | None:
         """Open a regular file without following links or blocking; None when missing."""
         parts = tuple(name.split("/"))
-        path = _file(self.root, name)
         try:
             with self._lock:
                 d = self._dir(parts[:-1])
@@ -399,6 +418,7 @@ class LocalStore:
         except FileNotFoundError:
             return None
         except OSError as exc:
+            path = _file(self.root, name)
             if exc.errno == errno.ELOOP:
                 raise UnsafePathError(f"{path} is a symbolic link; a checkpoint holds plain files only (a hub "
                                       "cache snapshot's links to its own blobs excepted)", code="path.link",
@@ -407,8 +427,9 @@ class LocalStore:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
+            path = _file(self.root, name)
             raise UnsafePathError(f"{path} is not a regular file", code="path.special", file=path)
-        return LocalBlob(name, path, fd, st.st_size)
+        return LocalBlob(name, self.root, fd, st.st_size)
 
     def read(self, name: str) -> bytes | None:
         """A whole file, None when missing."""
