@@ -439,7 +439,7 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
                         data, e.orbax_path)
             elif isinstance(e, ValueEntry) and e.type == "str":
                 strings[e.key] = values[i]
-        for name, data in orbax_view.files(manifest, strings).items():
+        for name, data in orbax_view.files(manifest, strings, _orbax_metadata(plan, manifest, strings)).items():
             w.file(name, data)
     if written is not None:
         written.extend(w.names)
@@ -456,6 +456,17 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
     store.sync()
     failpoints.hit("after_manifest")
     return manifest
+
+
+def _orbax_metadata(plan: GlobalPlan, manifest: Manifest, strings: dict[Key, str]) -> bytes:
+    """Orbax's ``_METADATA`` of the manifest, built once per plan and value-leaf signature."""
+    signature = orbax_view.values_signature(manifest)
+    found = plan.orbax_metadata.get(signature)
+    if found is None:
+        if len(plan.orbax_metadata) >= 4:  # value leaves that keep changing type: keep the latest few
+            plan.orbax_metadata.clear()
+        found = plan.orbax_metadata[signature] = orbax_view.metadata_json(manifest, strings)
+    return found
 
 
 def _check_held(hold: Hold | None) -> None:

@@ -154,6 +154,9 @@ class GlobalPlan:
     arrays: dict[int, ArrayPlan]  # by global leaf index
     groups: list[list[int]]  # the processes of each group
     positions: list[list[int]]  # per group: global index of each of its leaves, in its order
+    #: Orbax's ``_METADATA`` by the value leaves' signature (:func:`xckpt.format.orbax_view.values_signature`):
+    #: a save reusing the plan reuses it.
+    orbax_metadata: dict[Any, bytes] = field(default_factory=dict, compare=False, repr=False)
 
 
 # -- coordinating process ----------------------------------------------------------------------

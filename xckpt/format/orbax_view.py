@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
 from xckpt.format import dtypes, names as naming, zarr
-from xckpt.format.manifest import ArrayEntry, Manifest
+from xckpt.format.manifest import ArrayEntry, Manifest, ValueEntry
 from xckpt.format.tree import Key, iter_nodes
 
 #: ``key_type`` of an Orbax key: a sequence index, a dict key.
@@ -61,12 +61,14 @@ def _record(kinds: dict[Key, str], key: Key, value_type: str, skip: bool = False
     return _tree_key(key), {"key_metadata": _key_metadata(kinds, key), "value_metadata": meta}
 
 
-def metadata_json(m: Manifest, kinds: dict[Key, str] | None = None) -> dict[str, Any]:
-    """Orbax's ``_METADATA`` for a manifest (string values are added by :func:`files`).
+def metadata_json(m: Manifest, string_keys: Iterable[Key] = ()) -> bytes:
+    """Orbax's ``_METADATA`` for a manifest whose string values are at ``string_keys``.
 
-    Leaves Orbax cannot read as one array (raw float8 bytes, segmented leaves) are left out.
+    Leaves Orbax cannot read as one array (raw float8 bytes, segmented leaves) are left out. It
+    depends on the tree, the array leaves' dtypes and chunk shapes, and the kinds of the value
+    leaves (:func:`values_signature`), not on the values.
     """
-    kinds = kinds if kinds is not None else node_kinds(m)
+    kinds = {k: n["kind"] for k, n in iter_nodes(m.tree)}
     tree: dict[str, Any] = {}
     for e in m.leaves:
         if isinstance(e, ArrayEntry):
@@ -83,35 +85,35 @@ def metadata_json(m: Manifest, kinds: dict[Key, str] | None = None) -> dict[str,
         if node["kind"] in ("dict", "namedtuple", "list", "tuple") and not node["items"] and key:
             k, v = _record(kinds, key, "Dict" if node["kind"] in ("dict", "namedtuple") else "List", True)
             tree[k] = v
-    return {"tree_metadata": tree, "use_zarr3": True, "use_ocdbt": False,
-            "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
-
-
-def node_kinds(m: Manifest) -> dict[Key, str]:
-    """The kind of every container node of the manifest's tree, by key."""
-    return {k: n["kind"] for k, n in iter_nodes(m.tree)}
-
-
-def files(m: Manifest, string_values: dict[Key, str] | None = None) -> dict[str, bytes]:
-    """Every Orbax file of a manifest: ``_METADATA``, ``_CHECKPOINT_METADATA``, :data:`MARKER`, and
-    ``_strings.json`` when there are strings."""
-    kinds = node_kinds(m)
-    meta = metadata_json(m, kinds)
-    strings = {}
-    for key, text in (string_values or {}).items():
+    for key in string_keys:
         k, v = _record(kinds, key, "string")
-        meta["tree_metadata"][k] = v
-        strings[".".join(str(p) for p in key)] = text
+        tree[k] = v
+    return json.dumps({"tree_metadata": tree, "use_zarr3": True, "use_ocdbt": False,
+                       "store_array_data_equal_to_fill_value": True, "custom_metadata": None},
+                      separators=(",", ":")).encode()
+
+
+def values_signature(m: Manifest) -> tuple[tuple[str, bool], ...]:
+    """What ``_METADATA`` takes from a manifest's value leaves: each one's type and whether it is mirrored.
+    Two saves of one plan with the same signature have the same ``_METADATA``."""
+    return tuple((e.type, e.orbax_path is not None) for e in m.leaves if isinstance(e, ValueEntry))
+
+
+def files(m: Manifest, string_values: dict[Key, str] | None = None, metadata: bytes | None = None) -> dict[str, bytes]:
+    """Every Orbax file of a manifest: ``_METADATA`` (``metadata`` when given: :func:`metadata_json` of the
+    same manifest), ``_CHECKPOINT_METADATA``, :data:`MARKER`, and ``_strings.json`` when there are strings."""
+    string_values = string_values or {}
     now = time.time_ns()
     out = {
-        naming.ORBAX_METADATA: json.dumps(meta, separators=(",", ":")).encode(),
+        naming.ORBAX_METADATA: metadata if metadata is not None else metadata_json(m, string_values),
         naming.ORBAX_CHECKPOINT_METADATA: json.dumps({
             "item_handlers": HANDLER, "metrics": {}, "performance_metrics": {},
             "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}}).encode(),
         MARKER: MARKER_ZARRAY,
     }
-    if strings:
-        out["_strings.json"] = json.dumps(strings).encode()
+    if string_values:
+        out["_strings.json"] = json.dumps({".".join(str(p) for p in key): text
+                                           for key, text in string_values.items()}).encode()
     return out
 
 
