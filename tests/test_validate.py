@@ -43,7 +43,7 @@ def _rewrite_orbax(ckpt: Path) -> None:
     """Recompute _METADATA from the (edited) manifest, so that only the defect under test remains."""
     m = parse((ckpt / naming.MANIFEST).read_bytes())
     strings = {e.key: "" for e in m.leaves if getattr(e, "type", None) == "str"}  # only the records matter here
-    (ckpt / naming.ORBAX_METADATA).write_bytes(orbax_files.files(m, strings)[naming.ORBAX_METADATA])
+    (ckpt / naming.ORBAX_METADATA).write_bytes(orbax_files.metadata_json(m, strings))
 
 
 def _errors(report: Report) -> list[str]:

@@ -313,7 +313,7 @@ def _check_orbax(loc: Location, store: Store, m: Manifest, vals: dict[int, Any] 
     if meta is _UNUSABLE:
         return
     strings = [e for e in m.leaves if isinstance(e, ValueEntry) and e.type == "str"]
-    expected = json.loads(orbax_files.files(m, {e.key: "" for e in strings})[naming.ORBAX_METADATA])
+    expected = json.loads(orbax_files.metadata_json(m, [e.key for e in strings]))
     if not isinstance(meta, dict) or meta.get("use_zarr3") is not True or meta.get("use_ocdbt") is True:
         add(Finding("orbax.mismatch", "_METADATA must be an object with use_zarr3: true and use_ocdbt unset or "
                     "false", file))

@@ -439,7 +439,7 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
                         data, e.orbax_path)
             elif isinstance(e, ValueEntry) and e.type == "str":
                 strings[e.key] = values[i]
-        for name, data in orbax_view.files(manifest, strings, _orbax_metadata(plan, manifest, strings)).items():
+        for name, data in orbax_view.files(_orbax_metadata(plan, manifest, strings), strings).items():
             w.file(name, data)
     if written is not None:
         written.extend(w.names)

@@ -99,13 +99,13 @@ def values_signature(m: Manifest) -> tuple[tuple[str, bool], ...]:
     return tuple((e.type, e.orbax_path is not None) for e in m.leaves if isinstance(e, ValueEntry))
 
 
-def files(m: Manifest, string_values: dict[Key, str] | None = None, metadata: bytes | None = None) -> dict[str, bytes]:
-    """Every Orbax file of a manifest: ``_METADATA`` (``metadata`` when given: :func:`metadata_json` of the
-    same manifest), ``_CHECKPOINT_METADATA``, :data:`MARKER`, and ``_strings.json`` when there are strings."""
-    string_values = string_values or {}
+def files(metadata: bytes, string_values: dict[Key, str]) -> dict[str, bytes]:
+    """Every Orbax file of a checkpoint whose ``_METADATA`` is ``metadata`` (:func:`metadata_json`) and whose
+    string values are ``string_values``: ``_METADATA``, ``_CHECKPOINT_METADATA``, :data:`MARKER`, and
+    ``_strings.json`` when there are strings."""
     now = time.time_ns()
     out = {
-        naming.ORBAX_METADATA: metadata if metadata is not None else metadata_json(m, string_values),
+        naming.ORBAX_METADATA: metadata,
         naming.ORBAX_CHECKPOINT_METADATA: json.dumps({
             "item_handlers": HANDLER, "metrics": {}, "performance_metrics": {},
             "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}}).encode(),
