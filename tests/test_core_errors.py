@@ -186,7 +186,7 @@ def test_symbolic_link_to_a_chunk_is_refused_on_load(ckpt):
 def test_save_async_staging_failure_is_raised_by_wait_and_commits_nothing(ckpt):
     from xckpt.engine import background
 
-    big = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # staged and written before the failure
+    big = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # staged before the failure
     handle = xckpt.save_async({"a": big, "z": _failing_source()}, ckpt, overwrite=True)
     with pytest.raises(SaveError, match="device lost") as info:
         handle.wait()

@@ -300,3 +300,47 @@ def test_a_load_that_visits_more_directories_than_the_store_keeps_open(tmp_path,
         for name, arr in sub.items():
             np.testing.assert_array_equal(out[k][name], arr)
             assert out[k][name].dtype == arr.dtype
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_save_async_writes_the_objects_a_synchronous_save_writes(tmp_path, compression):
+    """An asynchronous save stages each chunk already laid out as stored; what it writes is byte for byte
+    what a synchronous save writes (but for each object's place tag, which names its save), whatever
+    the arrays' memory layout, byte order and edge chunks (padded inner chunks)."""
+    rng = np.random.default_rng(7)
+    wide = rng.standard_normal((37, 46)).astype(np.float32)
+    edge = rng.standard_normal((40, 8)).astype(np.float32)  # 3 ranks: chunks of 14 rows, the last clipped to 12
+    tree = {
+        "fortran": np.asfortranarray(rng.standard_normal((40, 24))),
+        "strided": wide[:, ::2],
+        "big_endian": rng.standard_normal((33, 17)).astype(">f4"),
+        "ints": rng.integers(-9, 9, size=(5, 7, 9), dtype=np.int16),
+        "scalar": np.float64(2.5),
+    }
+    options = {"compression": compression, "inner_chunk_bytes": 256}  # edge: inner chunks of 7 rows, one padded
+
+    def body(coord):
+        mine = {**tree, "edge": _sharded_source(edge, coord.rank, 3, 0)}
+        xckpt.save(mine, tmp_path / "sync", coordinator=coord, **options)
+        xckpt.save_async(mine, tmp_path / "async", coordinator=coord, **options).wait()
+
+    run_ranks(3, body)
+    objects = 0
+    for root, _, files in os.walk(tmp_path / "sync"):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), tmp_path / "sync")
+            with open(tmp_path / "sync" / rel, "rb") as f:
+                want = f.read()
+            with open(tmp_path / "async" / rel, "rb") as f:
+                got = f.read()
+            if "/c/" in rel.replace(os.sep, "/"):  # a chunk object: equal but for its 16-byte place tag
+                at = want.rfind(b"XCKPLACE")
+                assert at > 0 and got.rfind(b"XCKPLACE") == at, rel
+                assert got[:at] == want[:at] and got[at + 16:] == want[at + 16:], rel
+                objects += 1
+            elif name == "zarr.json":
+                assert got == want, rel
+    assert objects >= 5
+    back = xckpt.load(tmp_path / "async")
+    for key, want in {**tree, "edge": edge}.items():
+        np.testing.assert_array_equal(back[key], want)

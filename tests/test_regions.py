@@ -202,7 +202,7 @@ def test_encoded_object_equals_brute_force_layout(geom: tuple, dtype: str, piece
     """An encoded chunk object is exactly its inner chunks (zero-padded, C order, little-endian, each
     followed by its crc32c), then the place tag and the checksummed index, whatever the data's memory
     layout and however the encoder pieces it (small pieces exercise every block boundary), streamed in
-    pieces or built whole."""
+    pieces or built whole, from the data as it lies or first laid out as stored (an asynchronous save's copy)."""
     import crc32c
 
     from xckpt.format import shard
@@ -222,6 +222,10 @@ def test_encoded_object_equals_brute_force_layout(geom: tuple, dtype: str, piece
         got = shard.encode(g, data, place)
         scratch = np.empty(g.scratch_nbytes, dtype=np.uint8)
         streamed = b"".join(bytes(part) for part in shard.encode_parts(g, data, scratch, place))
+        buf = np.full(shard.laid_nbytes(g, valid), 0xAB, dtype=np.uint8)  # not zeroed: padding must be written
+        laid = shard.lay_out(g, data, buf)
+        from_laid = b"".join(bytes(part) for part in shard.encode_parts(g, laid, np.empty(0, np.uint8), place))
+        laid_whole = shard.encode(g, laid, place)
     finally:
         shard.PIECE_BYTES = old
     body, index = b"", np.full((g.n_inner, 2), shard.MISSING, dtype="<u8")
@@ -236,6 +240,8 @@ def test_encoded_object_equals_brute_force_layout(geom: tuple, dtype: str, piece
     tag = shard.place_tag(place, np.frombuffer(index_part, np.uint8)).tobytes() if tagged else b""
     assert got == body + tag + index_part
     assert streamed == got  # a writer's pieces, and a whole object built at once (a small leaf's), agree
+    assert from_laid == got and laid_whole == got
+    assert laid.nbytes == len(body) - 4 * sum(1 for _ in g.inner_chunks(valid))  # the payloads, nothing more
 
 
 def test_inner_chunk_shapes_never_exceed_the_format_limit() -> None:

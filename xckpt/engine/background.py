@@ -1,11 +1,14 @@
 """An asynchronous save: copy to the host now, write and commit in the background.
 
-:func:`start` runs the collective planning step, starts a background thread, and copies
-every chunk this process writes into host buffers of its own, one plain copy per chunk (the
-caller may change, donate or free its arrays as soon as it returns). When this process saved
-the same structure before, the copying starts on a helper thread while the processes agree
-on the plan, and is kept if they agree on the same one. The background thread encodes,
-checksums and writes each chunk as a synchronous save does, as soon as it is staged.
+:func:`start` runs the collective planning step and copies every chunk this process writes
+into host buffers of its own, already in the layout its object stores
+(:func:`xckpt.format.shard.lay_out`: the inner chunks' payloads one after another), one copy
+per chunk; the caller may change, donate or free its arrays as soon as it returns. When this
+process saved the same structure before, the copying starts on a helper thread while the
+processes agree on the plan, and is kept if they agree on the same one. Only then does the
+background thread start: it checksums and writes each staged chunk without copying it again
+(an asynchronous save copies the data once, as a synchronous one does), and it does not
+compete with the copy the caller waits for.
 
 The background never runs a collective of the job's coordinator (a ``torch.distributed``
 or XLA collective from a second thread could interleave with the training loop's own), and
@@ -31,7 +34,6 @@ from __future__ import annotations
 import atexit
 import copy
 import os
-import queue
 import threading
 import time
 import weakref
@@ -56,8 +58,24 @@ EXIT_GRACE_S = 10.0
 #: How often the coordinating process looks for status files, in seconds.
 POLL_S = 0.005
 
-#: ``(object name, geometry, host copy of the chunk clipped to the array, leaf)``
-Staged = tuple[str, shard.Geometry, np.ndarray, str]
+#: ``(object name, geometry, host copy of the chunk clipped to the array, laid out as stored, leaf)``
+StagedChunk = tuple[str, shard.Geometry, shard.LaidOut, str]
+
+
+class Staged:
+    """What staging produced: this process's chunks copied to the host and a snapshot of its values,
+    or the error that ended it (its buffers already back in the pool)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[StagedChunk] = []
+        self.values: dict[int, Any] = {}
+        self.error: BaseException | None = None
+
+    def give_back(self) -> None:
+        """Return every staged buffer to the pool."""
+        chunks, self.chunks = self.chunks, []
+        for _, _, host, _ in chunks:
+            _staging.give(host.payloads)
 
 
 class _Buffers:
@@ -75,12 +93,10 @@ class _Buffers:
                 return free.pop()
         return np.empty(nbytes, dtype=np.uint8)
 
-    def give(self, arr: np.ndarray) -> None:
-        """Keep the memory of a buffer (or of an array viewing all of one) for later."""
-        raw = arr if arr.base is None else arr.base
-        assert isinstance(raw, np.ndarray) and raw.dtype == np.uint8 and raw.nbytes == arr.nbytes
+    def give(self, buf: np.ndarray) -> None:
+        """Keep a buffer :meth:`take` returned for later."""
         with self._lock:
-            self._free.setdefault(raw.nbytes, []).append(raw)
+            self._free.setdefault(buf.nbytes, []).append(buf)
 
     def clear(self) -> None:
         """Drop every kept buffer."""
@@ -99,13 +115,10 @@ def release_buffers() -> None:
 class Pending:
     """An asynchronous save in flight on this process."""
 
-    def __init__(self, p: Prepared, status: Location, timeout_s: float,
-                 staged: "queue.SimpleQueue[Staged | _Done | _Failed] | None" = None) -> None:
+    def __init__(self, p: Prepared, status: Location, timeout_s: float, staged: Staged) -> None:
         self.p = p
         self.path = str(p.final)
-        # staged chunks as they are copied, then ``_Done`` (with the values) or ``_Failed``
-        self._queue: queue.SimpleQueue[Staged | _Done | _Failed] = queue.SimpleQueue() if staged is None else staged
-        self._values: dict[int, Any] = {}
+        self._staged = staged
         self._status = status
         self._timeout_s = timeout_s
         self._error: BaseException | None = None
@@ -132,45 +145,29 @@ class Pending:
     # -- background ------------------------------------------------------------------------------
 
     def _write(self) -> None:
-        """Write the metadata files, then each chunk as it is staged; every staged buffer goes back
-        to the pool, whatever fails."""
+        """Write the metadata files, then each staged chunk; every staged buffer goes back to the pool,
+        whatever fails."""
         p = self.p
-        written: list[np.ndarray] = []
-        ended = False
+        staged = self._staged
         store = None
         w = None
         try:
+            if staged.error is not None:
+                raise staged.error
             store = p.tmp.store(create=True)
             w = ChunkWriter(store, p.generation, p.options.max_inflight_bytes, background=True)
             with w:
                 for name, data in protocol.metadata_files(p):
                     w.file(name, data)
-                while True:
-                    item = self._queue.get()
-                    if not isinstance(item, tuple):
-                        ended = True
-                        if isinstance(item, _Failed):
-                            raise item.error
-                        self._values = item.values
-                        break
-                    name, geom, host, leaf = item
-                    written.append(host)
+                for name, geom, host, leaf in staged.chunks:
                     w.chunk(name, geom, host, leaf)
             store.sync()
-        except BaseException:
-            while not ended:  # the caller's thread may still be staging: take back what it queues
-                item = self._queue.get()
-                ended = not isinstance(item, tuple)
-                if not ended:
-                    written.append(item[2])  # type: ignore[index]
-            raise
         finally:
             if w is not None:
                 p.written.extend(w.names)
             if store is not None:
                 store.close()
-            for buf in written:
-                _staging.give(buf)
+            staged.give_back()
         p.bytes_written = w.bytes_written
         failpoints.hit("before_status", p.coord.rank)
 
@@ -180,7 +177,7 @@ class Pending:
         status: dict[str, Any]
         try:
             self._write()
-            status = protocol.report(p, self._values)
+            status = protocol.report(p, self._staged.values)
         except BaseException as exc:  # noqa: BLE001 - reported through the status files and wait()
             self._error = commit_failed(p.final, exc)
             status = {"error": collective.describe(exc)}
@@ -318,39 +315,26 @@ def _finish_at_exit() -> None:
         p.thread.join(p._timeout_s + EXIT_GRACE_S)
 
 
-class _Done:
-    """The end of staging, with this process's values."""
-
-    def __init__(self, values: dict[int, Any]) -> None:
-        self.values = values
-
-
-class _Failed:
-    """Staging failed: nothing more comes; the error is reported through the status files."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-def stage(p: Prepared, out: "queue.SimpleQueue[Staged | _Done | _Failed]",
-          stop: threading.Event | None = None) -> None:
-    """Copy every chunk this process writes into host buffers of its own, handing each to ``out``
-    as soon as it is copied, then snapshot its values; a failure (or ``stop``) ends the stream instead."""
+def stage(p: Prepared, stop: threading.Event | None = None) -> Staged:
+    """Copy every chunk this process writes into host buffers of its own, laid out as stored, then
+    snapshot its values; a failure (or ``stop``) ends it instead, its buffers given back."""
+    staged = Staged()
     try:
         for name, geom, data, leaf in protocol.chunk_jobs(p):
             if stop is not None and stop.is_set():
                 raise CoordinationError("staging stopped: the processes agreed on another plan")
-            buf = _staging.take(data.nbytes)
+            buf = _staging.take(shard.laid_nbytes(geom, data.shape))
             try:
-                host = buf.view(data.dtype).reshape(data.shape)
-                np.copyto(host, data, casting="no")
+                host = shard.lay_out(geom, data, buf)
             except BaseException:
                 _staging.give(buf)
                 raise
-            out.put((name, geom, host, leaf))
-        out.put(_Done(copy.deepcopy(protocol.local_values(p))))
+            staged.chunks.append((name, geom, host, leaf))
+        staged.values = copy.deepcopy(protocol.local_values(p))
     except Exception as exc:  # noqa: BLE001 - reported by wait(), on every process alike
-        out.put(_Failed(exc))
+        staged.give_back()
+        staged.error = exc
+    return staged
 
 
 class _Speculation:
@@ -358,27 +342,32 @@ class _Speculation:
     agree on the plan (see :func:`xckpt.engine.protocol.prepare`); kept when they agree on it."""
 
     def __init__(self) -> None:
-        self.queue: queue.SimpleQueue[Staged | _Done | _Failed] = queue.SimpleQueue()
         self.stop = threading.Event()
         self.guess: Prepared | None = None
+        self.staged: Staged | None = None
         self.thread: threading.Thread | None = None
 
     def __call__(self, guess: Prepared) -> None:
         """Start staging from ``guess`` (the plan this process cached) on a helper thread."""
         self.guess = guess
-        self.thread = threading.Thread(target=stage, args=(guess, self.queue, self.stop), name="xckpt-stage")
+
+        def run() -> None:
+            self.staged = stage(guess, self.stop)
+
+        self.thread = threading.Thread(target=run, name="xckpt-stage")
         self.thread.start()
 
-    def confirmed(self, p: Prepared) -> bool:
-        """Whether the agreed plan is the one staged from; if not, the staging is stopped and undone."""
+    def confirmed(self, p: Prepared) -> Staged | None:
+        """What was staged, once done, when the agreed plan is the one staged from; else None (the
+        staging is stopped and undone)."""
         if self.thread is None:
-            return False
+            return None
         assert self.guess is not None
         if p.local is self.guess.local and p.plan_key == self.guess.plan_key:
             self.thread.join()
-            return True
+            return self.staged
         self.cancel()
-        return False
+        return None
 
     def cancel(self) -> None:
         """Stop staging and give its buffers back to the pool."""
@@ -386,10 +375,8 @@ class _Speculation:
             return
         self.stop.set()
         self.thread.join()
-        while not self.queue.empty():
-            item = self.queue.get()
-            if isinstance(item, tuple):
-                _staging.give(item[2])
+        if self.staged is not None:
+            self.staged.give_back()
         self.thread = None
 
 
@@ -408,11 +395,12 @@ def start(tree: Any, path: Any, *, coordinator: Any, options: Any, timeout_s: fl
     except BaseException:
         spec.cancel()
         raise
-    reused = spec.confirmed(p)
-    pending = Pending(p, sibling(p.final, "status", p.generation), timeout_s, spec.queue if reused else None)
+    staged = spec.confirmed(p)
+    reused = staged is not None
+    if staged is None:
+        staged = stage(p)
+    pending = Pending(p, sibling(p.final, "status", p.generation), timeout_s, staged)
     pending.thread.start()
-    if not reused:
-        stage(p, pending._queue)
     failpoints.hit("after_stage", p.coord.rank)
     p.stats["stage_s"] = time.perf_counter() - started - p.stats["plan_s"]
     p.stats["staged_during_planning"] = reused

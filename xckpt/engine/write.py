@@ -98,9 +98,9 @@ class ChunkWriter:
         while len(self._pending) > 64 and self._pending[0].done():
             self._pending.popleft().result()
 
-    def chunk(self, name: str, geom: shard.Geometry, data: np.ndarray, leaf: str) -> None:
-        """Encode and write one chunk object (``data``: the chunk clipped to the array, storage dtype), tagged
-        with its place (:func:`xckpt.format.shard.place_of`)."""
+    def chunk(self, name: str, geom: shard.Geometry, data: np.ndarray | shard.LaidOut, leaf: str) -> None:
+        """Encode and write one chunk object (``data``: the chunk clipped to the array, storage dtype, or
+        already laid out as stored), tagged with its place (:func:`xckpt.format.shard.place_of`)."""
         self._room.take(data.nbytes)
         place = shard.place_of(self.generation, name)
 
@@ -109,8 +109,9 @@ class ChunkWriter:
                 if data.nbytes < SMALL_BYTES:  # one buffer, one write
                     parts: Any = shard.encode(geom, data, place)
                 else:
-                    parts = shard.encode_parts(geom, data, _scratch.get(geom.scratch_nbytes), place)
-                self._put(name, parts, leaf, data.nbytes)
+                    scratch = _scratch.get(0 if isinstance(data, shard.LaidOut) else geom.scratch_nbytes)
+                    parts = shard.encode_parts(geom, data, scratch, place)
+                self._put(name, parts, leaf, shard.array_nbytes(geom, data))
             finally:
                 self._room.give(data.nbytes)
 

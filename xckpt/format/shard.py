@@ -17,7 +17,9 @@ checkpoint, carries a tag that names another place, and the reader refuses it (`
 
 Writing streams: :func:`encode_parts` yields the object in pieces of about 1 MiB, each
 checksummed as it passes (copied into a small buffer first only where the data is not
-already laid out as stored), so a writer never holds a whole object. Reading checks before it trusts: :func:`parse_index` verifies the
+already laid out as stored), so a writer never holds a whole object. An asynchronous save
+copies each chunk once, into the stored layout (:func:`lay_out`), and encodes that copy
+without copying again. Reading checks before it trusts: :func:`parse_index` verifies the
 index's crc32c and every entry against the object's size (no overlap, exact sizes when
 uncompressed), :func:`open_inner` verifies an inner chunk's crc32c.
 """
@@ -151,6 +153,53 @@ def _fill(geom: Geometry, part: np.ndarray, view: np.ndarray) -> None:
         np.copyto(view, part, casting="equiv")
 
 
+@dataclass(frozen=True)
+class LaidOut:
+    """A chunk's data copied into the layout its object stores: the payloads of the inner chunks
+    intersecting the array (the chunk clipped to it: ``valid``), one after another in C order,
+    zero-padded and little-endian (:func:`lay_out`), so that encoding it copies nothing."""
+
+    valid: tuple[int, ...]
+    payloads: np.ndarray  # uint8
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the payloads."""
+        return int(self.payloads.nbytes)
+
+
+def array_nbytes(geom: Geometry, data: np.ndarray | LaidOut) -> int:
+    """Bytes of array data a chunk holds (laid-out payloads also hold the padding of edge inner chunks)."""
+    if isinstance(data, LaidOut):
+        return math.prod(data.valid) * geom.dtype.itemsize
+    return int(data.nbytes)
+
+
+def laid_nbytes(geom: Geometry, valid: tuple[int, ...]) -> int:
+    """Bytes :func:`lay_out` needs for the chunk clipped to ``valid``: one payload per inner chunk intersecting it."""
+    return math.prod(-(-v // i) for v, i in zip(valid, geom.inner_shape)) * geom.inner_nbytes
+
+
+def lay_out(geom: Geometry, data: np.ndarray, buf: np.ndarray) -> LaidOut:
+    """Copy ``data`` (the chunk clipped to the array, storage dtype) into ``buf`` (uint8, of
+    :func:`laid_nbytes` bytes) as the payloads of its inner chunks, in the order the object stores them."""
+    valid = tuple(int(s) for s in data.shape)
+    inner = geom.inner_shape
+    if inner and all(v % i == 0 for v, i in zip(valid, inner)):
+        # whole inner chunks only: one copy between views that split every dimension into (inner chunk
+        # number, place in it), visited in the data's order (it is read once, front to back)
+        grid = tuple(v // i for v, i in zip(valid, inner))
+        split = tuple(x for g, i in zip(grid, inner) for x in (g, i))
+        stored = np.ndarray(grid + inner, dtype=geom.le_dtype, buffer=buf)  # the inner grid's axes first
+        back = tuple(a for d in range(len(inner)) for a in (d, len(inner) + d))
+        np.copyto(stored.transpose(back), data.reshape(split), casting="equiv")
+        return LaidOut(valid, buf)
+    n = geom.inner_nbytes
+    for i, (_, _, sl) in enumerate(geom.inner_chunks(valid)):
+        _fill(geom, data[sl + (Ellipsis,)], geom.payload_view(buf, i * n))
+    return LaidOut(valid, buf)
+
+
 def _pieces(geom: Geometry, part: np.ndarray, scratch: np.ndarray) -> Iterator[np.ndarray]:
     """The payload of one uncompressed inner chunk (``part``: its data, clipped to the array) in pieces
     of about :data:`PIECE_BYTES`: views of ``part`` itself when it already is the payload (C order,
@@ -198,35 +247,41 @@ def place_tag(place: bytes, index: np.ndarray) -> np.ndarray:
     return tag
 
 
-def encode_parts(geom: Geometry, data: np.ndarray, scratch: np.ndarray,
+def encode_parts(geom: Geometry, data: np.ndarray | LaidOut, scratch: np.ndarray,
                  place: bytes | None = None) -> Iterator[np.ndarray]:
     """The bytes of one chunk's object, inner chunk by inner chunk, then the place tag (when ``place``
     is given: :func:`place_of`) and the index.
 
     ``data`` is the chunk clipped to the array (every dimension at most the chunk's), in the
-    storage dtype; parts of inner chunks outside the array are zero-filled and inner chunks
-    wholly outside it are not stored. An uncompressed inner chunk
-    goes out in pieces of about :data:`PIECE_BYTES`, checksummed as they pass: slices of
-    ``data`` itself where it already is the payload, else copied into ``scratch`` (uint8, at
-    least ``scratch_nbytes``) while they are in the cache; a compressed one is copied whole,
-    compressed and checksummed. A yielded part is only valid until the next one is asked for,
-    so a writer writes each part as it comes.
+    storage dtype, or that chunk already laid out (:func:`lay_out`); parts of inner chunks
+    outside the array are zero-filled and inner chunks wholly outside it are not stored. An
+    uncompressed inner chunk goes out in pieces of about :data:`PIECE_BYTES`, checksummed as
+    they pass: slices of ``data`` itself where it already is the payload, else copied into
+    ``scratch`` (uint8, at least ``scratch_nbytes``; unused for laid-out data) while they are
+    in the cache; a compressed one is copied whole, compressed and checksummed. A yielded part
+    is only valid until the next one is asked for, so a writer writes each part as it comes.
     """
     index = np.full((geom.n_inner, 2), MISSING, dtype="<u8")
     offset = 0
     n = geom.inner_nbytes
-    for k, _, sl in geom.inner_chunks(tuple(int(s) for s in data.shape)):
-        part = data[sl + (Ellipsis,)]
+    laid = data if isinstance(data, LaidOut) else None
+    valid = laid.valid if laid is not None else tuple(int(s) for s in data.shape)  # type: ignore[union-attr]
+    for i, (k, _, sl) in enumerate(geom.inner_chunks(valid)):
+        whole = None if laid is None else laid.payloads[i * n:(i + 1) * n]
         if geom.compression == "zstd":
             from xckpt.format.codecs import zstd_compress
-            _fill(geom, part, geom.payload_view(scratch, 0))
-            payload = np.frombuffer(zstd_compress(scratch[:n]), dtype=np.uint8)
+            if whole is None:
+                _fill(geom, data[sl + (Ellipsis,)], geom.payload_view(scratch, 0))  # type: ignore[index]
+                whole = scratch[:n]
+            payload = np.frombuffer(zstd_compress(whole), dtype=np.uint8)
             size = payload.size
             yield payload
             yield _le32(checksum(payload))
         else:
             crc = 0
-            for piece in _pieces(geom, part, scratch):
+            pieces = (_pieces(geom, data[sl + (Ellipsis,)], scratch) if whole is None  # type: ignore[index]
+                      else (whole[a:a + PIECE_BYTES] for a in range(0, n, PIECE_BYTES)))
+            for piece in pieces:
                 crc = checksum(piece, crc)
                 yield piece
             yield _le32(crc)
@@ -247,12 +302,14 @@ def _le32(value: int) -> np.ndarray:
     return np.frombuffer(value.to_bytes(4, "little"), dtype=np.uint8)
 
 
-def encode(geom: Geometry, data: np.ndarray, place: bytes | None = None) -> bytes:
+def encode(geom: Geometry, data: np.ndarray | LaidOut, place: bytes | None = None) -> bytes:
     """The whole object of one chunk (see :func:`encode_parts` for ``data`` and ``place``)."""
-    if (geom.n_inner == 1 and geom.compression == "none" and data.shape == geom.inner_shape
-            and data.flags.c_contiguous and data.dtype.str == geom.le_dtype.str):
-        return _encode_whole(data, place)
-    scratch = np.empty(geom.scratch_nbytes, dtype=np.uint8)
+    if geom.n_inner == 1 and geom.compression == "none":
+        if isinstance(data, LaidOut):
+            return _encode_whole(data.payloads, place)
+        if data.shape == geom.inner_shape and data.flags.c_contiguous and data.dtype.str == geom.le_dtype.str:
+            return _encode_whole(data, place)
+    scratch = np.empty(0 if isinstance(data, LaidOut) else geom.scratch_nbytes, dtype=np.uint8)
     return b"".join(bytes(part) for part in encode_parts(geom, data, scratch, place))
 
 
