@@ -95,6 +95,7 @@ class _Buffers:
 
     def give(self, buf: np.ndarray) -> None:
         """Keep a buffer :meth:`take` returned for later."""
+        assert buf.dtype == np.uint8 and buf.ndim == 1 and buf.base is None  # a whole buffer, not a view of one
         with self._lock:
             self._free.setdefault(buf.nbytes, []).append(buf)
 
