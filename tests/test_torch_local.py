@@ -249,6 +249,43 @@ def test_coordinator_and_unsupported_placement_in_a_one_rank_group(tmp_path):
         dist.destroy_process_group()
 
 
+def test_dtensors_laid_out_alike_keep_their_own_data_and_checks(tmp_path):
+    """The adapter works out a layout once per (mesh, placements, shape): DTensors that share one, in
+    one save and in the next (new objects, a parameter among them), each save their own data, and a
+    local tensor that disagrees with its layout, or one on the meta device, is refused every time."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    store = dist.TCPStore("127.0.0.1", tw.free_port(), 1, True, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def tree(base: float) -> dict:
+            return {f"w{i}": DTensor.from_local(torch.arange(12.0).reshape(3, 4) + base + 100 * i, mesh, [Shard(1)])
+                    for i in range(3)} | {"p": torch.nn.Parameter(DTensor.from_local(torch.full((3, 4), base), mesh,
+                                                                                     [Shard(1)]))}
+
+        for n, base in enumerate([0.0, 0.5]):
+            xckpt.save(tree(base), tmp_path / f"c{n}")
+            got = xckpt.load(tmp_path / f"c{n}")
+            for i in range(3):
+                np.testing.assert_array_equal(got[f"w{i}"], np.arange(12.0).reshape(3, 4) + base + 100 * i)
+            np.testing.assert_array_equal(got["p"], np.full((3, 4), base))
+        for attempt in range(2):
+            short = DTensor.from_local(torch.zeros(2, 4), mesh, [Shard(0)], run_check=False, shape=torch.Size((3, 4)),
+                                       stride=(4, 1))
+            with pytest.raises(UnsupportedError) as info:
+                xckpt.save({"short": short}, tmp_path / f"bad{attempt}")
+            assert info.value.code == "dtensor.local_shape" and "(2, 4)" in str(info.value), info.value
+            meta = DTensor.from_local(torch.empty(3, 4, device="meta"), mesh, [Shard(1)])
+            with pytest.raises(UnsupportedError) as info:
+                xckpt.save({"meta": meta}, tmp_path / f"meta{attempt}")
+            assert info.value.code == "tensor.meta", info.value
+            assert not (tmp_path / f"bad{attempt}").exists() and not (tmp_path / f"meta{attempt}").exists()
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("staging", [xckpt.load.__kwdefaults__["max_staging_bytes"], 0])
 def test_failed_load_leaves_the_model_untouched(tmp_path_factory, staging):
     """A corrupt chunk in the last parameter: the load raises and no parameter was changed, whether the

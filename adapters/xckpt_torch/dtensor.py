@@ -63,18 +63,47 @@ def layout_of(d: DTensor) -> tuple[MeshLayout, tuple[int, ...] | None]:
 
 def dtensor_pieces(d: DTensor) -> tuple[MeshLayout, Sequence[tuple[Region, tuple[slice, ...]]], torch.Tensor]:
     """A DTensor's layout, its local boxes and its local tensor (detached), checked against each other."""
-    lay, coord = layout_of(d)
-    with torch.no_grad():  # no autograd node: a tenth of the cost, for every DTensor of every save
-        local = d.to_local().detach()
-    if coord is None:
-        return lay, [], local
-    pieces = lay.pieces(coord)
-    expect = lay.local_shape(coord)
-    if expect != tuple(local.shape) and pieces:
+    _, lay, pieces, expect, _ = _laid_out(d)
+    return lay, pieces, _local(d, pieces, expect)
+
+
+#: Most (mesh, placements, shape) combinations :func:`_laid_out` keeps; past it, it starts over.
+_LAID_MAX = 4096
+_laid: dict[tuple[int, tuple[Any, ...], tuple[int, ...]], tuple[Any, ...]] = {}
+
+
+def _laid_out(d: DTensor) -> tuple[Any, MeshLayout, Sequence[tuple[Region, tuple[slice, ...]]],
+                                   tuple[int, ...] | None, dict[str, Any]]:
+    """``(device mesh, layout, this rank's boxes, the local shape they expect (None: outside the mesh),
+    the manifest's sharding description)`` of a DTensor, worked out once per device mesh, placements
+    and shape: the leaves of a model are laid out alike, and each save describes every one of them."""
+    device_mesh = d.device_mesh
+    key = (id(device_mesh), tuple(d.placements), tuple(d.shape))
+    hit = _laid.get(key)
+    if hit is None or hit[0] is not device_mesh:
+        lay, coord = layout_of(d)
+        if len(_laid) >= _LAID_MAX:
+            _laid.clear()
+        hit = _laid[key] = (device_mesh, lay, () if coord is None else lay.pieces(coord),
+                            None if coord is None else lay.local_shape(coord), _mesh_info(d))
+    return hit  # type: ignore[return-value]
+
+
+def _local(d: DTensor, pieces: Sequence[tuple[Region, tuple[slice, ...]]], expect: tuple[int, ...] | None
+           ) -> torch.Tensor:
+    """A DTensor's local tensor, detached (no autograd node: a tenth of the cost, for every DTensor of
+    every save), checked against the shape its layout gives (``expect``)."""
+    local = getattr(d, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        local = local.detach()
+    else:
+        with torch.no_grad():
+            local = d.to_local().detach()
+    if expect is not None and expect != tuple(local.shape) and pieces:
         raise UnsupportedError(f"DTensor local tensor has shape {tuple(local.shape)} but placements "
                                f"{list(d.placements)} give {expect} (padded local tensors are not supported)",
                                code="dtensor.local_shape")
-    return lay, pieces, local
+    return local
 
 
 _infos: dict[tuple[int, tuple[Any, ...], int], tuple[Any, dict[str, Any]]] = {}
@@ -102,7 +131,7 @@ def _describe(d: DTensor) -> dict[str, Any]:
 
 
 def _check_device(t: torch.Tensor) -> None:
-    if t.device.type == "meta":
+    if t.is_meta:
         raise UnsupportedError("a tensor on the meta device has no data to save", code="tensor.meta")
 
 
@@ -123,10 +152,11 @@ def _xckpt_errors(fn: Any) -> Any:
 @_xckpt_errors
 def dtensor_source(d: DTensor) -> ArraySource:
     """Save a DTensor: this rank's boxes of it and its layout (each box is written by one of its holders)."""
-    _check_device(d)
-    lay, pieces, local = dtensor_pieces(d)
+    _, lay, pieces, expect, sharding = _laid_out(d)
+    local = _local(d, pieces, expect)
+    _check_device(local)
     shards = [Shard(region, lambda sl=sl: to_host(local[sl])) for region, sl in pieces]
-    return ArraySource(tuple(int(s) for s in d.shape), logical_dtype(d.dtype), shards, _mesh_info(d), lay)
+    return ArraySource(lay.shape, logical_dtype(d.dtype), shards, sharding, lay)
 
 
 @_xckpt_errors

@@ -70,6 +70,7 @@ class Descriptors:
         """msgpack bytes; meshes and sharding descriptions are listed once and referred to by number."""
         meshes: dict[Mesh, int] = {}
         infos: dict[bytes, int] = {}
+        by_id: dict[int, int] = {}  # leaves laid out alike share one description object: packed once
         info_list: list[Any] = []
         leaves = []
         for d in self.leaves:
@@ -80,11 +81,14 @@ class Descriptors:
                 layout: list[Any] = d.layout.to_wire(meshes.setdefault(d.layout.mesh, len(meshes)))
             else:
                 layout = ["local", [r.to_json() for r in d.regions]]
-            packed = msgpack.packb(d.sharding, use_bin_type=True)
-            if packed not in infos:
-                infos[packed] = len(info_list)
-                info_list.append(d.sharding)
-            leaves.append([list(d.key), d.kind, list(d.shape), d.dtype, layout, infos[packed]])
+            info = by_id.get(id(d.sharding))
+            if info is None:
+                packed = msgpack.packb(d.sharding, use_bin_type=True)
+                if packed not in infos:
+                    infos[packed] = len(info_list)
+                    info_list.append(d.sharding)
+                info = by_id[id(d.sharding)] = infos[packed]
+            leaves.append([list(d.key), d.kind, list(d.shape), d.dtype, layout, info])
         return msgpack.packb({"tree": self.tree, "meshes": [m.to_wire() for m in meshes], "infos": info_list,
                               "leaves": leaves}, use_bin_type=True)
 
