@@ -126,6 +126,7 @@ class Pending:
         self._unknown = False  # this process lost the coordinating one: the commit's outcome is unknown
         self.manifest: Any = None
         self.waited = False
+        self.go = threading.Event()  # set when the caller may go on: the writing starts then
         self.thread = threading.Thread(target=self._run, name="xckpt-save-async", daemon=True)
         with _live_lock:
             _live.add(self)
@@ -174,6 +175,7 @@ class Pending:
 
     def _run(self) -> None:
         yield_cpu()
+        self.go.wait()  # not before the caller goes on (it would wait for the interpreter lock this thread holds)
         p = self.p
         status: dict[str, Any]
         try:
@@ -405,4 +407,5 @@ def start(tree: Any, path: Any, *, coordinator: Any, options: Any, timeout_s: fl
     failpoints.hit("after_stage", p.coord.rank)
     p.stats["stage_s"] = time.perf_counter() - started - p.stats["plan_s"]
     p.stats["staged_during_planning"] = reused
+    pending.go.set()
     return pending
