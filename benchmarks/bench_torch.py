@@ -33,8 +33,8 @@ Checkpoints live under /dev/shm.
 save_async (``--only async``, on W1): the 4 saving ranks alternate ``xckpt.save`` and
 ``xckpt.save_async(state, path)`` + ``handle.wait()``; reports the blocking time (until
 ``save_async`` returns) and the total (until ``wait`` returns) against the synchronous
-save of the same run, and the peak RSS growth. The 2 loading ranks load every async
-checkpoint (untimed) and check it element by element.
+save of the same run, and the peak RSS growth. The 2 loading ranks load every checkpoint of
+both kinds (untimed) and check it element by element.
 
 First calls (``--only cold``, not part of ``all``): per run and method, a fresh saving group
 saves once and a fresh loading group loads that checkpoint once (a job's restore is always
@@ -446,7 +446,11 @@ def run_async(wl: C.Workload, repeats: int) -> C.Table:
 
     After an untimed warm-up round, per run: a synchronous ``xckpt.save`` and ``save_async`` +
     ``wait`` (alternating which goes first), each into a fresh directory. The loading group
-    (untimed) loads every async checkpoint and checks it; then it is deleted.
+    (untimed) loads every checkpoint, synchronous and asynchronous, and checks it; then it is
+    deleted. Loading both keeps the steps before each save the same: when only the asynchronous
+    checkpoint was loaded, a save that came straight after a synchronous one (no load between)
+    was often slow, up to twice as long, whichever kind it was; the first timed ``save_async``,
+    which always came straight after a synchronous save, was slow in every run.
     """
     root = C.fresh_dir(f"torch-async-{wl.name}")
     runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
@@ -464,8 +468,8 @@ def run_async(wl: C.Workload, repeats: int) -> C.Table:
                         got[kind] = _collective(saver.run("save", "xckpt", path))
                     else:
                         got[kind] = _collective(saver.run("save_async", path))
-                        loader.run("load", "xckpt", path,
-                                   f"{wl.name} torch save_async checkpoint, {C.run_name(rep)}")
+                    # both checkpoints are loaded and checked, so that each save follows the same steps
+                    loader.run("load", "xckpt", path, f"{wl.name} torch {kind} checkpoint, {C.run_name(rep)}")
                 finally:
                     C.remove(os.path.dirname(path))
             if rep is not None:
