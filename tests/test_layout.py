@@ -133,6 +133,23 @@ def test_one_segment_is_the_gcd_grid(tiling: tuple) -> None:
 
 @SETTINGS
 @given(layouts())
+def test_boundaries_are_every_run_end_of_every_position(case: tuple) -> None:
+    """A layout's boundaries (worked out split by split of each dimension's chain, not position by
+    position) are 0, the size and every start and end of a run some mesh position holds (the oracle)."""
+    shape, mesh_shape, placements = case
+    lay = mesh_layout(shape, mesh(mesh_shape, tuple(range(math.prod(mesh_shape)))), placements)
+    for d, n in enumerate(shape):
+        cuts = {0, n}
+        for coord in product(*(range(m) for m in mesh_shape)):
+            held = oracle(shape, mesh_shape, coord, placements)[d]
+            breaks = np.flatnonzero(np.diff(held) != 1) + 1  # where a run of consecutive indices ends
+            for run in np.split(held, breaks) if held.size else []:
+                cuts.update((int(run[0]), int(run[-1]) + 1))
+        assert lay.boundaries[d] == tuple(sorted(cuts)), (d, lay.boundaries[d], sorted(cuts))
+
+
+@SETTINGS
+@given(layouts())
 def test_stored_objects_at_most_two_per_distinct_shard(case: tuple) -> None:
     shape, mesh_shape, placements = case
     lay = mesh_layout(shape, mesh(mesh_shape, tuple(range(math.prod(mesh_shape)))), placements)

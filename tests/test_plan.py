@@ -201,6 +201,11 @@ def test_ranks_that_disagree_are_refused() -> None:
     lay = mesh_layout((4,), mesh((2,), (0, 1)), (("S", 0),))
     with pytest.raises(CoordinationError, match="do not hold it"):  # the mesh puts a shard on rank 1
         simulate([descriptors([LeafDesc(("w",), "array", (4,), "float32", layout=lay)]), descriptors([])])
+    beyond = mesh_layout((4,), mesh((3,), (0, 1, 2)), (("S", 0),))  # rank 2 in a job of 2
+    leaves = [LeafDesc((k,), "array", (4,), "float32", layout=beyond) for k in ("a", "b")]
+    with pytest.raises(CoordinationError, match=r"ranks \[2\] do not hold it") as info:
+        simulate([descriptors(leaves), descriptors(leaves)])
+    assert info.value.leaf == "a"
 
 
 @pytest.mark.parametrize("regions, why", [

@@ -98,8 +98,11 @@ def dim_runs(n: int, chain: Chain, index: tuple[int, ...]) -> tuple[Run, ...]:
 def dim_boundaries(n: int, chain: Chain) -> tuple[int, ...]:
     """Every start and end of the runs of any position along a dimension of ``n`` split by ``chain``."""
     cuts = {0, n}
-    for index in product(*(range(size) for _, size in chain)):
-        for start, length in dim_runs(n, chain, index):
+    kept = {((0, n),) if n else ()}  # the distinct runs some position keeps, after each split of the chain
+    for placement, size in chain:
+        kept = {tuple(split_runs(runs, placement, size, i)) for runs in kept for i in range(size)}
+    for runs in kept:
+        for start, length in runs:
             cuts.add(start)
             cuts.add(start + length)
     return tuple(sorted(cuts))

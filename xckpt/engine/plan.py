@@ -322,7 +322,7 @@ def plan_save(groups: Sequence[tuple[Sequence[int], Descriptors]], world: int, *
     chunk_table: dict[Any, int] = {}
     chunk_list: list[Any] = []
     balance_items: list[tuple[int, int, Region, _Holders, int]] = []
-    covered: dict[tuple[Mesh, tuple[int, ...]], set[int]] = {}
+    covered: dict[tuple[Mesh, tuple[int, ...]], tuple[set[int], bool]] = {}
     for i, key in enumerate(keys):
         entry = first[i]
         assert entry is not None
@@ -335,10 +335,12 @@ def plan_save(groups: Sequence[tuple[Sequence[int], Descriptors]], world: int, *
         lay = layouts[i][0] if i in layouts and i not in local_regions else None
         if lay is not None:
             where = (lay.mesh, tuple(held_by[i]))
-            missing = covered.get(where)
-            if missing is None:
-                missing = covered[where] = set(lay.mesh.ranks).difference(*(group_ranks[g] for g in held_by[i]))
-            if max(lay.mesh.ranks) >= world or missing:
+            found = covered.get(where)
+            if found is None:  # once per mesh and holders: a mesh of thousands of ranks is walked once, not per leaf
+                found = covered[where] = (set(lay.mesh.ranks).difference(*(group_ranks[g] for g in held_by[i])),
+                                          max(lay.mesh.ranks) >= world)
+            missing, beyond = found
+            if beyond or missing:
                 why = f"ranks {sorted(missing)[:8]} do not hold it" if missing else "it names ranks beyond the job"
                 raise CoordinationError(f"the mesh of this array does not match the job: {why}", leaf=key_str(key))
             segments = lay.segments
