@@ -91,8 +91,11 @@ def _laid_out(d: DTensor) -> tuple[Any, MeshLayout, Sequence[tuple[Region, tuple
 
 def _local(d: DTensor, pieces: Sequence[tuple[Region, tuple[slice, ...]]], expect: tuple[int, ...] | None
            ) -> torch.Tensor:
-    """A DTensor's local tensor, detached (no autograd node: a tenth of the cost, for every DTensor of
-    every save), checked against the shape its layout gives (``expect``)."""
+    """A DTensor's local tensor, detached, checked against the shape its layout gives (``expect``).
+
+    It is read from the DTensor's ``_local_tensor`` where it has one: ``to_local()`` builds an
+    autograd node unless grad mode is off (ten times the cost, for every DTensor of every save),
+    and turning grad mode off and on costs as much again."""
     local = getattr(d, "_local_tensor", None)
     if isinstance(local, torch.Tensor):
         local = local.detach()

@@ -404,8 +404,10 @@ def start(tree: Any, path: Any, *, coordinator: Any, options: Any, timeout_s: fl
         staged = stage(p)
     pending = Pending(p, sibling(p.final, "status", p.generation), timeout_s, staged)
     pending.thread.start()
-    failpoints.hit("after_stage", p.coord.rank)
-    p.stats["stage_s"] = time.perf_counter() - started - p.stats["plan_s"]
-    p.stats["staged_during_planning"] = reused
-    pending.go.set()
+    try:
+        failpoints.hit("after_stage", p.coord.rank)
+        p.stats["stage_s"] = time.perf_counter() - started - p.stats["plan_s"]
+        p.stats["staged_during_planning"] = reused
+    finally:
+        pending.go.set()  # whatever happens here, the thread goes on: it reports and cleans up
     return pending
