@@ -365,3 +365,24 @@ def test_a_load_waits_for_this_process_pending_save_async_to_the_path(tmp_path):
     np.testing.assert_array_equal(out["w"], np.full((2048, 2048), 2.0, np.float32))
     handle.wait()
     assert hidden(tmp_path) == []
+
+
+def test_a_failure_in_save_async_after_staging_lets_the_background_finish(tmp_path, monkeypatch):
+    """A failure after staging (a failpoint that raises) reaches the caller of save_async, and the
+    background save it had started still writes, commits and ends: it is not left waiting to begin."""
+    from xckpt.engine import background
+    from xckpt.engine.storage import Location
+
+    monkeypatch.setenv("XCKPT_FAILPOINTS", "after_stage:raise")
+    path = tmp_path / "ckpt"
+    with pytest.raises(OSError, match="failpoint after_stage"):
+        xckpt.save_async({"w": np.arange(4096.0).reshape(64, 64), "step": 3}, path)
+    monkeypatch.delenv("XCKPT_FAILPOINTS")
+    pending = [p for p in list(background._live) if p.path == str(Location.of(path))]
+    assert len(pending) == 1
+    pending[0].thread.join(60)
+    assert not pending[0].thread.is_alive()
+    out = xckpt.load(path)
+    assert out["step"] == 3
+    np.testing.assert_array_equal(out["w"], np.arange(4096.0).reshape(64, 64))
+    assert hidden(tmp_path) == []
