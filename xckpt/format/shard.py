@@ -200,15 +200,19 @@ def lay_out(geom: Geometry, data: np.ndarray, buf: np.ndarray) -> LaidOut:
     return LaidOut(valid, buf)
 
 
+def _views(payload: np.ndarray) -> Iterator[np.ndarray]:
+    """A whole payload (uint8, already as stored) as views of about :data:`PIECE_BYTES`."""
+    for start in range(0, payload.size, PIECE_BYTES):
+        yield payload[start:start + PIECE_BYTES]
+
+
 def _pieces(geom: Geometry, part: np.ndarray, scratch: np.ndarray) -> Iterator[np.ndarray]:
     """The payload of one uncompressed inner chunk (``part``: its data, clipped to the array) in pieces
     of about :data:`PIECE_BYTES`: views of ``part`` itself when it already is the payload (C order,
     little-endian, not clipped), else blocks of rows copied (zero-padded) into ``scratch``."""
     n = geom.inner_nbytes
     if part.shape == geom.inner_shape and part.flags.c_contiguous and part.dtype.str == geom.le_dtype.str:
-        flat = part.reshape(-1).view(np.uint8)
-        for start in range(0, n, PIECE_BYTES):
-            yield flat[start:start + PIECE_BYTES]
+        yield from _views(part.reshape(-1).view(np.uint8))
         return
     if not geom.inner_shape:  # a 0-d array's one element
         _fill(geom, part, geom.payload_view(scratch, 0))
@@ -280,7 +284,7 @@ def encode_parts(geom: Geometry, data: np.ndarray | LaidOut, scratch: np.ndarray
         else:
             crc = 0
             pieces = (_pieces(geom, data[sl + (Ellipsis,)], scratch) if whole is None  # type: ignore[index]
-                      else (whole[a:a + PIECE_BYTES] for a in range(0, n, PIECE_BYTES)))
+                      else _views(whole))
             for piece in pieces:
                 crc = checksum(piece, crc)
                 yield piece
