@@ -237,8 +237,9 @@ def test_coordinator_and_unsupported_placement_in_a_one_rank_group(tmp_path):
         assert coord.broadcast_bytes(b"hello") == b"hello"
         mesh = init_device_mesh("cpu", (1,))
         partial = DTensor.from_local(torch.ones(2, 2), mesh, [Partial()])
-        with pytest.raises(UnsupportedError, match="Partial"):
+        with pytest.raises(UnsupportedError, match="Partial") as info:
             xckpt.save({"p": partial}, tmp_path / "c")
+        assert info.value.leaf == "p"
         assert not (tmp_path / "c").exists()
         d = DTensor.from_local(torch.arange(6.0).reshape(2, 3), mesh, [Shard(1)])
         man = xckpt.save({"d": d}, tmp_path / "ok")
@@ -277,10 +278,11 @@ def test_dtensors_laid_out_alike_keep_their_own_data_and_checks(tmp_path):
             with pytest.raises(UnsupportedError) as info:
                 xckpt.save({"short": short}, tmp_path / f"bad{attempt}")
             assert info.value.code == "dtensor.local_shape" and "(2, 4)" in str(info.value), info.value
+            assert info.value.leaf == "short", info.value
             meta = DTensor.from_local(torch.empty(3, 4, device="meta"), mesh, [Shard(1)])
             with pytest.raises(UnsupportedError) as info:
                 xckpt.save({"meta": meta}, tmp_path / f"meta{attempt}")
-            assert info.value.code == "tensor.meta", info.value
+            assert info.value.code == "tensor.meta" and info.value.leaf == "meta", info.value
             assert not (tmp_path / f"bad{attempt}").exists() and not (tmp_path / f"meta{attempt}").exists()
     finally:
         dist.destroy_process_group()

@@ -113,7 +113,10 @@ def describe(tree: Any) -> tuple[Descriptors, list[Any]]:
     structure, leaves = flatten(tree, registry.save_view, note)
     descs, sources = [], []
     for key, obj in leaves:
-        src, desc = _source(key, obj)
+        try:
+            src, desc = _source(key, obj)
+        except XckptError as exc:  # an adapter's refusal (a placement, a dtype, a device) names no leaf
+            raise exc.at(leaf=key_str(key)) from exc
         sources.append(src)
         descs.append(desc)
     return Descriptors(structure, descs, notes), sources
