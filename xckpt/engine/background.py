@@ -44,6 +44,7 @@ import numpy as np
 from xckpt.engine import collective, failpoints, protocol
 from xckpt.engine.claims import sibling
 from xckpt.engine.commit import commit_failed, identity
+from xckpt.engine.hostcopy import stream_copy
 from xckpt.engine.protocol import Prepared
 from xckpt.engine.storage import Location
 from xckpt.engine.threads import yield_cpu
@@ -328,7 +329,7 @@ def stage(p: Prepared, stop: threading.Event | None = None) -> Staged:
                 raise CoordinationError("staging stopped: the processes agreed on another plan")
             buf = _staging.take(shard.laid_nbytes(geom, data.shape))
             try:
-                host = shard.lay_out(geom, data, buf)
+                host = shard.lay_out(geom, data, buf, stream_copy)
             except BaseException:
                 _staging.give(buf)
                 raise

@@ -1,0 +1,114 @@
+"""The streaming copy of asynchronous saves (xckpt/engine/hostcopy.py and its compiled helper):
+the same bytes as numpy's copy for every shape, stride, dtype, alignment and size it takes or passes on."""
+
+from __future__ import annotations
+
+import shutil
+import sysconfig
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from xckpt.engine import hostcopy
+from xckpt.format import shard
+
+native = pytest.mark.skipif(not hostcopy.available(), reason="the streaming copy was not built (no C compiler)")
+
+
+def test_built_where_a_compiler_is():
+    """The package's install builds the helper wherever a C compiler is found (CI's machine has one)."""
+    if shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc") is None:
+        pytest.skip("no C compiler here")
+    assert hostcopy.available()
+
+
+DTYPES = [np.uint8, np.int16, np.float32, np.float64, ml_dtypes.bfloat16, np.complex64]
+
+
+@st.composite
+def copies(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    """A source view (sliced, transposed, maybe reversed) of random data and an empty destination of
+    its shape, itself a view at a random byte offset (unaligned) of a bigger buffer, maybe transposed."""
+    dtype = np.dtype(draw(st.sampled_from(DTYPES)))
+    ndim = draw(st.integers(1, 4))
+    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=ndim, max_size=ndim)))
+    shape = shape[:-1] + (draw(st.sampled_from([1, 3, 64, 100, 257, 1030])),)  # runs under and over a line, odd
+    base = np.random.default_rng(draw(st.integers(0, 99))).integers(0, 256, (int(np.prod(shape)) + 8) * dtype.itemsize,
+                                                                     dtype=np.uint8)
+    src = base[:int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+    if ndim > 1 and draw(st.booleans()):
+        order = draw(st.permutations(range(ndim - 1))) + [ndim - 1]  # last dimension stays contiguous
+        src = src.transpose(order)
+    if draw(st.booleans()):
+        src = src[tuple(slice(None, None, draw(st.sampled_from([1, -1]))) for _ in range(ndim - 1))]
+    offset = draw(st.integers(0, 63))
+    raw = np.full(src.nbytes + offset + 64, 0xAB, dtype=np.uint8)
+    dst = raw[offset:offset + src.nbytes].view(dtype).reshape(src.shape)
+    return dst, src
+
+
+@native
+@settings(max_examples=300, deadline=None)
+@given(copies())
+def test_native_copy_is_numpy_copy(case: tuple[np.ndarray, np.ndarray]):
+    """The compiled copy itself, on any shape (merging contiguous dimensions into runs), stride (negative
+    too), alignment and run length: every byte as numpy copies it, and nothing written outside ``dst``."""
+    dst, src = case
+    outside = dst.base.copy() if dst.base is not None else None
+    hostcopy._native.copy(dst.__array_interface__["data"][0], src.__array_interface__["data"][0], dst.shape,
+                          dst.strides, src.strides, dst.itemsize)
+    assert np.array_equal(dst.view(np.uint8), src.view(np.uint8))
+    if outside is not None:
+        lo = dst.__array_interface__["data"][0] - dst.base.__array_interface__["data"][0]
+        rest = np.concatenate([dst.base[:lo], dst.base[lo + dst.nbytes:]])
+        assert np.array_equal(rest, np.concatenate([outside[:lo], outside[lo + dst.nbytes:]]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(copies(), st.booleans())
+def test_stream_copy_is_numpy_copy(case: tuple[np.ndarray, np.ndarray], swap: bool):
+    """stream_copy: the compiled copy where it applies, numpy's elsewhere (a byte-swapped source, a
+    strided last dimension, a small array), element for element the result of numpy.copyto."""
+    dst, src = case
+    if swap and src.dtype.kind in "iuf" and src.dtype.itemsize > 1 and src.dtype != ml_dtypes.bfloat16:
+        src = src.astype(src.dtype.newbyteorder(">"))  # equivalent casting: numpy swaps it
+    want = np.empty_like(dst)
+    np.copyto(want, src, casting="equiv")
+    hostcopy.stream_copy(dst, src)
+    assert np.array_equal(dst.view(np.uint8), want.view(np.uint8))
+
+
+def test_stream_copy_of_a_strided_last_dimension_and_an_overlap():
+    """A last dimension that is not contiguous, and arrays that overlap, are copied by numpy, correctly."""
+    a = np.arange(40000, dtype=np.float32).reshape(200, 200)
+    dst = np.empty((200, 100), np.float32)
+    hostcopy.stream_copy(dst, a[:, ::2])
+    assert np.array_equal(dst, a[:, ::2])
+    b = np.arange(100000, dtype=np.float64)
+    want = b[:-10].copy()
+    hostcopy.stream_copy(b[10:], b[:-10])  # overlapping: numpy.copyto's result
+    assert np.array_equal(b[10:], want)
+
+
+def test_stream_copy_refuses_what_numpy_refuses():
+    """A copy numpy would refuse (shapes that do not broadcast, an unsafe cast) raises the same way."""
+    with pytest.raises(ValueError):
+        hostcopy.stream_copy(np.empty((300, 300), np.float32), np.empty((300, 299), np.float32))
+    with pytest.raises(TypeError):
+        hostcopy.stream_copy(np.empty((300, 300), np.float32), np.empty((300, 300), np.float64))
+
+
+@pytest.mark.parametrize("chunk,inner,valid", [((832, 3328), (832, 832), (832, 3328)),
+                                               ((384, 96, 9), (128, 32, 9), (300, 70, 9))])
+def test_lay_out_with_the_streaming_copy(chunk: tuple[int, ...], inner: tuple[int, ...], valid: tuple[int, ...]):
+    """An asynchronous save's staging (lay_out with the streaming copy) stores the same bytes as the
+    ordinary one, whole inner chunks and zero-padded edge chunks alike."""
+    g = shard.Geometry(chunk, inner, np.dtype(np.float32))
+    data = np.random.default_rng(0).random(valid, dtype=np.float32)
+    bufs = [np.full(shard.laid_nbytes(g, valid), 0xAB, dtype=np.uint8) for _ in range(2)]
+    a = shard.lay_out(g, data, bufs[0])
+    b = shard.lay_out(g, data, bufs[1], hostcopy.stream_copy)
+    assert a.valid == b.valid and np.array_equal(a.payloads, b.payloads)

@@ -1,0 +1,38 @@
+"""Copies into staging buffers that are read again only later, with streaming stores.
+
+An asynchronous save copies the whole state into host buffers before it returns, and its
+background writer reads them long after: the copy is the call's cost. Ordinary stores read
+each destination cache line before writing it and push the training loop's data out of the
+cache; streaming (non-temporal) stores write around the cache. The compiled helper
+(``_hostcopy.c``, built with the package where a C compiler is found) does that; without it,
+or for arrays it does not take, :func:`stream_copy` is ``numpy.copyto``. The result is the same.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    from xckpt.engine import _hostcopy as _native
+except ImportError:  # built without a C compiler: numpy copies
+    _native = None
+
+#: Below this many bytes the ordinary copy is as fast.
+MIN_BYTES = 1 << 16
+
+
+def available() -> bool:
+    """Whether the streaming copy was built (else :func:`stream_copy` is ``numpy.copyto``)."""
+    return _native is not None
+
+
+def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``numpy.copyto(dst, src, casting="equiv")``, with streaming stores where it can: same shape
+    and dtype, each array's last dimension contiguous, no overlap, at least :data:`MIN_BYTES`."""
+    if (_native is None or dst.ndim == 0 or dst.shape != src.shape or dst.dtype != src.dtype
+            or dst.nbytes < MIN_BYTES or not dst.flags.writeable or dst.dtype.hasobject or dst.strides[-1] != dst.itemsize
+            or src.strides[-1] != src.itemsize or np.may_share_memory(dst, src)):
+        np.copyto(dst, src, casting="equiv")
+        return
+    _native.copy(dst.__array_interface__["data"][0], src.__array_interface__["data"][0], dst.shape,
+                 dst.strides, src.strides, dst.itemsize)
