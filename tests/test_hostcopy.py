@@ -3,6 +3,7 @@ the same bytes as numpy's copy for every shape, stride, dtype, alignment and siz
 
 from __future__ import annotations
 
+import os
 import shutil
 import sysconfig
 
@@ -19,9 +20,11 @@ native = pytest.mark.skipif(not hostcopy.available(), reason="the streaming copy
 
 
 def test_built_where_a_compiler_is():
-    """The package's install builds the helper wherever a C compiler is found (CI's machine has one)."""
-    if shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc") is None:
-        pytest.skip("no C compiler here")
+    """The package's install builds the helper wherever a C compiler and Python's headers are found
+    (CI's machine has both)."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        pytest.skip("no C compiler or no Python headers here")
     assert hostcopy.available()
 
 
@@ -91,6 +94,22 @@ def test_stream_copy_of_a_strided_last_dimension_and_an_overlap():
     want = b[:-10].copy()
     hostcopy.stream_copy(b[10:], b[:-10])  # overlapping: numpy.copyto's result
     assert np.array_equal(b[10:], want)
+
+
+@pytest.mark.parametrize("ndim", [33, 64])
+def test_stream_copy_of_many_dimensions(ndim: int):
+    """Up to numpy's 64 dimensions, transposed, the copy is numpy's; lay_out of a chunk of over 32
+    dimensions (whose split view numpy could not make) copies inner chunk by inner chunk, alike."""
+    a = np.random.default_rng(1).random((2,) * 3 + (1,) * (ndim - 4) + (20000,), dtype=np.float32)
+    src = a.transpose((2, 0, 1) + tuple(range(3, ndim)))
+    dst = np.empty(src.shape, np.float32)
+    hostcopy.stream_copy(dst, src)
+    assert np.array_equal(dst, src)
+    g = shard.Geometry((4,) + (1,) * (ndim - 2) + (20000,), (2,) + (1,) * (ndim - 2) + (10000,), np.dtype(np.float32))
+    data = np.random.default_rng(2).random(g.chunk_shape, dtype=np.float32)
+    bufs = [np.empty(shard.laid_nbytes(g, g.chunk_shape), dtype=np.uint8) for _ in range(2)]
+    assert np.array_equal(shard.lay_out(g, data, bufs[0]).payloads,
+                          shard.lay_out(g, data, bufs[1], hostcopy.stream_copy).payloads)
 
 
 def test_stream_copy_refuses_what_numpy_refuses():

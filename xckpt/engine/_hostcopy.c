@@ -21,7 +21,7 @@
 #define XCKPT_STREAM 1
 #endif
 
-#define MAX_DIMS 32
+#define MAX_DIMS 64 /* numpy's limit */
 /* Runs shorter than this are copied with memcpy: partial lines defeat write-combining. */
 #define STREAM_MIN_RUN 256
 

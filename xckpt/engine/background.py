@@ -3,12 +3,12 @@
 :func:`start` runs the collective planning step and copies every chunk this process writes
 into host buffers of its own, already in the layout its object stores
 (:func:`xckpt.format.shard.lay_out`: the inner chunks' payloads one after another), one copy
-per chunk; the caller may change, donate or free its arrays as soon as it returns. When this
-process saved the same structure before, the copying starts on a helper thread while the
-processes agree on the plan, and is kept if they agree on the same one. Only then does the
-background thread start: it checksums and writes each staged chunk without copying it again
-(an asynchronous save copies the data once, as a synchronous one does), and it does not
-compete with the copy the caller waits for.
+per chunk, with streaming stores (:mod:`xckpt.engine.hostcopy`); the caller may change, donate
+or free its arrays as soon as it returns. When this process saved the same structure before,
+the copying starts on a helper thread while the processes agree on the plan, and is kept if
+they agree on the same one. Only then does the background thread start: it checksums and
+writes each staged chunk without copying it again (an asynchronous save copies the data once,
+as a synchronous one does), and it does not compete with the copy the caller waits for.
 
 The background never runs a collective of the job's coordinator (a ``torch.distributed``
 or XLA collective from a second thread could interleave with the training loop's own), and

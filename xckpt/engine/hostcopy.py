@@ -19,6 +19,8 @@ except ImportError:  # built without a C compiler: numpy copies
 
 #: Below this many bytes the ordinary copy is as fast.
 MIN_BYTES = 1 << 16
+#: The most dimensions the compiled copy takes (numpy's limit).
+MAX_DIMS = 64
 
 
 def available() -> bool:
@@ -29,7 +31,7 @@ def available() -> bool:
 def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
     """``numpy.copyto(dst, src, casting="equiv")``, with streaming stores where it can: same shape
     and dtype, each array's last dimension contiguous, no overlap, at least :data:`MIN_BYTES`."""
-    if (_native is None or dst.ndim == 0 or dst.shape != src.shape or dst.dtype != src.dtype
+    if (_native is None or not 0 < dst.ndim <= MAX_DIMS or dst.shape != src.shape or dst.dtype != src.dtype
             or dst.nbytes < MIN_BYTES or not dst.flags.writeable or dst.dtype.hasobject or dst.strides[-1] != dst.itemsize
             or src.strides[-1] != src.itemsize or np.may_share_memory(dst, src)):
         np.copyto(dst, src, casting="equiv")
