@@ -1,11 +1,11 @@
 /* Copy between two host arrays with streaming (non-temporal) stores.
  *
  * An asynchronous save copies the whole state into staging buffers that are read again only
- * later, by its background writer. Ordinary stores first read every destination cache line
- * (read-for-ownership) and then evict the data the training loop was using; streaming stores
- * write around the cache, so the copy moves two bytes per byte copied instead of three.
- * Measured on the benchmark VM (4 processes copying 266 MB each at once): 18.9 GB/s against
- * 11.4 GB/s for numpy's copy.
+ * later, by its background writer; a load copies what it read into the caller's arrays. Ordinary
+ * stores first read every destination cache line (read-for-ownership) and then evict the data
+ * the training loop was using; streaming stores write around the cache, so the copy moves two
+ * bytes per byte copied instead of three. Measured on the benchmark VM (4 processes copying
+ * 266 MB each at once): 18.9 GB/s against 11.4 GB/s for numpy's copy.
  *
  * One function, copy(dst_address, src_address, shape, dst_strides, src_strides, itemsize):
  * the caller (xckpt/engine/hostcopy.py) passes two live numpy arrays of one shape and dtype,

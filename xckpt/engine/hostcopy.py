@@ -1,11 +1,12 @@
-"""Copies into staging buffers that are read again only later, with streaming stores.
+"""Copies into memory that is read again only later, with streaming stores.
 
 An asynchronous save copies the whole state into host buffers before it returns, and its
-background writer reads them long after: the copy is the call's cost. Ordinary stores read
-each destination cache line before writing it and push the training loop's data out of the
-cache; streaming (non-temporal) stores write around the cache. The compiled helper
-(``_hostcopy.c``, built with the package where a C compiler is found) does that; without it,
-or for arrays it does not take, :func:`stream_copy` is ``numpy.copyto``. The result is the same.
+background writer reads them long after; a load copies each inner chunk it read into the
+caller's arrays, which the training loop reads later. Ordinary stores read each destination
+cache line before writing it and push the training loop's data out of the cache; streaming
+(non-temporal) stores write around the cache. The compiled helper (``_hostcopy.c``, built with
+the package where a C compiler is found) does that; without it, or for arrays it does not take,
+:func:`stream_copy` is ``numpy.copyto``. The result is the same.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import numpy as np
 
 from xckpt.engine.storage import Blob, Store
 from xckpt.engine import threads as pools
+from xckpt.engine.hostcopy import stream_copy
 from xckpt.errors import DataError, IntegrityError, XckptError
 from xckpt.format import shard, zarr as zarr_format
 from xckpt.format.manifest import ArrayEntry, StoredArray
@@ -254,7 +255,7 @@ def _fill(obj: _Object, index: np.ndarray, whole: np.ndarray | None, blob: Blob 
         payload = shard.open_inner(geom, encoded)
         data = np.ndarray(geom.inner_shape, dtype=geom.le_dtype, buffer=payload)
         for p in parts:
-            np.copyto(p.out, data[p.src], casting="equiv")
+            stream_copy(p.out, data[p.src])
     return done
 
 
