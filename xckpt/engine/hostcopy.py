@@ -30,11 +30,11 @@ def available() -> bool:
 
 
 def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """``numpy.copyto(dst, src, casting="equiv")``, with streaming stores where it can: same shape
-    and dtype, each array's last dimension contiguous, no overlap, at least :data:`MIN_BYTES`."""
-    if (_native is None or not 0 < dst.ndim <= MAX_DIMS or dst.shape != src.shape
-            or dst.dtype != src.dtype or dst.dtype.hasobject or dst.nbytes < MIN_BYTES
-            or not dst.flags.writeable or dst.strides[-1] != dst.itemsize
+    """``numpy.copyto(dst, src, casting="equiv")``, with streaming stores where it can: at least
+    :data:`MIN_BYTES` (checked first: a load calls this for every small part too), same shape and
+    dtype, each array's last dimension contiguous, no overlap."""
+    if (_native is None or dst.nbytes < MIN_BYTES or not 0 < dst.ndim <= MAX_DIMS or dst.shape != src.shape
+            or dst.dtype != src.dtype or dst.dtype.hasobject or not dst.flags.writeable or dst.strides[-1] != dst.itemsize
             or src.strides[-1] != src.itemsize or np.may_share_memory(dst, src)):
         np.copyto(dst, src, casting="equiv")
         return

@@ -44,8 +44,19 @@ from xckpt.errors import DataError, IntegrityError, XckptError
 #: threads, stays small beside it (1 MiB pieces cut the CPU time of a numpy save by about 8 %
 #: against 256 KiB ones on the 2-core VM; 512 KiB to 2.7 MiB measured alike).
 PIECE_BYTES = 1 << 20
-#: The most dimensions a numpy array may have.
-_NUMPY_MAX_DIMS = 64
+
+
+def _numpy_max_dims() -> int:
+    """The most dimensions a numpy array may have: 64 from numpy 2, 32 before (the package takes 1.26)."""
+    try:
+        np.empty((1,) * 64, dtype=np.uint8)
+    except ValueError:
+        return 32
+    return 64
+
+
+#: The most dimensions a numpy array may have here.
+_NUMPY_MAX_DIMS = _numpy_max_dims()
 #: A copy between two arrays of one shape, as ``numpy.copyto(dst, src, casting="equiv")``.
 Copy = Callable[[np.ndarray, np.ndarray], None]
 
@@ -201,7 +212,7 @@ def lay_out(geom: Geometry, data: np.ndarray, buf: np.ndarray, copy: Copy = _cop
     if inner and 2 * len(inner) <= _NUMPY_MAX_DIMS and all(v % i == 0 for v, i in zip(valid, inner)):
         # whole inner chunks only: one copy between views that split every dimension into (inner chunk
         # number, place in it), visited in the data's order (it is read once, front to back); such a
-        # view has twice the dimensions, which numpy allows up to 32
+        # view has twice the dimensions, which numpy must allow
         grid = tuple(v // i for v, i in zip(valid, inner))
         split = tuple(x for g, i in zip(grid, inner) for x in (g, i))
         stored = np.ndarray(grid + inner, dtype=geom.le_dtype, buffer=buf)  # the inner grid's axes first
