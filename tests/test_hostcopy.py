@@ -1,12 +1,16 @@
-"""The streaming copy of asynchronous saves (xckpt/engine/hostcopy.py and its compiled helper):
-the same bytes as numpy's copy for every shape, stride, dtype, alignment and size it takes or passes on."""
+"""The copies of xckpt/engine/hostcopy.py and its compiled helper: the streaming copy of asynchronous
+saves and loads, the same bytes as numpy's copy for every shape, stride, dtype, alignment and size it
+takes or passes on; the checksumming copy of synchronous saves, the same bytes and the same crc32c as
+numpy's copy followed by the crc32c package."""
 
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import sysconfig
 
+import crc32c
 import ml_dtypes
 import numpy as np
 import pytest
@@ -18,15 +22,23 @@ from xckpt.engine import hostcopy
 from xckpt.format import shard
 
 native = pytest.mark.skipif(not hostcopy.available(), reason="the streaming copy was not built (no C compiler)")
+native_crc = pytest.mark.skipif(not hostcopy.crc_available(),
+                                reason="the checksumming copy was not built, or this processor lacks SSE4.2/PCLMULQDQ")
 
 
 def test_built_where_a_compiler_is():
     """The package's install builds the helper wherever a C compiler and Python's headers are found
-    (CI's machine has both)."""
+    (CI's machine has both); on x86-64 it checksums as it copies where the processor has SSE4.2 and
+    PCLMULQDQ, and only there."""
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if shutil.which(cc) is None or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
         pytest.skip("no C compiler or no Python headers here")
     assert hostcopy.available()
+    flags = set()
+    if platform.machine() == "x86_64" and os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    assert not flags or hostcopy.crc_available() == ({"sse4_2", "pclmulqdq"} <= flags)
 
 
 DTYPES = [np.uint8, np.int16, np.float32, np.float64, ml_dtypes.bfloat16, np.complex64]
@@ -119,6 +131,97 @@ def test_stream_copy_refuses_what_numpy_refuses():
         hostcopy.stream_copy(np.empty((300, 300), np.float32), np.empty((300, 299), np.float32))
     with pytest.raises(TypeError):
         hostcopy.stream_copy(np.empty((300, 300), np.float32), np.empty((300, 300), np.float64))
+
+
+@st.composite
+def checksummed_copies(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, int]:
+    """A source view (a slice of a wider array, so its rows are runs apart; maybe transposed or
+    reversed; maybe contiguous, merged into one run) whose runs fall in each of the helper's three
+    ways (one lane under 64 bytes, three runs at a time, three lanes within runs of 12 KiB and more,
+    with any remainder of runs), a C-contiguous destination at a random byte offset, a crc to go on from."""
+    dtype = np.dtype(draw(st.sampled_from(DTYPES)))
+    ndim = draw(st.integers(1, 3))
+    outer = tuple(draw(st.lists(st.integers(1, 5), min_size=ndim - 1, max_size=ndim - 1)))
+    last = draw(st.sampled_from([1, 3, 7, 8, 15, 16, 17, 100, 1030, 1536, 1540, 3100, 6200]))
+    wide = last + draw(st.sampled_from([0, 0, 1, 5]))  # 0: rows contiguous, merged into longer runs
+    base = np.random.default_rng(draw(st.integers(0, 99))).integers(
+        0, 256, int(np.prod(outer + (wide,))) * dtype.itemsize, dtype=np.uint8)
+    src = base.view(dtype).reshape(outer + (wide,))[..., :last]
+    if ndim > 2 and draw(st.booleans()):
+        src = src.transpose(list(draw(st.permutations(range(ndim - 1)))) + [ndim - 1])
+    if ndim > 1 and draw(st.booleans()):
+        src = src[tuple(slice(None, None, draw(st.sampled_from([1, -1]))) for _ in range(ndim - 1))]
+    offset = draw(st.integers(0, 63))
+    raw = np.full(src.nbytes + offset + 64, 0xAB, dtype=np.uint8)
+    dst = raw[offset:offset + src.nbytes].view(dtype).reshape(src.shape)
+    return dst, src, draw(st.sampled_from([0, 1, 0xFFFFFFFF, 0x1234ABCD]))
+
+
+def _copied_and_crc(dst: np.ndarray, src: np.ndarray, crc: int) -> tuple[np.ndarray, int]:
+    """What the checksumming copy must give: numpy's copy, and the crc32c package's checksum of it."""
+    want = np.empty(dst.shape, dst.dtype)
+    np.copyto(want, src, casting="equiv")
+    return want, crc32c.crc32c(want.reshape(-1).view(np.uint8), crc)
+
+
+@native_crc
+@settings(max_examples=300, deadline=None)
+@given(checksummed_copies())
+def test_native_copy_crc_is_a_copy_and_its_crc32c(case: tuple[np.ndarray, np.ndarray, int]):
+    """The compiled checksumming copy itself, at any size (no lower bound): every byte as numpy copies
+    it, the crc32c the crc32c package takes of them, and nothing written outside ``dst``."""
+    dst, src, crc = case
+    want, want_crc = _copied_and_crc(dst, src, crc)
+    outside = dst.base.copy()
+    got = hostcopy._native.copy_crc(dst.__array_interface__["data"][0], src.__array_interface__["data"][0],
+                                    src.shape, src.strides, src.itemsize, crc)
+    assert got == want_crc
+    assert np.array_equal(dst.view(np.uint8), want.view(np.uint8))
+    lo = dst.__array_interface__["data"][0] - dst.base.__array_interface__["data"][0]
+    assert np.array_equal(dst.base[:lo], outside[:lo]) and np.array_equal(dst.base[lo + dst.nbytes:],
+                                                                          outside[lo + dst.nbytes:])
+
+
+@settings(max_examples=100, deadline=None)
+@given(checksummed_copies(), st.booleans())
+def test_copy_checksum_is_a_copy_and_its_crc32c(case: tuple[np.ndarray, np.ndarray, int], swap: bool):
+    """copy_checksum: the compiled copy where it applies, numpy's copy and the crc32c package elsewhere
+    (a byte-swapped source, a small array, no helper): the same bytes and crc32c either way."""
+    dst, src, crc = case
+    if swap and src.dtype.kind in "iuf" and src.dtype.itemsize > 1 and src.dtype != ml_dtypes.bfloat16:
+        src = src.astype(src.dtype.newbyteorder(">"))
+    want, want_crc = _copied_and_crc(dst, src, crc)
+    assert hostcopy.copy_checksum(dst, src, crc) == want_crc
+    assert np.array_equal(dst.view(np.uint8), want.view(np.uint8))
+
+
+def test_copy_checksum_of_a_strided_last_dimension():
+    """A source whose last dimension is not contiguous is copied by numpy, then checksummed: the same."""
+    a = np.random.default_rng(4).random((300, 400), dtype=np.float32)
+    dst = np.empty((300, 200), np.float32)
+    assert hostcopy.copy_checksum(dst, a[:, ::2], 7) == crc32c.crc32c(np.ascontiguousarray(a[:, ::2]).view(np.uint8), 7)
+    assert np.array_equal(dst, a[:, ::2])
+
+
+@pytest.mark.parametrize("chunk,inner,valid", [((832, 3328), (832, 832), (832, 3328)),
+                                               ((384, 96, 9), (128, 32, 9), (300, 70, 9)),
+                                               ((4096, 600), (2048, 600), (4096, 600)),
+                                               ((64, 70000), (64, 35000), (50, 70000))])
+def test_encode_parts_with_the_checksumming_copy(chunk: tuple[int, ...], inner: tuple[int, ...],
+                                                 valid: tuple[int, ...]):
+    """A synchronous save's objects (encode_parts with the checksumming copy, as the writer calls it)
+    are byte for byte those of numpy's copy and the crc32c package: W1's geometry, inner chunks of
+    several blocks, rows of over 12 KiB, zero-padded edge chunks, and a source that is a view."""
+    g = shard.Geometry(chunk, inner, np.dtype(np.float32))
+    wide = np.random.default_rng(5).random(valid[:-1] + (valid[-1] + 3,), dtype=np.float32)
+    data = wide[..., 1:valid[-1] + 1]
+    objects = []
+    for copy in (shard._copy_checksum, hostcopy.copy_checksum):
+        scratch = np.empty(g.scratch_nbytes, dtype=np.uint8)
+        objects.append(b"".join(bytes(p) for p in shard.encode_parts(g, data, scratch, b"gen\0name", copy)))
+    assert objects[0] == objects[1]
+    shard.parse_index(g, np.frombuffer(objects[1][-shard.tail_nbytes(g, b"gen\0name"):], np.uint8),
+                      len(objects[1]), valid, place=b"gen\0name")
 
 
 @pytest.mark.parametrize("chunk,inner,valid", [((832, 3328), (832, 832), (832, 3328)),

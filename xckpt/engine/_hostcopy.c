@@ -11,6 +11,15 @@
  * the caller (xckpt/engine/hostcopy.py) passes two live numpy arrays of one shape and dtype,
  * the innermost dimension contiguous in both. The GIL is released while copying. Without
  * SSE2 (not x86-64) it copies with memcpy.
+ *
+ * A second, copy_crc(dst_address, src_address, shape, src_strides, itemsize, crc), serves the
+ * synchronous save: it copies a block of a chunk into the small buffer that is written next
+ * (ordinary stores: the buffer stays in the cache for the write), into C order, and returns the
+ * crc32c of the bytes copied, continuing from crc, in the same pass over the source. The
+ * crc32c runs on the SSE4.2 crc32 instruction in three independent lanes (three rows, or three
+ * thirds of one long row) joined by carry-less multiplication (PCLMULQDQ); module attribute
+ * CRC32C says whether this processor has both (checked at import), else the caller copies
+ * and checksums apart.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -118,12 +127,240 @@ static PyObject *hostcopy_copy(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define XCKPT_CRC 1
+#include <nmmintrin.h>
+#include <wmmintrin.h>
+
+/* crc32c's polynomial, bit-reflected. A 32-bit value v stands for the polynomial whose x^k
+ * coefficient is bit 31 - k (the reflected convention of the crc32 instruction). */
+#define CRC32C_POLY 0x82f63b78u
+
+/* a * b modulo the polynomial. */
+static uint32_t mul_mod(uint32_t a, uint32_t b) {
+    uint32_t m = 1u << 31, p = 0;
+    for (;;) {
+        if (a & m) {
+            p ^= b;
+            if ((a & (m - 1)) == 0)
+                break;
+        }
+        m >>= 1;
+        b = b & 1 ? (b >> 1) ^ CRC32C_POLY : b >> 1;
+    }
+    return p;
+}
+
+/* x^e modulo the polynomial. */
+static uint32_t x_pow(uint64_t e) {
+    uint32_t r = 1u << 31, sq = 1u << 30; /* x^0, x^1 */
+    while (e) {
+        if (e & 1)
+            r = mul_mod(r, sq);
+        sq = mul_mod(sq, sq);
+        e >>= 1;
+    }
+    return r;
+}
+
+/* The constant that moves a crc register over n zero bytes (n >= 5): x^(8n - 33). */
+static uint32_t shift_key(size_t n) { return x_pow(8 * (uint64_t)n - 33); }
+
+/* The register s moved over n zero bytes, where k = shift_key(n): the carry-less product of s and
+ * k is x * S * K (degree < 64), and crc32 of 64 data bits multiplies by x^32 modulo the polynomial,
+ * so crc32(0, s * k) = S * x^(8n) modulo the polynomial. */
+__attribute__((target("sse4.2,pclmul"))) static inline uint32_t shift(uint32_t s, uint32_t k) {
+    __m128i p = _mm_clmulepi64_si128(_mm_cvtsi32_si128((int)s), _mm_cvtsi32_si128((int)k), 0);
+    return (uint32_t)_mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(p));
+}
+
+/* Copy n bytes and take them into the register r (one lane). */
+__attribute__((target("sse4.2"))) static uint32_t copy_crc1(uint32_t r, char *dst, const char *src, size_t n) {
+    uint64_t c = r;
+    for (; n >= 8; n -= 8, src += 8, dst += 8) {
+        uint64_t v;
+        memcpy(&v, src, 8);
+        memcpy(dst, &v, 8);
+        c = _mm_crc32_u64(c, v);
+    }
+    r = (uint32_t)c;
+    for (; n; n--)
+        r = _mm_crc32_u8(r, (unsigned char)(*dst++ = *src++));
+    return r;
+}
+
+/* Copy n bytes (a multiple of 8) in three lanes, from s[j] to d[j], taking each lane into its
+ * register r[j]: three crc32 instructions in flight at once. */
+__attribute__((target("sse4.2"))) static void copy_crc_lanes(uint64_t r[3], char *const d[3], const char *const s[3],
+                                                             size_t n) {
+    uint64_t a = r[0], b = r[1], c = r[2];
+    char *d0 = d[0], *d1 = d[1], *d2 = d[2]; /* locals: stores through char pointers may alias d and s */
+    const char *s0 = s[0], *s1 = s[1], *s2 = s[2];
+    for (size_t i = 0; i < n; i += 8) {
+        uint64_t x, y, z;
+        memcpy(&x, s0 + i, 8);
+        memcpy(&y, s1 + i, 8);
+        memcpy(&z, s2 + i, 8);
+        memcpy(d0 + i, &x, 8);
+        memcpy(d1 + i, &y, 8);
+        memcpy(d2 + i, &z, 8);
+        a = _mm_crc32_u64(a, x);
+        b = _mm_crc32_u64(b, y);
+        c = _mm_crc32_u64(c, z);
+    }
+    r[0] = a;
+    r[1] = b;
+    r[2] = c;
+}
+
+/* Copy three runs of n bytes (their sources s0, s1, s2) to dst, one after another, and take them into
+ * the register r in that order: three lanes at once, joined with k = shift_key(n). */
+__attribute__((target("sse4.2,pclmul"))) static uint32_t copy_crc3(uint32_t r, char *dst, const char *s0,
+                                                                    const char *s1, const char *s2, size_t n,
+                                                                    uint32_t k) {
+    char *const d[3] = {dst, dst + n, dst + 2 * n};
+    const char *const s[3] = {s0, s1, s2};
+    uint64_t reg[3] = {r, 0, 0};
+    size_t body = n & ~(size_t)7;
+    copy_crc_lanes(reg, d, s, body);
+    uint32_t ra = copy_crc1((uint32_t)reg[0], d[0] + body, s0 + body, n - body);
+    uint32_t rb = copy_crc1((uint32_t)reg[1], d[1] + body, s1 + body, n - body);
+    uint32_t rc = copy_crc1((uint32_t)reg[2], d[2] + body, s2 + body, n - body);
+    return shift(shift(ra, k) ^ rb, k) ^ rc;
+}
+
+/* Runs of at least this many bytes are cut in three lanes each; shorter ones of at least
+ * CRC_MIN_TRIPLE go three runs at a time; shorter still, one lane. */
+#define CRC_LONG_RUN 12288
+#define CRC_MIN_TRIPLE 64
+
+/* Copy a long run (at least CRC_LONG_RUN bytes) from src to dst and take it into r: in three lanes
+ * (thirds, the first two of q bytes, q a multiple of 8), with kq = shift_key(q) and kl =
+ * shift_key(run - 2q). */
+__attribute__((target("sse4.2,pclmul"))) static uint32_t copy_crc_run(uint32_t r, char *dst, const char *src,
+                                                                       size_t run, size_t q, uint32_t kq,
+                                                                       uint32_t kl) {
+    char *const d[3] = {dst, dst + q, dst + 2 * q};
+    const char *const s[3] = {src, src + q, src + 2 * q};
+    uint64_t reg[3] = {r, 0, 0};
+    copy_crc_lanes(reg, d, s, q);
+    uint32_t rc = copy_crc1((uint32_t)reg[2], d[2] + q, s[2] + q, run - 3 * q);
+    return shift(shift((uint32_t)reg[0], kq) ^ (uint32_t)reg[1], kl) ^ rc;
+}
+
+/* The source address of run i + 1 after run i, counting the outer dimensions like an odometer. */
+static const char *next_run(int nd, const Py_ssize_t *shape, const Py_ssize_t *ss, Py_ssize_t *at,
+                            const char *src) {
+    for (int d = nd - 1; d >= 0; d--) {
+        if (++at[d] < shape[d])
+            return src + ss[d];
+        src -= (at[d] - 1) * ss[d];
+        at[d] = 0;
+    }
+    return src;
+}
+
+/* Copy every run of the source (nruns of run bytes, outer dimensions shape[0:nd] with strides ss)
+ * to dst one after another, and return the crc32c register r moved over them. */
+static uint32_t copy_crc_nd(uint32_t r, char *dst, const char *src, int nd, const Py_ssize_t *shape,
+                            const Py_ssize_t *ss, size_t nruns, size_t run) {
+    Py_ssize_t at[MAX_DIMS + 1] = {0};
+    size_t i = 0;
+    if (run >= CRC_LONG_RUN) {
+        size_t q = (run / 3) & ~(size_t)7;
+        uint32_t kq = shift_key(q), kl = shift_key(run - 2 * q);
+        for (; i < nruns; i++, dst += run) {
+            r = copy_crc_run(r, dst, src, run, q, kq, kl);
+            src = next_run(nd, shape, ss, at, src);
+        }
+        return r;
+    }
+    if (run >= CRC_MIN_TRIPLE && nruns >= 3) {
+        uint32_t k = shift_key(run);
+        for (; i + 3 <= nruns; i += 3, dst += 3 * run) {
+            const char *s0 = src, *s1 = next_run(nd, shape, ss, at, s0), *s2 = next_run(nd, shape, ss, at, s1);
+            r = copy_crc3(r, dst, s0, s1, s2, run, k);
+            src = next_run(nd, shape, ss, at, s2);
+        }
+    }
+    for (; i < nruns; i++, dst += run) {
+        r = copy_crc1(r, dst, src, run);
+        src = next_run(nd, shape, ss, at, src);
+    }
+    return r;
+}
+#endif
+
+static PyObject *hostcopy_copy_crc(PyObject *self, PyObject *args) {
+    Py_ssize_t dst_addr, src_addr, itemsize;
+    unsigned long crc;
+    PyObject *shape_o, *ss_o;
+    if (!PyArg_ParseTuple(args, "nnOOnk", &dst_addr, &src_addr, &shape_o, &ss_o, &itemsize, &crc))
+        return NULL;
+#ifdef XCKPT_CRC
+    Py_ssize_t nd = PySequence_Size(shape_o);
+    if (nd < 0)
+        return NULL;
+    if (nd > MAX_DIMS || itemsize <= 0 || crc > 0xffffffffUL) {
+        PyErr_SetString(PyExc_ValueError, "too many dimensions, a bad item size or a bad crc");
+        return NULL;
+    }
+    Py_ssize_t shape[MAX_DIMS + 1], ss[MAX_DIMS + 1];
+    if (parse_dims(shape_o, shape, nd, "shape") || parse_dims(ss_o, ss, nd, "src strides"))
+        return NULL;
+    size_t nruns = 1;
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        if (shape[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "negative dimension");
+            return NULL;
+        }
+        nruns *= (size_t)shape[i];
+    }
+    if (nruns == 0)
+        return PyLong_FromUnsignedLong(crc);
+    /* the run: trailing dimensions contiguous in the source (the destination is C-contiguous) */
+    size_t run = (size_t)itemsize;
+    while (nd > 0 && ss[nd - 1] == (Py_ssize_t)run) {
+        run *= (size_t)shape[nd - 1];
+        nd--;
+    }
+    nruns = 1;
+    for (Py_ssize_t i = 0; i < nd; i++)
+        nruns *= (size_t)shape[i];
+    uint32_t r = ~(uint32_t)crc;
+    Py_BEGIN_ALLOW_THREADS
+    r = copy_crc_nd(r, (char *)dst_addr, (const char *)src_addr, (int)nd, shape, ss, nruns, run);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(~r & 0xffffffffUL);
+#else
+    PyErr_SetString(PyExc_RuntimeError, "copy_crc needs an x86-64 processor");
+    return NULL;
+#endif
+}
+
 static PyMethodDef methods[] = {
     {"copy", hostcopy_copy, METH_VARARGS,
      "copy(dst_address, src_address, shape, dst_strides, src_strides, itemsize): copy with streaming stores."},
+    {"copy_crc", hostcopy_copy_crc, METH_VARARGS,
+     "copy_crc(dst_address, src_address, shape, src_strides, itemsize, crc): copy into C order (the destination "
+     "C-contiguous) and return the crc32c of the bytes copied, continuing from crc."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hostcopy", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__hostcopy(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__hostcopy(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    int crc = 0;
+#ifdef XCKPT_CRC
+    __builtin_cpu_init();
+    crc = __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("pclmul");
+#endif
+    if (PyModule_AddIntConstant(m, "CRC32C", crc) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,4 +1,4 @@
-"""Copies into memory that is read again only later, with streaming stores.
+"""Copies of array data on its way to and from storage: streaming stores, and a copy that checksums.
 
 An asynchronous save copies the whole state into host buffers before it returns, and its
 background writer reads them long after; a load copies each inner chunk it read into the
@@ -7,11 +7,18 @@ cache line before writing it and push the training loop's data out of the cache;
 (non-temporal) stores write around the cache. The compiled helper (``_hostcopy.c``, built with
 the package where a C compiler is found) does that; without it, or for arrays it does not take,
 :func:`stream_copy` is ``numpy.copyto``. The result is the same.
+
+A synchronous save copies each block of a chunk into a small buffer, in the order the object
+stores it, and takes the block's crc32c before writing it: :func:`copy_checksum` does both in one
+pass over the source with the same helper (crc32c on three lanes of the SSE4.2 instruction), where
+the processor has it; else it copies, then checksums (:func:`xckpt.format.shard.checksum`).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from xckpt.format import shard
 
 try:
     from xckpt.engine import _hostcopy as _native
@@ -22,6 +29,12 @@ except ImportError:  # built without a C compiler: numpy copies
 MIN_BYTES = 1 << 16
 #: The most dimensions the compiled copy takes (numpy's limit).
 MAX_DIMS = 64
+
+
+def crc_available() -> bool:
+    """Whether :func:`copy_checksum` checksums while it copies (the helper built, on a processor with
+    SSE4.2 and PCLMULQDQ)."""
+    return _native is not None and bool(_native.CRC32C)
 
 
 def available() -> bool:
@@ -40,3 +53,17 @@ def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
         return
     _native.copy(dst.__array_interface__["data"][0], src.__array_interface__["data"][0], dst.shape,
                  dst.strides, src.strides, dst.itemsize)
+
+
+def copy_checksum(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
+    """``numpy.copyto(dst, src, casting="equiv")`` into a C-contiguous ``dst``; return the crc32c of
+    ``dst``'s bytes, continuing from ``crc`` (:func:`xckpt.format.shard.checksum`'s value). In one
+    pass where it can: at least :data:`MIN_BYTES`, same shape and dtype, ``src``'s last dimension
+    contiguous, no overlap."""
+    if (dst.nbytes < MIN_BYTES or not crc_available() or not 0 < dst.ndim <= MAX_DIMS or dst.shape != src.shape
+            or dst.dtype != src.dtype or dst.dtype.hasobject or not dst.flags.writeable or not dst.flags.c_contiguous
+            or src.strides[-1] != src.itemsize or np.may_share_memory(dst, src)):
+        np.copyto(dst, src, casting="equiv")
+        return shard.checksum(dst.reshape(-1).view(np.uint8), crc)
+    return int(_native.copy_crc(dst.__array_interface__["data"][0], src.__array_interface__["data"][0], src.shape,
+                                src.strides, src.itemsize, crc))

@@ -4,8 +4,9 @@ A :class:`ChunkWriter` takes a chunk's data (a view of the caller's shard, in th
 dtype) and, on one of its threads, streams its object into the store in pieces of about
 1 MiB, checksummed as they pass (:func:`xckpt.format.shard.encode_parts`): an inner
 chunk already laid out as stored goes straight from the caller's memory, any other is
-copied block by block into a small per-thread buffer, so a save holds no copy of the data
-beyond one block per thread. The chunks queued but not yet written are bounded by
+copied block by block into a small per-thread buffer, checksummed in the same pass
+(:func:`xckpt.engine.hostcopy.copy_checksum`), so a save holds no copy of the data beyond
+one block per thread. The chunks queued but not yet written are bounded by
 ``max_inflight_bytes`` (their data stays referenced until written: for device arrays, the
 staged host copies).
 """
@@ -20,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from xckpt.engine import threads
+from xckpt.engine import hostcopy, threads
 from xckpt.engine.storage import Store
 from xckpt.errors import SaveError, XckptError
 from xckpt.format import shard
@@ -110,7 +111,7 @@ class ChunkWriter:
                     parts: Any = shard.encode(geom, data, place)
                 else:
                     scratch = _scratch.get(0 if isinstance(data, shard.LaidOut) else geom.scratch_nbytes)
-                    parts = shard.encode_parts(geom, data, scratch, place)
+                    parts = shard.encode_parts(geom, data, scratch, place, hostcopy.copy_checksum)
                 self._put(name, parts, leaf, shard.array_nbytes(geom, data))
             finally:
                 self._room.give(data.nbytes)

@@ -66,6 +66,17 @@ def _copyto(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src, casting="equiv")
 
 
+#: A copy between two arrays of one shape into a C-contiguous destination that returns the crc32c of
+#: the destination's bytes, continuing from the crc32c given (of what came before).
+CopyChecksum = Callable[[np.ndarray, np.ndarray, int], int]
+
+
+def _copy_checksum(dst: np.ndarray, src: np.ndarray, crc: int) -> int:
+    """The ordinary copy, then checksum, of :func:`encode_parts`."""
+    np.copyto(dst, src, casting="equiv")
+    return checksum(dst.reshape(-1).view(np.uint8), crc)
+
+
 #: Index entry of an inner chunk that is not stored.
 MISSING = 2**64 - 1
 _CRC = 4
@@ -231,31 +242,45 @@ def _views(payload: np.ndarray) -> Iterator[np.ndarray]:
         yield payload[start:start + PIECE_BYTES]
 
 
-def _pieces(geom: Geometry, part: np.ndarray, scratch: np.ndarray) -> Iterator[np.ndarray]:
+def _checked(pieces: Iterator[np.ndarray]) -> Iterator[tuple[np.ndarray, int]]:
+    """Each piece with the crc32c of the pieces so far, itself included."""
+    crc = 0
+    for piece in pieces:
+        crc = checksum(piece, crc)
+        yield piece, crc
+
+
+def _pieces(geom: Geometry, part: np.ndarray, scratch: np.ndarray, copy: CopyChecksum
+            ) -> Iterator[tuple[np.ndarray, int]]:
     """The payload of one uncompressed inner chunk (``part``: its data, clipped to the array) in pieces
-    of about :data:`PIECE_BYTES`: views of ``part`` itself when it already is the payload (C order,
-    little-endian, not clipped), else blocks of rows copied (zero-padded) into ``scratch``."""
+    of about :data:`PIECE_BYTES`, each with the crc32c of the payload so far: views of ``part`` itself
+    when it already is the payload (C order, little-endian, not clipped), else blocks of rows copied
+    (zero-padded) into ``scratch``, whole blocks by ``copy``, which checksums as it copies."""
     n = geom.inner_nbytes
     if part.shape == geom.inner_shape and part.flags.c_contiguous and part.dtype.str == geom.le_dtype.str:
-        yield from _views(part.reshape(-1).view(np.uint8))
+        yield from _checked(_views(part.reshape(-1).view(np.uint8)))
         return
     if not geom.inner_shape:  # a 0-d array's one element
         _fill(geom, part, geom.payload_view(scratch, 0))
-        yield scratch[:n]
+        yield from _checked(iter((scratch[:n],)))
         return
     rows, have = geom.inner_shape[0], part.shape[0]
     padded = part.shape[1:] != geom.inner_shape[1:]
+    crc = 0
     for a in range(0, rows, geom.block_rows):
         b = min(rows, a + geom.block_rows)
         raw = scratch[:(b - a) * geom.row_nbytes]
         view = np.ndarray((b - a,) + geom.inner_shape[1:], dtype=geom.le_dtype, buffer=raw)
         if padded or b > have:
             view[...] = 0
-        if a < have:
-            src = part[a:min(b, have)]
-            np.copyto(view[(slice(0, src.shape[0]),) + tuple(slice(0, s) for s in src.shape[1:])], src,
-                      casting="equiv")
-        yield raw
+            if a < have:
+                src = part[a:min(b, have)]
+                np.copyto(view[(slice(0, src.shape[0]),) + tuple(slice(0, s) for s in src.shape[1:])], src,
+                          casting="equiv")
+            crc = checksum(raw, crc)
+        else:
+            crc = copy(view, part[a:b], crc)
+        yield raw, crc
 
 
 def place_crc(place: bytes, index: bytes | np.ndarray) -> int:
@@ -277,7 +302,7 @@ def place_tag(place: bytes, index: np.ndarray) -> np.ndarray:
 
 
 def encode_parts(geom: Geometry, data: np.ndarray | LaidOut, scratch: np.ndarray,
-                 place: bytes | None = None) -> Iterator[np.ndarray]:
+                 place: bytes | None = None, copy: CopyChecksum = _copy_checksum) -> Iterator[np.ndarray]:
     """The bytes of one chunk's object, inner chunk by inner chunk, then the place tag (when ``place``
     is given: :func:`place_of`) and the index.
 
@@ -286,8 +311,9 @@ def encode_parts(geom: Geometry, data: np.ndarray | LaidOut, scratch: np.ndarray
     outside the array are zero-filled and inner chunks wholly outside it are not stored. An
     uncompressed inner chunk goes out in pieces of about :data:`PIECE_BYTES`, checksummed as
     they pass: slices of ``data`` itself where it already is the payload, else copied into
-    ``scratch`` (uint8, at least ``scratch_nbytes``; unused for laid-out data) while they are
-    in the cache; a compressed one is copied whole, compressed and checksummed. A yielded part
+    ``scratch`` (uint8, at least ``scratch_nbytes``; unused for laid-out data) by ``copy``,
+    which checksums them as it copies (numpy's copy, then :func:`checksum`, by default); a
+    compressed one is copied whole, compressed and checksummed. A yielded part
     is only valid until the next one is asked for, so a writer writes each part as it comes.
     """
     index = np.full((geom.n_inner, 2), MISSING, dtype="<u8")
@@ -308,10 +334,9 @@ def encode_parts(geom: Geometry, data: np.ndarray | LaidOut, scratch: np.ndarray
             yield _le32(checksum(payload))
         else:
             crc = 0
-            pieces = (_pieces(geom, data[sl + (Ellipsis,)], scratch) if whole is None  # type: ignore[index]
-                      else _views(whole))
-            for piece in pieces:
-                crc = checksum(piece, crc)
+            pieces = (_pieces(geom, data[sl + (Ellipsis,)], scratch, copy) if whole is None  # type: ignore[index]
+                      else _checked(_views(whole)))
+            for piece, crc in pieces:
                 yield piece
             yield _le32(crc)
             size = n
