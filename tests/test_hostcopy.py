@@ -216,7 +216,7 @@ def test_encode_parts_with_the_checksumming_copy(chunk: tuple[int, ...], inner: 
     wide = np.random.default_rng(5).random(valid[:-1] + (valid[-1] + 3,), dtype=np.float32)
     data = wide[..., 1:valid[-1] + 1]
     objects = []
-    for copy in (shard._copy_checksum, hostcopy.copy_checksum):
+    for copy in (shard.copy_then_checksum, hostcopy.copy_checksum):
         scratch = np.empty(g.scratch_nbytes, dtype=np.uint8)
         objects.append(b"".join(bytes(p) for p in shard.encode_parts(g, data, scratch, b"gen\0name", copy)))
     assert objects[0] == objects[1]

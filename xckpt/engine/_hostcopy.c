@@ -88,6 +88,20 @@ static int parse_dims(PyObject *seq, Py_ssize_t *out, Py_ssize_t nd, const char 
     return 0;
 }
 
+/* 1 when the shape has elements, 0 when a dimension is 0, -1 (ValueError set) when one is negative. */
+static int has_elements(const Py_ssize_t *shape, Py_ssize_t nd) {
+    int any = 1;
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        if (shape[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "negative dimension");
+            return -1;
+        }
+        if (shape[i] == 0)
+            any = 0;
+    }
+    return any;
+}
+
 static PyObject *hostcopy_copy(PyObject *self, PyObject *args) {
     Py_ssize_t dst_addr, src_addr, itemsize;
     PyObject *shape_o, *ds_o, *ss_o;
@@ -104,14 +118,9 @@ static PyObject *hostcopy_copy(PyObject *self, PyObject *args) {
     if (parse_dims(shape_o, shape, nd, "shape") || parse_dims(ds_o, ds, nd, "dst strides") ||
         parse_dims(ss_o, ss, nd, "src strides"))
         return NULL;
-    for (Py_ssize_t i = 0; i < nd; i++) {
-        if (shape[i] < 0) {
-            PyErr_SetString(PyExc_ValueError, "negative dimension");
-            return NULL;
-        }
-        if (shape[i] == 0)
-            Py_RETURN_NONE;
-    }
+    int any = has_elements(shape, nd);
+    if (any <= 0)
+        return any < 0 ? NULL : Py_NewRef(Py_None);
     /* the innermost run: trailing dimensions contiguous in both arrays, merged */
     size_t run = (size_t)itemsize;
     while (nd > 0 && ds[nd - 1] == (Py_ssize_t)run && ss[nd - 1] == (Py_ssize_t)run) {
@@ -308,23 +317,16 @@ static PyObject *hostcopy_copy_crc(PyObject *self, PyObject *args) {
     Py_ssize_t shape[MAX_DIMS + 1], ss[MAX_DIMS + 1];
     if (parse_dims(shape_o, shape, nd, "shape") || parse_dims(ss_o, ss, nd, "src strides"))
         return NULL;
-    size_t nruns = 1;
-    for (Py_ssize_t i = 0; i < nd; i++) {
-        if (shape[i] < 0) {
-            PyErr_SetString(PyExc_ValueError, "negative dimension");
-            return NULL;
-        }
-        nruns *= (size_t)shape[i];
-    }
-    if (nruns == 0)
-        return PyLong_FromUnsignedLong(crc);
+    int any = has_elements(shape, nd);
+    if (any <= 0)
+        return any < 0 ? NULL : PyLong_FromUnsignedLong(crc);
     /* the run: trailing dimensions contiguous in the source (the destination is C-contiguous) */
     size_t run = (size_t)itemsize;
     while (nd > 0 && ss[nd - 1] == (Py_ssize_t)run) {
         run *= (size_t)shape[nd - 1];
         nd--;
     }
-    nruns = 1;
+    size_t nruns = 1;
     for (Py_ssize_t i = 0; i < nd; i++)
         nruns *= (size_t)shape[i];
     uint32_t r = ~(uint32_t)crc;

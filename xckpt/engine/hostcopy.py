@@ -31,10 +31,14 @@ MIN_BYTES = 1 << 16
 MAX_DIMS = 64
 
 
+#: Whether the helper checksums as it copies (built, on a processor with SSE4.2 and PCLMULQDQ).
+_NATIVE_CRC = _native is not None and bool(_native.CRC32C)
+
+
 def crc_available() -> bool:
     """Whether :func:`copy_checksum` checksums while it copies (the helper built, on a processor with
     SSE4.2 and PCLMULQDQ)."""
-    return _native is not None and bool(_native.CRC32C)
+    return _NATIVE_CRC
 
 
 def available() -> bool:
@@ -42,13 +46,19 @@ def available() -> bool:
     return _native is not None
 
 
+def _compiled_takes(dst: np.ndarray, src: np.ndarray) -> bool:
+    """What both compiled copies need: at least :data:`MIN_BYTES` (checked first: a load copies many
+    small parts), same shape and dtype (no object dtype), a writable ``dst``, ``src``'s last dimension
+    contiguous, no overlap."""
+    return (dst.nbytes >= MIN_BYTES and 0 < dst.ndim <= MAX_DIMS and dst.shape == src.shape and dst.dtype == src.dtype
+            and not dst.dtype.hasobject and dst.flags.writeable and src.strides[-1] == src.itemsize
+            and not np.may_share_memory(dst, src))
+
+
 def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """``numpy.copyto(dst, src, casting="equiv")``, with streaming stores where it can: at least
-    :data:`MIN_BYTES` (checked first: a load calls this for every small part too), same shape and
-    dtype, each array's last dimension contiguous, no overlap."""
-    if (_native is None or dst.nbytes < MIN_BYTES or not 0 < dst.ndim <= MAX_DIMS or dst.shape != src.shape
-            or dst.dtype != src.dtype or dst.dtype.hasobject or not dst.flags.writeable or dst.strides[-1] != dst.itemsize
-            or src.strides[-1] != src.itemsize or np.may_share_memory(dst, src)):
+    """``numpy.copyto(dst, src, casting="equiv")``, with streaming stores where it can: what
+    :func:`_compiled_takes` lists, and ``dst``'s last dimension contiguous too."""
+    if _native is None or not _compiled_takes(dst, src) or dst.strides[-1] != dst.itemsize:
         np.copyto(dst, src, casting="equiv")
         return
     _native.copy(dst.__array_interface__["data"][0], src.__array_interface__["data"][0], dst.shape,
@@ -58,12 +68,8 @@ def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
 def copy_checksum(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
     """``numpy.copyto(dst, src, casting="equiv")`` into a C-contiguous ``dst``; return the crc32c of
     ``dst``'s bytes, continuing from ``crc`` (:func:`xckpt.format.shard.checksum`'s value). In one
-    pass where it can: at least :data:`MIN_BYTES`, same shape and dtype, ``src``'s last dimension
-    contiguous, no overlap."""
-    if (dst.nbytes < MIN_BYTES or not crc_available() or not 0 < dst.ndim <= MAX_DIMS or dst.shape != src.shape
-            or dst.dtype != src.dtype or dst.dtype.hasobject or not dst.flags.writeable or not dst.flags.c_contiguous
-            or src.strides[-1] != src.itemsize or np.may_share_memory(dst, src)):
-        np.copyto(dst, src, casting="equiv")
-        return shard.checksum(dst.reshape(-1).view(np.uint8), crc)
+    pass where it can (:func:`_compiled_takes`), else :func:`xckpt.format.shard.copy_then_checksum`."""
+    if not _NATIVE_CRC or not _compiled_takes(dst, src) or not dst.flags.c_contiguous:
+        return shard.copy_then_checksum(dst, src, crc)
     return int(_native.copy_crc(dst.__array_interface__["data"][0], src.__array_interface__["data"][0], src.shape,
                                 src.strides, src.itemsize, crc))

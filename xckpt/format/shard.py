@@ -31,7 +31,7 @@ import struct
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import product
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import crc32c
 import numpy as np
@@ -71,8 +71,9 @@ def _copyto(dst: np.ndarray, src: np.ndarray) -> None:
 CopyChecksum = Callable[[np.ndarray, np.ndarray, int], int]
 
 
-def _copy_checksum(dst: np.ndarray, src: np.ndarray, crc: int) -> int:
-    """The ordinary copy, then checksum, of :func:`encode_parts`."""
+def copy_then_checksum(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
+    """A :data:`CopyChecksum` in two passes, :func:`encode_parts`'s default: numpy's copy, then
+    :func:`checksum` of ``dst``'s bytes in C order."""
     np.copyto(dst, src, casting="equiv")
     return checksum(dst.reshape(-1).view(np.uint8), crc)
 
@@ -242,7 +243,7 @@ def _views(payload: np.ndarray) -> Iterator[np.ndarray]:
         yield payload[start:start + PIECE_BYTES]
 
 
-def _checked(pieces: Iterator[np.ndarray]) -> Iterator[tuple[np.ndarray, int]]:
+def _checked(pieces: Iterable[np.ndarray]) -> Iterator[tuple[np.ndarray, int]]:
     """Each piece with the crc32c of the pieces so far, itself included."""
     crc = 0
     for piece in pieces:
@@ -262,7 +263,7 @@ def _pieces(geom: Geometry, part: np.ndarray, scratch: np.ndarray, copy: CopyChe
         return
     if not geom.inner_shape:  # a 0-d array's one element
         _fill(geom, part, geom.payload_view(scratch, 0))
-        yield from _checked(iter((scratch[:n],)))
+        yield from _checked((scratch[:n],))
         return
     rows, have = geom.inner_shape[0], part.shape[0]
     padded = part.shape[1:] != geom.inner_shape[1:]
@@ -302,7 +303,7 @@ def place_tag(place: bytes, index: np.ndarray) -> np.ndarray:
 
 
 def encode_parts(geom: Geometry, data: np.ndarray | LaidOut, scratch: np.ndarray,
-                 place: bytes | None = None, copy: CopyChecksum = _copy_checksum) -> Iterator[np.ndarray]:
+                 place: bytes | None = None, copy: CopyChecksum = copy_then_checksum) -> Iterator[np.ndarray]:
     """The bytes of one chunk's object, inner chunk by inner chunk, then the place tag (when ``place``
     is given: :func:`place_of`) and the index.
 
