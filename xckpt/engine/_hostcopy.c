@@ -20,10 +20,17 @@
  * thirds of one long row) joined by carry-less multiplication (PCLMULQDQ); module attribute
  * CRC32C says whether this processor has both (checked at import), else the caller copies
  * and checksums apart.
+ *
+ * Both prefetch the source PREFETCH_ROWS rows ahead where they copy row by row: a chunk's block
+ * of columns (a (832, 832) inner chunk of a (832, 3328) shard) is rows of 3,328 bytes 13,312
+ * bytes apart, which the processor's own prefetcher does not follow. Measured on the benchmark
+ * VM, one thread, W1's 24 such chunks (266 MB): the checksumming copy 0.031 s -> 0.022 s, the
+ * streaming copy 0.033 s -> 0.025 s; any distance from 4 to 24 rows measured alike.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
+#include <stddef.h>
 #include <stdint.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -33,8 +40,18 @@
 #define MAX_DIMS 64 /* numpy's limit */
 /* Runs shorter than this are copied with memcpy: partial lines defeat write-combining. */
 #define STREAM_MIN_RUN 256
+/* A copy of rows far apart (a column block of a larger array) prefetches the source this many
+ * rows ahead: the processor's own prefetcher follows one long run, not rows a stride apart. */
+#define PREFETCH_ROWS 9
 
-static void copy_run(char *dst, const char *src, size_t n) {
+/* Prefetch the n bytes at p, a line at a time (a hint: nothing faults, even past the array). */
+static inline void prefetch_run(const char *p, size_t n) {
+    for (size_t i = 0; i < n; i += 64)
+        __builtin_prefetch(p + i);
+}
+
+/* Copy a run of n bytes; ``ahead`` (0 for none): where, from src, the next rows lie, to prefetch. */
+static void copy_run(char *dst, const char *src, size_t n, ptrdiff_t ahead) {
 #ifdef XCKPT_STREAM
     if (n >= STREAM_MIN_RUN) {
         size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
@@ -42,6 +59,8 @@ static void copy_run(char *dst, const char *src, size_t n) {
         dst += head; src += head; n -= head;
         size_t i = 0;
         for (; i + 64 <= n; i += 64) {
+            if (ahead)
+                __builtin_prefetch(src + i + ahead);
             __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
             __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
             __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
@@ -55,13 +74,21 @@ static void copy_run(char *dst, const char *src, size_t n) {
         return;
     }
 #endif
+    if (ahead)
+        prefetch_run(src + ahead, n);
     memcpy(dst, src, n);
 }
 
 static void copy_nd(int nd, const Py_ssize_t *shape, const Py_ssize_t *ds, const Py_ssize_t *ss,
                     char *dst, const char *src, size_t run) {
     if (nd == 0) {
-        copy_run(dst, src, run);
+        copy_run(dst, src, run, 0);
+        return;
+    }
+    if (nd == 1) { /* rows: prefetch the ones ahead */
+        ptrdiff_t ahead = PREFETCH_ROWS * ss[0];
+        for (Py_ssize_t i = 0; i < shape[0]; i++)
+            copy_run(dst + i * ds[0], src + i * ss[0], run, ahead);
         return;
     }
     for (Py_ssize_t i = 0; i < shape[0]; i++)
@@ -199,14 +226,21 @@ __attribute__((target("sse4.2"))) static uint32_t copy_crc1(uint32_t r, char *ds
 }
 
 /* Copy n bytes (a multiple of 8) in three lanes, from s[j] to d[j], taking each lane into its
- * register r[j]: three crc32 instructions in flight at once. */
+ * register r[j]: three crc32 instructions in flight at once. ``ahead`` (bytes, 0 for none): where,
+ * from each lane's source, to prefetch the lines the next call will read (the processor's own
+ * prefetcher follows one long run, not rows far apart). */
 __attribute__((target("sse4.2"))) static void copy_crc_lanes(uint64_t r[3], char *const d[3], const char *const s[3],
-                                                             size_t n) {
+                                                             size_t n, ptrdiff_t ahead) {
     uint64_t a = r[0], b = r[1], c = r[2];
     char *d0 = d[0], *d1 = d[1], *d2 = d[2]; /* locals: stores through char pointers may alias d and s */
     const char *s0 = s[0], *s1 = s[1], *s2 = s[2];
     for (size_t i = 0; i < n; i += 8) {
         uint64_t x, y, z;
+        if (ahead && (i & 63) == 0) {
+            __builtin_prefetch(s0 + i + ahead);
+            __builtin_prefetch(s1 + i + ahead);
+            __builtin_prefetch(s2 + i + ahead);
+        }
         memcpy(&x, s0 + i, 8);
         memcpy(&y, s1 + i, 8);
         memcpy(&z, s2 + i, 8);
@@ -226,12 +260,12 @@ __attribute__((target("sse4.2"))) static void copy_crc_lanes(uint64_t r[3], char
  * the register r in that order: three lanes at once, joined with k = shift_key(n). */
 __attribute__((target("sse4.2,pclmul"))) static uint32_t copy_crc3(uint32_t r, char *dst, const char *s0,
                                                                     const char *s1, const char *s2, size_t n,
-                                                                    uint32_t k) {
+                                                                    uint32_t k, ptrdiff_t ahead) {
     char *const d[3] = {dst, dst + n, dst + 2 * n};
     const char *const s[3] = {s0, s1, s2};
     uint64_t reg[3] = {r, 0, 0};
     size_t body = n & ~(size_t)7;
-    copy_crc_lanes(reg, d, s, body);
+    copy_crc_lanes(reg, d, s, body, ahead);
     uint32_t ra = copy_crc1((uint32_t)reg[0], d[0] + body, s0 + body, n - body);
     uint32_t rb = copy_crc1((uint32_t)reg[1], d[1] + body, s1 + body, n - body);
     uint32_t rc = copy_crc1((uint32_t)reg[2], d[2] + body, s2 + body, n - body);
@@ -252,7 +286,7 @@ __attribute__((target("sse4.2,pclmul"))) static uint32_t copy_crc_run(uint32_t r
     char *const d[3] = {dst, dst + q, dst + 2 * q};
     const char *const s[3] = {src, src + q, src + 2 * q};
     uint64_t reg[3] = {r, 0, 0};
-    copy_crc_lanes(reg, d, s, q);
+    copy_crc_lanes(reg, d, s, q, 0);
     uint32_t rc = copy_crc1((uint32_t)reg[2], d[2] + q, s[2] + q, run - 3 * q);
     return shift(shift((uint32_t)reg[0], kq) ^ (uint32_t)reg[1], kl) ^ rc;
 }
@@ -288,7 +322,7 @@ static uint32_t copy_crc_nd(uint32_t r, char *dst, const char *src, int nd, cons
         uint32_t k = shift_key(run);
         for (; i + 3 <= nruns; i += 3, dst += 3 * run) {
             const char *s0 = src, *s1 = next_run(nd, shape, ss, at, s0), *s2 = next_run(nd, shape, ss, at, s1);
-            r = copy_crc3(r, dst, s0, s1, s2, run, k);
+            r = copy_crc3(r, dst, s0, s1, s2, run, k, PREFETCH_ROWS * ss[nd - 1]);
             src = next_run(nd, shape, ss, at, s2);
         }
     }

@@ -10,7 +10,8 @@ the package where a C compiler is found) does that; without it, or for arrays it
 
 A synchronous save copies each block of a chunk into a small buffer, in the order the object
 stores it, and takes the block's crc32c before writing it: :func:`copy_checksum` does both in one
-pass over the source with the same helper (crc32c on three lanes of the SSE4.2 instruction), where
+pass over the source with the same helper (crc32c on three lanes of the SSE4.2 instruction; rows a
+stride apart prefetched ahead, which the processor does not do for them), where
 the processor has it; else it copies, then checksums (:func:`xckpt.format.shard.checksum`).
 """
 
