@@ -44,10 +44,16 @@
  * rows ahead: the processor's own prefetcher follows one long run, not rows a stride apart. */
 #define PREFETCH_ROWS 9
 
-/* Prefetch the n bytes at p, a line at a time (a hint: nothing faults, even past the array). */
-static inline void prefetch_run(const char *p, size_t n) {
+/* Prefetch the line at p + off: a hint, which never faults, so off may reach past the array (the
+ * address is worked out as an integer: a pointer past its array is not valid C). */
+static inline void prefetch_at(const char *p, ptrdiff_t off) {
+    __builtin_prefetch((const void *)((uintptr_t)p + (uintptr_t)off));
+}
+
+/* Prefetch the n bytes at p + off, a line at a time. */
+static inline void prefetch_run(const char *p, ptrdiff_t off, size_t n) {
     for (size_t i = 0; i < n; i += 64)
-        __builtin_prefetch(p + i);
+        prefetch_at(p + i, off);
 }
 
 /* Copy a run of n bytes; ``ahead`` (0 for none): where, from src, the next rows lie, to prefetch. */
@@ -60,7 +66,7 @@ static void copy_run(char *dst, const char *src, size_t n, ptrdiff_t ahead) {
         size_t i = 0;
         for (; i + 64 <= n; i += 64) {
             if (ahead)
-                __builtin_prefetch(src + i + ahead);
+                prefetch_at(src + i, ahead);
             __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
             __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
             __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
@@ -75,7 +81,7 @@ static void copy_run(char *dst, const char *src, size_t n, ptrdiff_t ahead) {
     }
 #endif
     if (ahead)
-        prefetch_run(src + ahead, n);
+        prefetch_run(src, ahead, n);
     memcpy(dst, src, n);
 }
 
@@ -237,9 +243,9 @@ __attribute__((target("sse4.2"))) static void copy_crc_lanes(uint64_t r[3], char
     for (size_t i = 0; i < n; i += 8) {
         uint64_t x, y, z;
         if (ahead && (i & 63) == 0) {
-            __builtin_prefetch(s0 + i + ahead);
-            __builtin_prefetch(s1 + i + ahead);
-            __builtin_prefetch(s2 + i + ahead);
+            prefetch_at(s0 + i, ahead);
+            prefetch_at(s1 + i, ahead);
+            prefetch_at(s2 + i, ahead);
         }
         memcpy(&x, s0 + i, 8);
         memcpy(&y, s1 + i, 8);
