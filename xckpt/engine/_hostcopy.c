@@ -263,7 +263,8 @@ __attribute__((target("sse4.2"))) static void copy_crc_lanes(uint64_t r[3], char
 }
 
 /* Copy three runs of n bytes (their sources s0, s1, s2) to dst, one after another, and take them into
- * the register r in that order: three lanes at once, joined with k = shift_key(n). */
+ * the register r in that order: three lanes at once, joined with k = shift_key(n); ``ahead`` as for
+ * copy_crc_lanes. */
 __attribute__((target("sse4.2,pclmul"))) static uint32_t copy_crc3(uint32_t r, char *dst, const char *s0,
                                                                     const char *s1, const char *s2, size_t n,
                                                                     uint32_t k, ptrdiff_t ahead) {
@@ -326,9 +327,10 @@ static uint32_t copy_crc_nd(uint32_t r, char *dst, const char *src, int nd, cons
     }
     if (run >= CRC_MIN_TRIPLE && nruns >= 3) {
         uint32_t k = shift_key(run);
+        ptrdiff_t ahead = PREFETCH_ROWS * ss[nd - 1];
         for (; i + 3 <= nruns; i += 3, dst += 3 * run) {
             const char *s0 = src, *s1 = next_run(nd, shape, ss, at, s0), *s2 = next_run(nd, shape, ss, at, s1);
-            r = copy_crc3(r, dst, s0, s1, s2, run, k, PREFETCH_ROWS * ss[nd - 1]);
+            r = copy_crc3(r, dst, s0, s1, s2, run, k, ahead);
             src = next_run(nd, shape, ss, at, s2);
         }
     }
