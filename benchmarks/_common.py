@@ -26,8 +26,10 @@ from typing import Any
 
 import numpy as np
 
-#: Where every checkpoint of every benchmark goes (a tmpfs: no disk in the measurement).
+#: Where the benchmarks' checkpoints go by default (a tmpfs: no disk in the measurement).
 SHM = "/dev/shm"
+#: Where they go in this run: ``--root`` (:func:`parse`), else :data:`SHM`.
+ROOT = SHM
 MiB = 1 << 20
 GB = 1e9
 STEP = 1000  #: the value of the int64 step in every workload
@@ -323,8 +325,8 @@ def median(xs: Iterable[float]) -> float:
 # ----------------------------------------------------------------------------- files and processes
 
 def fresh_dir(tag: str) -> str:
-    """A new, empty directory under /dev/shm."""
-    return tempfile.mkdtemp(prefix=f"xckpt-bench-{tag}-", dir=SHM)
+    """A new, empty directory under :data:`ROOT`."""
+    return tempfile.mkdtemp(prefix=f"xckpt-bench-{tag}-", dir=ROOT)
 
 
 def remove(path: str) -> None:
@@ -492,7 +494,19 @@ def common_args(description: str, workload: bool = True) -> argparse.ArgumentPar
                    "(default 1 = full size)")
     p.add_argument("--strict", action="store_true", help="exit with status 1 when a goal is not met "
                    "(without it, only errors, such as a load returning wrong data, make the exit status non-zero)")
+    p.add_argument("--root", default=SHM, help=f"the directory the checkpoints are written under (default {SHM}, a "
+                   "tmpfs; a directory on a disk measures that disk and file system too)")
     return p
+
+
+def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse the command line with ``p`` (made by :func:`common_args`) and write checkpoints under its ``--root``."""
+    global ROOT
+    args = p.parse_args()
+    if not os.path.isdir(args.root):
+        p.error(f"--root {args.root}: not a directory")
+    ROOT = os.path.abspath(args.root)
+    return args
 
 
 def size_note(wl: Workload) -> str:

@@ -19,7 +19,7 @@ and ``jax_enable_x64`` (for the int64 step):
 
 After an untimed warm-up round at full size, methods are interleaved ``--repeats`` times,
 their order reversed every other run (xckpt, Orbax, raw; raw, Orbax, xckpt; ...); each run
-saves into a fresh directory under /dev/shm, loads it back, and deletes it before the next
+saves into a fresh directory under ``--root`` (default /dev/shm), loads it back, and deletes it before the next
 run (one checkpoint at a time); tables show medians.
 Peak RSS is the kernel's high-water mark, reset before the call (:class:`_common.PeakRSS`);
 bytes read is the /proc/self/io ``rchar`` delta around the load call.
@@ -128,7 +128,7 @@ def run(wl: C.Workload, repeats: int, ckptr: Any) -> C.Table:
 
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
     for rep, order in C.rounds(METHODS, repeats):
-        for m in order:  # save, load, check, delete: one checkpoint on /dev/shm at a time
+        for m in order:  # save, load, check, delete: one checkpoint under the root at a time
             root = C.fresh_dir(f"jax-{wl.name}-{m}")
             try:
                 path = os.path.join(root, "ckpt")
@@ -160,7 +160,7 @@ def run(wl: C.Workload, repeats: int, ckptr: Any) -> C.Table:
         return [med(m, key) / scale for m in METHODS]
 
     t = C.Table(f"{wl.title} jax (1 process, 8 CPU devices: save P('x',None) on 4, restore P(None,'x') on 2), "
-                f"/dev/shm, median of {repeats}\n"
+                f"{C.ROOT}, median of {repeats}\n"
                 f"  {C.size_note(wl)}; raw = 2 threads, tofile+fsync / fromfile (reference)", list(METHODS))
     t.add("save s", row("save"), goal=C.Goal("<=", 0.5 if wl.name == "w1" else 0.3))
     t.add("load s", row("load"), goal=C.Goal("<=", 0.5 if wl.name == "w1" else 0.3))
@@ -181,7 +181,7 @@ def run(wl: C.Workload, repeats: int, ckptr: Any) -> C.Table:
 
 def main() -> int:
     """Parse flags, run the selected workloads, print one table each (exit 1 on a failed goal with --strict)."""
-    args = C.common_args(__doc__.splitlines()[0]).parse_args()
+    args = C.parse(C.common_args(__doc__.splitlines()[0]))
     C.log_xckpt()
     warnings.filterwarnings("ignore")
     import orbax.checkpoint as ocp

@@ -3,7 +3,7 @@
 The tree is W1's 24 matrices (8 layers x weight, exp_avg, exp_avg_sq, fp32 3328x3328,
 1.06 GB) as numpy arrays in one dict. Measured after an untimed warm-up round at full
 size, interleaved (xckpt, raw; raw, xckpt; ...) ``--repeats`` times, each run in a fresh
-directory under /dev/shm deleted afterwards:
+directory under ``--root`` (default /dev/shm) deleted afterwards:
 
 * xckpt: ``xckpt.save(tree, path)`` and the full load ``xckpt.load(path)``;
 * raw: one file per matrix written by 2 threads with ``ndarray.tofile`` + flush + ``os.fsync``,
@@ -83,7 +83,7 @@ def run(wl: C.Workload, repeats: int) -> C.Table:
         """Median over runs of one quantity, for each method."""
         return [C.median(r[key] for r in runs[m]) / scale for m in METHODS]
 
-    t = C.Table(f"numpy, 1 process: W1's {len(wl.matrices)} matrices ({nbytes / C.GB:.3f} GB) in one dict, /dev/shm, "
+    t = C.Table(f"numpy, 1 process: W1's {len(wl.matrices)} matrices ({nbytes / C.GB:.3f} GB) in one dict, {C.ROOT}, "
                 f"median of {repeats}\n  raw = 2 threads, tofile+flush+fsync per matrix / np.fromfile",
                 list(METHODS))
     save_s, load_s = med("save"), med("load")
@@ -99,7 +99,7 @@ def run(wl: C.Workload, repeats: int) -> C.Table:
 
 def main() -> int:
     """Parse flags, run, print the table (exit 1 on a failed goal with --strict)."""
-    args = C.common_args(__doc__.splitlines()[0], workload=False).parse_args()
+    args = C.parse(C.common_args(__doc__.splitlines()[0], workload=False))
     C.log_xckpt()
     t = run(C.w1(args.scale), args.repeats)
     t.print()

@@ -15,7 +15,7 @@ method: the 4 ranks save into a fresh directory, ``xckpt.save(state, path)`` or
 in place, ``xckpt.load(path, like=state)`` or ``dcp.load(state,
 storage_reader=FileSystemReader(path))``, then recompute the expected shard of every leaf
 from the seeded pattern and compare element by element (a mismatch raises, and the
-benchmark fails); then the directory is deleted, so /dev/shm holds one checkpoint at a
+benchmark fails); then the directory is deleted, so the root holds one checkpoint at a
 time. (On this VM, memory that was not touched recently costs several times more to
 fault in than recycled memory, so letting checkpoints pile up skews later runs.)
 
@@ -28,7 +28,7 @@ wall time of the collective); tables show medians over the runs. Peak RSS is eac
 process's high-water mark as the kernel keeps it, reset before the call (no thread samples
 beside the measured code); "peak RSS all procs" sums each process's peak. "bytes read" sums
 the /proc/self/io ``rchar`` deltas around the load call over the loading processes.
-Checkpoints live under /dev/shm.
+Checkpoints live under ``--root`` (default /dev/shm, a tmpfs).
 
 save_async (``--only async``, on W1): the 4 saving ranks alternate ``xckpt.save`` and
 ``xckpt.save_async(state, path)`` + ``handle.wait()``; reports the blocking time (until
@@ -381,7 +381,7 @@ def run_saveload(wl: C.Workload, repeats: int) -> C.Table:
     """Measure ``wl``: 4 ranks save, 2 ranks load, xckpt against DCP, plus the raw reference; return the table.
 
     Per run and method: the saving group saves into a fresh directory, the loading group
-    loads it in place and checks it, then the directory is deleted (so /dev/shm never holds
+    loads it in place and checks it, then the directory is deleted (so the root never holds
     more than one checkpoint, and every method sees the same memory footprint).
     """
     root = C.fresh_dir(f"torch-{wl.name}")
@@ -416,7 +416,7 @@ def run_saveload(wl: C.Workload, repeats: int) -> C.Table:
         """Median over runs of one aggregated quantity (element ``i`` of a per-rank list)."""
         return C.median(r[key] if i is None else r[key][i] for r in runs[m][op])
 
-    t = C.Table(f"{wl.title} torch (4 ranks save [Shard(0)], 2 ranks load [Shard(1)]), /dev/shm, median of {repeats}\n"
+    t = C.Table(f"{wl.title} torch (4 ranks save [Shard(0)], 2 ranks load [Shard(1)]), {C.ROOT}, median of {repeats}\n"
                 f"  {C.size_note(wl)}; raw = 1 process, 2 threads, tofile+fsync / fromfile (reference)",
                 ["xckpt", "DCP", "raw"])
     t.add("save s", [med(m, "save", "seconds") for m in METHODS] + [raw["save"]], goal=C.Goal("<=", 0.6))
@@ -489,7 +489,7 @@ def run_async(wl: C.Workload, repeats: int) -> C.Table:
         return C.median(r[key] for r in runs[kind])
 
     sync_s = med("sync", "seconds")
-    t = C.Table(f"{wl.title} torch save_async (4 ranks [Shard(0)]), /dev/shm, median of {repeats}\n"
+    t = C.Table(f"{wl.title} torch save_async (4 ranks [Shard(0)]), {C.ROOT}, median of {repeats}\n"
                 f"  {C.size_note(wl)}; both columns xckpt; ratio = async / sync", ["save_async", "save (sync)"])
     t.add("blocking s (until it returns)", [med("async", "blocking"), sync_s], goal=C.Goal("<=", 0.25))
     t.add("total s (until wait returns)", [med("async", "seconds"), sync_s], goal=C.Goal("<=", 1.15))
@@ -506,7 +506,7 @@ def run_cold(wl: C.Workload, repeats: int) -> C.Table:
     The packages are imported before the clock starts; whatever a method does the first time it
     runs in a process (lazy imports, thread pools, a plan it cannot reuse) is timed. An untimed
     round comes first, as in the other comparisons, so neither method pays this machine's first
-    touch of /dev/shm.
+    touch of its memory.
     """
     root = C.fresh_dir(f"torch-cold-{wl.name}")
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {m: {"save": [], "load": []} for m in METHODS}
@@ -536,7 +536,7 @@ def run_cold(wl: C.Workload, repeats: int) -> C.Table:
     finally:
         C.remove(root)
     t = C.Table(f"{wl.title} torch, first calls in fresh processes (4 ranks save [Shard(0)], 2 ranks load "
-                f"[Shard(1)]), /dev/shm, median of {repeats}\n  {C.size_note(wl)}", ["xckpt", "DCP"])
+                f"[Shard(1)]), {C.ROOT}, median of {repeats}\n  {C.size_note(wl)}", ["xckpt", "DCP"])
     for op in ("save", "load"):
         t.add(f"first {op} s", [C.median(r["seconds"] for r in runs[m][op]) for m in METHODS])
     return t
@@ -548,7 +548,7 @@ def main() -> int:
     p.add_argument("--only", choices=["torch", "async", "all", "cold"], default="all",
                    help="torch: save/load against DCP; async: save_async on W1; all: both (default); cold: the "
                         "first save and load in fresh processes, against DCP's")
-    args = p.parse_args()
+    args = C.parse(p)
     tables = []
     C.log_xckpt()
     if args.only in ("torch", "all"):

@@ -47,12 +47,13 @@ def main() -> int:
     p = C.common_args(__doc__.splitlines()[0])
     p.add_argument("--only", default=",".join(PARTS),
                    help=f"comma-separated parts to run, of {', '.join(PARTS)} (default all)")
-    args = p.parse_args()
+    args = C.parse(p)
     only = [x.strip() for x in args.only.split(",") if x.strip()]
     unknown = sorted(set(only) - set(PARTS))
     if unknown:
         p.error(f"unknown part(s) {unknown}; choose from {PARTS}")
-    common = ["--repeats", str(args.repeats), "--scale", str(args.scale)] + (["--strict"] if args.strict else [])
+    common = ["--repeats", str(args.repeats), "--scale", str(args.scale), "--root", C.ROOT]
+    common += ["--strict"] if args.strict else []
     explicit = any(a == "--only" or a.startswith("--only=") for a in sys.argv[1:])
     outputs: list[tuple[str, int, str]] = []
     for name, argv in _commands(only, args.workload, explicit, common):

@@ -386,3 +386,47 @@ def test_a_failure_in_save_async_after_staging_lets_the_background_finish(tmp_pa
     assert out["step"] == 3
     np.testing.assert_array_equal(out["w"], np.arange(4096.0).reshape(64, 64))
     assert hidden(tmp_path) == []
+
+
+def _open_files_under(root: Path) -> list[str]:
+    """The files under ``root`` this process holds open (from /proc/self/fd)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(root) + os.sep) and os.path.isfile(target):
+            out.append(target)
+    return sorted(out)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_a_local_store_fsyncs_written_files_at_sync_and_holds_a_bounded_number_open(tmp_path, monkeypatch):
+    """Files a LocalStore writes stay open until sync() fsyncs them all (the strace test above checks the
+    fsyncs themselves); never more than MAX_UNSYNCED at once; close() without sync closes the rest; atomic
+    writes and create() are synced at once."""
+    from xckpt.engine import storage
+
+    monkeypatch.setattr(storage, "MAX_UNSYNCED", 4)
+    root = tmp_path / "s"
+    store = storage.LocalStore(str(root), create=True)
+    most = 0
+    for i in range(11):
+        store.write(f"a{i % 3}/f{i}", bytes([i]) * (i + 1))
+        most = max(most, len(_open_files_under(root)))
+    assert 0 < most <= 5, most
+    held = _open_files_under(root)
+    assert held and all(os.path.basename(p).startswith("f") for p in held)
+    store.write("atomic", b"x", atomic=True)
+    assert store.create("made", b"y")
+    assert _open_files_under(root) == held  # synced at once, closed
+    store.sync()
+    assert _open_files_under(root) == []
+    for i in range(11):
+        assert (root / f"a{i % 3}" / f"f{i}").read_bytes() == bytes([i]) * (i + 1)
+    store.write("later", b"z")
+    assert _open_files_under(root) == [str(root / "later")]
+    store.close()
+    assert _open_files_under(root) == []
+    assert (root / "later").read_bytes() == b"z"

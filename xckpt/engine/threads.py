@@ -1,4 +1,4 @@
-"""The threads that move bytes: one pool for saves and loads, one for asynchronous saves.
+"""The threads that move bytes: one pool for saves and loads, one for asynchronous saves, one that fsyncs.
 
 Pools live as long as the process, so a training loop that saves every few minutes does not
 start threads (and fault in their buffers) for every checkpoint. The background pool's
@@ -17,8 +17,11 @@ from typing import Iterable
 #: ``XCKPT_BACKGROUND_NICE`` says otherwise (0 keeps the caller's priority).
 BACKGROUND_NICE = 10
 
+#: Threads that fsync a store's files at once (:func:`sync_pool`): they wait on the device, not the CPU.
+SYNC_THREADS = 8
+
 _lock = threading.Lock()
-_pools: dict[bool, tuple[int, ThreadPoolExecutor]] = {}
+_pools: dict[bool | str, tuple[int, ThreadPoolExecutor]] = {}
 
 
 def usable_cpus() -> int:
@@ -59,6 +62,18 @@ def pool(background: bool = False) -> ThreadPoolExecutor:
             found = (pid, ThreadPoolExecutor(io_threads(), thread_name_prefix="xckpt-bg" if background else "xckpt-io",
                                              initializer=yield_cpu if background else None))
             _pools[background] = found
+        return found[1]
+
+
+def sync_pool() -> ThreadPoolExecutor:
+    """The process's pool of :data:`SYNC_THREADS` threads that fsync written files (apart from the pools of
+    :func:`pool`, whose threads call it)."""
+    pid = os.getpid()
+    with _lock:
+        found = _pools.get("sync")
+        if found is None or found[0] != pid:
+            found = (pid, ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="xckpt-sync"))
+            _pools["sync"] = found
         return found[1]
 
 
