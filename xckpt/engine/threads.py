@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable
+from typing import Callable, Iterable
 
 #: How much lower the CPU priority (nice value) of an asynchronous save's threads is, unless
 #: ``XCKPT_BACKGROUND_NICE`` says otherwise (0 keeps the caller's priority).
@@ -53,28 +53,28 @@ def yield_cpu() -> None:
         pass
 
 
-def pool(background: bool = False) -> ThreadPoolExecutor:
-    """The process's pool of :func:`io_threads` threads (``background``: the low-priority one)."""
+def _shared(key: bool | str, make: Callable[[], ThreadPoolExecutor]) -> ThreadPoolExecutor:
+    """The process's pool under ``key``, made by ``make`` the first time (again in a forked child)."""
     pid = os.getpid()
     with _lock:
-        found = _pools.get(background)
+        found = _pools.get(key)
         if found is None or found[0] != pid:
-            found = (pid, ThreadPoolExecutor(io_threads(), thread_name_prefix="xckpt-bg" if background else "xckpt-io",
-                                             initializer=yield_cpu if background else None))
-            _pools[background] = found
+            found = (pid, make())
+            _pools[key] = found
         return found[1]
+
+
+def pool(background: bool = False) -> ThreadPoolExecutor:
+    """The process's pool of :func:`io_threads` threads (``background``: the low-priority one)."""
+    return _shared(background, lambda: ThreadPoolExecutor(
+        io_threads(), thread_name_prefix="xckpt-bg" if background else "xckpt-io",
+        initializer=yield_cpu if background else None))
 
 
 def sync_pool() -> ThreadPoolExecutor:
     """The process's pool of :data:`SYNC_THREADS` threads that fsync written files (apart from the pools of
     :func:`pool`, whose threads call it)."""
-    pid = os.getpid()
-    with _lock:
-        found = _pools.get("sync")
-        if found is None or found[0] != pid:
-            found = (pid, ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="xckpt-sync"))
-            _pools["sync"] = found
-        return found[1]
+    return _shared("sync", lambda: ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="xckpt-sync"))
 
 
 def gather(futures: Iterable[Future[int]], first: BaseException | None = None) -> int:
