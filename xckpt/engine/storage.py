@@ -13,12 +13,10 @@ among them), so the same engine code writes and reads both.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import os
 import stat
-import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ import numpy as np
 import tensorstore as ts
 
 from xckpt.engine import threads
+from xckpt.engine.atomic import start_writeback
 from xckpt.errors import DataError, SaveError, UnsafePathError, XckptError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -282,33 +281,8 @@ def _write_synced(fd: int, data: Any) -> None:
         os.close(fd)
 
 
-def _sync_file_range() -> Any:
-    """Linux's ``sync_file_range``, or None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def start_writeback(fd: int) -> None:
-    """Ask the kernel to start writing the file's dirty pages to the device now, without waiting (Linux's
-    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``): a hint that makes the later fsync shorter, never a
-    substitute for it. Nothing happens elsewhere, or where the file system ignores it (tmpfs)."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
-
-
-#: Files a :class:`LocalStore` keeps open between writing them and fsyncing them; past this many it
-#: fsyncs the oldest on the writing thread.
+#: Files a :class:`LocalStore` keeps open between writing them and fsyncing them; past this many, the
+#: thread that writes one more fsyncs and closes all it holds.
 MAX_UNSYNCED = 256
 
 
@@ -515,7 +489,7 @@ class LocalStore:
         The file is durable once :meth:`sync` returns, which fsyncs it with every other file written
         since (together: a file system commits concurrent fsyncs at once) and then their directories;
         meanwhile its writeback has started (:func:`start_writeback`) and it stays open (at most
-        :data:`MAX_UNSYNCED` files: past that, the oldest are fsynced here). ``atomic`` writes a
+        :data:`MAX_UNSYNCED` files: past that, all held are fsynced here). ``atomic`` writes a
         temporary file, fsyncs it and renames it over the name."""
         path = _file(self.root, name)
         parent = os.path.dirname(path)
