@@ -430,3 +430,34 @@ def test_a_local_store_fsyncs_written_files_at_sync_and_holds_a_bounded_number_o
     store.close()
     assert _open_files_under(root) == []
     assert (root / "later").read_bytes() == b"z"
+
+
+def test_a_failed_fsync_names_its_file_and_leaf(tmp_path):
+    """An fsync that fails when a save syncs its files raises io.write naming the file and the leaf of the
+    object (not the leaf written last): one held descriptor is swapped for a pipe's, which fsync refuses."""
+    from xckpt.engine import storage
+    from xckpt.engine.write import ChunkWriter
+    from xckpt.errors import SaveError
+
+    root = tmp_path / "s"
+    store = storage.LocalStore(str(root), create=True)
+    from xckpt.format import zarr
+
+    w = ChunkWriter(store, "0" * 32)
+    geom = zarr.geometry("float32", (4,), (4,), "none")
+    with w:
+        w.chunk("a/c/0", geom, np.arange(4, dtype="<f4"), "leaf.a")
+        w.chunk("b/c/0", geom, np.arange(4, dtype="<f4"), "leaf.b")
+        w.file("b/zarr.json", b"{}")
+    path = str(root / "a" / "c" / "0")
+    i = next(k for k, (_, p) in enumerate(store._unsynced) if p == path)
+    os.close(store._unsynced[i][0])
+    r, wr = os.pipe()
+    os.close(wr)
+    store._unsynced[i] = (r, path)
+    with pytest.raises(SaveError) as e:
+        w.sync()
+    assert (e.value.code, e.value.file, e.value.leaf) == ("io.write", path, "leaf.a")
+    assert store._unsynced == []
+    store.close()
+    assert _open_files_under(root) == []

@@ -170,7 +170,7 @@ class XckptStorageWriter(StorageWriter):
                     w.file(name, meta)
                 for name, geom, chunk, leaf in jobs:
                     w.chunk(name, geom, chunk, leaf)
-            store.sync()
+            w.sync()
         finally:
             written.extend(w.names)
             store.close()

@@ -164,7 +164,7 @@ class Pending:
                     w.file(name, data)
                 for name, geom, host, leaf in staged.chunks:
                     w.chunk(name, geom, host, leaf)
-            store.sync()
+            w.sync()
         finally:
             if w is not None:
                 p.written.extend(w.names)

@@ -333,7 +333,7 @@ def write(p: Prepared) -> int:
                 w.chunk(name, geom, data, leaf)
                 if i == 0:
                     failpoints.hit("mid_write", p.coord.rank)
-        store.sync()
+        w.sync()
     finally:
         p.written.extend(w.names)
         store.close()

@@ -81,6 +81,7 @@ class ChunkWriter:
         self.generation = generation  # the save's: every chunk object's place tag names it
         self.bytes_written = 0  # array bytes (chunk payloads), not counting indexes and metadata
         self.names: list[str] = []  # every object it began to write (for the cleanup of a failed save)
+        self._leaf_at: dict[str, str | None] = {}  # each object's path -> its leaf (for errors that name a path)
         self._room = _Room(max_inflight_bytes)
         self._exec = threads.pool(background)
         self._pending: deque[Future[None]] = deque()
@@ -126,15 +127,27 @@ class ChunkWriter:
         """Write one object; count ``payload`` bytes of array data."""
         with self._lock:
             self.names.append(name)
+            self._leaf_at[str(self.store.location.child(name))] = leaf
         try:
             self.store.write(name, data)
-        except XckptError as exc:
-            raise exc.at(leaf=leaf) from None
+        except XckptError as exc:  # a store may fsync earlier objects here: its error names the path
+            raise self._named(exc, leaf) from None
         except OSError as exc:
             raise SaveError(f"cannot write: {exc.strerror or exc}", code="io.write",
                             file=str(self.store.location.child(name)), leaf=leaf) from exc
         with self._lock:
             self.bytes_written += payload
+
+    def _named(self, exc: XckptError, leaf: str | None) -> XckptError:
+        """``exc`` with the leaf of the object it names (``leaf`` where it names none)."""
+        return exc.at(leaf=self._leaf_at.get(exc.file) if exc.file else leaf)
+
+    def sync(self) -> None:
+        """Make every object written durable (:meth:`Store.sync`); an error names its object's file and leaf."""
+        try:
+            self.store.sync()
+        except XckptError as exc:
+            raise self._named(exc, None) from None
 
     def wait(self) -> None:
         """Wait for every write; raise the first error."""
