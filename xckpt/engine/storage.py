@@ -261,8 +261,9 @@ class LocalBlob:
         os.close(self._fd)
 
 
-def _write_all(fd: int, data: Any) -> None:
-    """Write every part of ``data`` to the open file ``fd``."""
+def _write_all(fd: int, data: Any) -> int:
+    """Write every part of ``data`` to the open file ``fd``; returns the bytes written."""
+    total = 0
     for part in _parts(data):
         view = memoryview(part)
         if view.ndim != 1 or view.itemsize != 1:
@@ -270,6 +271,8 @@ def _write_all(fd: int, data: Any) -> None:
         done = os.write(fd, view)
         while done < view.nbytes:  # a short write: the rest
             done += os.write(fd, view[done:])
+        total += done
+    return total
 
 
 def _write_synced(fd: int, data: Any) -> None:
@@ -284,6 +287,10 @@ def _write_synced(fd: int, data: Any) -> None:
 #: Files a :class:`LocalStore` keeps open between writing them and fsyncing them; past this many, the
 #: thread that writes one more fsyncs and closes all it holds.
 MAX_UNSYNCED = 256
+#: Files of at least this many bytes have their writeback started as soon as they are written
+#: (:func:`start_writeback`); a smaller one (a ``zarr.json``, a small leaf's object) waits for its
+#: fsync, which writes it as fast: the hint would only cost a system call per file.
+WRITEBACK_MIN_BYTES = 1 << 20
 
 
 def fsync_all(files: list[tuple[int, str]]) -> None:
@@ -338,6 +345,7 @@ class LocalStore:
             os.makedirs(root, exist_ok=True)
         self._dirs: OrderedDict[tuple[str, ...], int] = OrderedDict()
         self._lock = threading.Lock()
+        self._prefix = os.path.join(root, "")  # the root with one trailing separator: a file's path is this + its name
         self._made: set[str] = set()  # directories this store wrote into (made, or found)
         self._unsynced: list[tuple[int, str]] = []  # files written, open, not yet fsynced (:meth:`sync`)
         with self._lock:
@@ -488,11 +496,12 @@ class LocalStore:
 
         The file is durable once :meth:`sync` returns, which fsyncs it with every other file written
         since (together: a file system commits concurrent fsyncs at once) and then their directories;
-        meanwhile its writeback has started (:func:`start_writeback`) and it stays open (at most
-        :data:`MAX_UNSYNCED` files: past that, all held are fsynced here). ``atomic`` writes a
-        temporary file, fsyncs it and renames it over the name."""
-        path = _file(self.root, name)
-        parent = os.path.dirname(path)
+        meanwhile its writeback has started (:func:`start_writeback`, for files of at least
+        :data:`WRITEBACK_MIN_BYTES`) and it stays open (at most :data:`MAX_UNSYNCED` files: past that,
+        all held are fsynced here). ``atomic`` writes a temporary file, fsyncs it and renames it over
+        the name."""
+        path = self._prefix + name  # _file(root, name) for the plain relative names a save writes, built cheaper
+        parent = path[:path.rindex("/")]
         if parent not in self._made:
             make_dirs(parent)
             with self._lock:
@@ -504,8 +513,8 @@ class LocalStore:
             return
         fd = os.open(path, _WRITE_FLAGS, 0o644)
         try:
-            _write_all(fd, data)
-            start_writeback(fd)
+            if _write_all(fd, data) >= WRITEBACK_MIN_BYTES:
+                start_writeback(fd)
         except BaseException:
             os.close(fd)
             raise
@@ -629,7 +638,7 @@ class LocalStore:
             for d in self._made:
                 while d.startswith(self.root) and d not in dirs:
                     dirs.add(d)
-                    d = os.path.dirname(d)
+                    d = d.rpartition("/")[0]
         for d in sorted(dirs, reverse=True):
             fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:

@@ -8,7 +8,8 @@ copied block by block into a small per-thread buffer, checksummed in the same pa
 (:func:`xckpt.engine.hostcopy.copy_checksum`), so a save holds no copy of the data beyond
 one block per thread. The chunks queued but not yet written are bounded by
 ``max_inflight_bytes`` (their data stays referenced until written: for device arrays, the
-staged host copies).
+staged host copies). A small object (under :data:`SMALL_BYTES`: a ``zarr.json``, a bias
+vector's chunk) is encoded into one buffer and written on the caller's thread at once.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class ChunkWriter:
         self.generation = generation  # the save's: every chunk object's place tag names it
         self.bytes_written = 0  # array bytes (chunk payloads), not counting indexes and metadata
         self.names: list[str] = []  # every object it began to write (for the cleanup of a failed save)
-        self._leaf_at: dict[str, str | None] = {}  # each object's path -> its leaf (for errors that name a path)
+        self._leaf_at: dict[str, str | None] = {}  # each object's name -> its leaf (for errors that name its path)
         self._room = _Room(max_inflight_bytes)
         self._exec = threads.pool(background)
         self._pending: deque[Future[None]] = deque()
@@ -103,16 +104,17 @@ class ChunkWriter:
     def chunk(self, name: str, geom: shard.Geometry, data: np.ndarray | shard.LaidOut, leaf: str) -> None:
         """Encode and write one chunk object (``data``: the chunk clipped to the array, storage dtype, or
         already laid out as stored), tagged with its place (:func:`xckpt.format.shard.place_of`)."""
-        self._room.take(data.nbytes)
         place = shard.place_of(self.generation, name)
+        if data.nbytes < SMALL_BYTES:  # one buffer, one write, on this thread: no memory held past the call
+            self._submit(lambda: self._put(name, shard.encode(geom, data, place), leaf,
+                                           shard.array_nbytes(geom, data)), data.nbytes)
+            return
+        self._room.take(data.nbytes)
 
         def run() -> None:
             try:
-                if data.nbytes < SMALL_BYTES:  # one buffer, one write
-                    parts: Any = shard.encode(geom, data, place)
-                else:
-                    scratch = _scratch.get(0 if isinstance(data, shard.LaidOut) else geom.scratch_nbytes)
-                    parts = shard.encode_parts(geom, data, scratch, place, hostcopy.copy_checksum)
+                scratch = _scratch.get(0 if isinstance(data, shard.LaidOut) else geom.scratch_nbytes)
+                parts = shard.encode_parts(geom, data, scratch, place, hostcopy.copy_checksum)
                 self._put(name, parts, leaf, shard.array_nbytes(geom, data))
             finally:
                 self._room.give(data.nbytes)
@@ -127,7 +129,7 @@ class ChunkWriter:
         """Write one object; count ``payload`` bytes of array data."""
         with self._lock:
             self.names.append(name)
-            self._leaf_at[str(self.store.location.child(name))] = leaf
+            self._leaf_at[name] = leaf
         try:
             self.store.write(name, data)
         except XckptError as exc:  # a store may fsync earlier objects here: its error names the path
@@ -140,7 +142,11 @@ class ChunkWriter:
 
     def _named(self, exc: XckptError, leaf: str | None) -> XckptError:
         """``exc`` with the leaf of the object it names (``leaf`` where it names none)."""
-        return exc.at(leaf=self._leaf_at.get(exc.file) if exc.file else leaf)
+        if not exc.file:
+            return exc.at(leaf=leaf)
+        with self._lock:
+            written = list(self._leaf_at.items())
+        return exc.at(leaf=next((lf for n, lf in written if str(self.store.location.child(n)) == exc.file), None))
 
     def sync(self) -> None:
         """Make every object written durable (:meth:`Store.sync`); an error names its object's file and leaf."""
