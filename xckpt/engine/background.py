@@ -56,8 +56,10 @@ from xckpt.format import shard
 COMMIT_TIMEOUT_S = 600.0
 #: At interpreter exit, how long a pending save may run past its timeout (writing, cleaning up), in seconds.
 EXIT_GRACE_S = 10.0
-#: How often the coordinating process looks for status files, in seconds.
-POLL_S = 0.005
+#: How often a process looks for status files, in seconds: in a local directory (a failed lookup is one
+#: system call), and in an object store (each lookup a request).
+POLL_LOCAL_S = 0.001
+POLL_REMOTE_S = 0.005
 
 #: ``(object name, geometry, host copy of the chunk clipped to the array, laid out as stored, leaf)``
 StagedChunk = tuple[str, shard.Geometry, shard.LaidOut, str]
@@ -123,6 +125,7 @@ class Pending:
         self._staged = staged
         self._status = status
         self._timeout_s = timeout_s
+        self._poll_s = POLL_LOCAL_S if status.is_local else POLL_REMOTE_S
         self._error: BaseException | None = None
         self._unknown = False  # this process lost the coordinating one: the commit's outcome is unknown
         self.manifest: Any = None
@@ -219,10 +222,10 @@ class Pending:
             store.write("outcome", collective.pack({"error": None if self._error is None else str(self._error)}),
                         atomic=True)
             deadline = time.monotonic() + self._timeout_s
-            others = [f"rank-{r}" for r in range(1, self.p.coord.world_size)]
-            while any(store.exists(n) for n in others) and time.monotonic() < deadline:
-                time.sleep(POLL_S)  # each process deletes its status once it read the outcome
-            for name in ["rank-0", "outcome", *others]:
+            others = {f"rank-{r}" for r in range(1, self.p.coord.world_size)}
+            while others.intersection(store.list()) and time.monotonic() < deadline:
+                time.sleep(self._poll_s)  # each process deletes its status once it read the outcome
+            for name in others.union(["rank-0", "outcome"]).intersection(store.list()):
                 store.delete(name)
         finally:
             store.close()
@@ -235,9 +238,10 @@ class Pending:
             found: dict[int, dict[str, Any]] = {}
             deadline = time.monotonic() + self._timeout_s
             while len(found) < world:
-                for r in range(world):
-                    if r not in found:
-                        data = store.read(f"rank-{r}")
+                for name in store.list():  # one listing per look, not one lookup per process
+                    r = _rank_of(name, world)
+                    if r is not None and r not in found:
+                        data = store.read(name)
                         if data is not None:
                             found[r] = collective.unpack(data)
                 if len(found) < world:
@@ -246,7 +250,7 @@ class Pending:
                         raise CoordinationError(f"ranks {missing[:16]} reported no status within "
                                                 f"{self._timeout_s:g} s (did they die?)", code="async.timeout",
                                                 file=str(self._status))
-                    time.sleep(POLL_S)
+                    time.sleep(self._poll_s)
             return [found[r] for r in range(world)]
         finally:
             store.close()
@@ -281,7 +285,7 @@ class Pending:
                 if data is not None:
                     outcome = collective.unpack(data)
                 else:
-                    time.sleep(POLL_S)
+                    time.sleep(self._poll_s)
             store.delete(f"rank-{p.coord.rank}")
         finally:
             store.close()
@@ -294,6 +298,14 @@ class Pending:
                                     "to find out", code="async.timeout", file=str(self._status))
         if outcome["error"] is not None:
             raise CoordinationError(outcome["error"])
+
+
+def _rank_of(name: str, world: int) -> int | None:
+    """The process a status file ``rank-<r>`` names (None for any other name, or a rank outside the job)."""
+    digits = name[5:] if name.startswith("rank-") else ""
+    if not digits.isdigit() or str(int(digits)) != digits or int(digits) >= world:
+        return None
+    return int(digits)
 
 
 def _remove_dir(loc: Location) -> None:
