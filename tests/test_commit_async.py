@@ -105,7 +105,7 @@ def test_a_dead_coordinator_leaves_the_outcome_unknown_and_the_data_in_place(tmp
 def test_status_files_name_only_ranks_of_the_job() -> None:
     """The coordinating process lists the status directory and takes only ``rank-<r>`` for a rank of the job:
     not an atomic write's temporary, the outcome, a padded or negative number, or a rank past the world."""
-    from xckpt.engine.background import _rank_of
+    from xckpt.engine.background import _status_names
 
     names = ["rank-0", "rank-3", "rank-4", "rank-01", "rank-", "rank--1", "rank-1.tmp", "outcome", ".rank-1.x1"]
-    assert [_rank_of(n, 4) for n in names] == [0, 3, None, None, None, None, None, None, None]
+    assert [_status_names(4).get(n) for n in names] == [0, 3, None, None, None, None, None, None, None]

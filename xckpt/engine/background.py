@@ -222,10 +222,11 @@ class Pending:
             store.write("outcome", collective.pack({"error": None if self._error is None else str(self._error)}),
                         atomic=True)
             deadline = time.monotonic() + self._timeout_s
-            others = {f"rank-{r}" for r in range(1, self.p.coord.world_size)}
+            statuses = _status_names(self.p.coord.world_size)
+            others = statuses.keys() - {"rank-0"}
             while others.intersection(store.list()) and time.monotonic() < deadline:
                 time.sleep(self._poll_s)  # each process deletes its status once it read the outcome
-            for name in others.union(["rank-0", "outcome"]).intersection(store.list()):
+            for name in (statuses.keys() | {"outcome"}).intersection(store.list()):
                 store.delete(name)
         finally:
             store.close()
@@ -236,10 +237,11 @@ class Pending:
         store = self._status.store(create=True)
         try:
             found: dict[int, dict[str, Any]] = {}
+            statuses = _status_names(world)
             deadline = time.monotonic() + self._timeout_s
             while len(found) < world:
                 for name in store.list():  # one listing per look, not one lookup per process
-                    r = _rank_of(name, world)
+                    r = statuses.get(name)
                     if r is not None and r not in found:
                         data = store.read(name)
                         if data is not None:
@@ -300,12 +302,9 @@ class Pending:
             raise CoordinationError(outcome["error"])
 
 
-def _rank_of(name: str, world: int) -> int | None:
-    """The process a status file ``rank-<r>`` names (None for any other name, or a rank outside the job)."""
-    digits = name[5:] if name.startswith("rank-") else ""
-    if not digits.isdigit() or str(int(digits)) != digits or int(digits) >= world:
-        return None
-    return int(digits)
+def _status_names(world: int) -> dict[str, int]:
+    """The name of each process's status file (``rank-<r>``) -> its rank."""
+    return {f"rank-{r}": r for r in range(world)}
 
 
 def _remove_dir(loc: Location) -> None:
