@@ -11,6 +11,7 @@ too), so nothing hangs.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import importlib
 import json
@@ -34,13 +35,16 @@ import numpy as np
 # harness
 
 
-def run_group(world: int, body: str, workdir: Path, *, timeout: float = 240, **kwargs: Any) -> list[Any]:
-    """Run ``body(rank, world, workdir, **kwargs)`` on ``world`` spawned ranks; return their results.
+def run_group(world: int, body: str, workdir: Path, *, timeout: float = 240, backend: str = "gloo",
+              **kwargs: Any) -> list[Any]:
+    """Run ``body(rank, world, workdir, **kwargs)`` on ``world`` spawned ranks of a ``backend`` process
+    group; return their results.
 
     ``body`` names a function of this module, or of another test module as ``"module:function"``."""
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, world, port, body, str(workdir), json.dumps(kwargs)), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world, port, body, str(workdir), json.dumps(kwargs), backend),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -60,8 +64,10 @@ def run_group(world: int, body: str, workdir: Path, *, timeout: float = 240, **k
     results, errors = [], []
     for r in range(world):
         f = Path(workdir) / f"{body.replace(':', '.')}.rank{r}.json"
+        fault = f.with_suffix(".fault")
         rep = json.loads(f.read_text()) if f.exists() else {
-            "error": f"no report (exit code {procs[r].exitcode}{', killed' if r in stuck else ''})"}
+            "error": f"no report (exit code {procs[r].exitcode}{', killed' if r in stuck else ''})\n"
+                     + (fault.read_text()[-4000:] if fault.exists() else "")}
         if rep.get("error"):
             errors.append(f"----- rank {r} -----\n{rep['error']}")
         results.append(rep.get("result"))
@@ -71,15 +77,19 @@ def run_group(world: int, body: str, workdir: Path, *, timeout: float = 240, **k
     return results
 
 
-def _entry(rank: int, world: int, port: int, body: str, workdir: str, kwargs: str) -> None:
+def _entry(rank: int, world: int, port: int, body: str, workdir: str, kwargs: str, backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     warnings.filterwarnings("ignore")
+    fault = open(Path(workdir) / f"{body.replace(':', '.')}.rank{rank}.fault", "w")
+    faulthandler.enable(fault)  # a crash in native code leaves its Python stack for the test to show
     report: dict[str, Any]
     try:
         import torch
         import torch.distributed as dist
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # every rank of a test shares the one GPU
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
         module, _, name = body.rpartition(":")
         fn = getattr(importlib.import_module(module), name) if module else globals()[name]
         report = {"result": fn(rank, world, Path(workdir), **json.loads(kwargs))}

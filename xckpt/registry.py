@@ -43,11 +43,20 @@ class Shard:
     ``prefetch``, if given, starts moving the data to the host without waiting (a
     device-to-host copy); the engine calls it for every shard this process writes
     before it fetches the first one.
+
+    ``copy_into`` and ``host_buffer``, given together for data on an accelerator, let an
+    asynchronous save copy the shard straight into a host buffer it keeps:
+    ``host_buffer(nbytes)`` allocates a uint8 buffer the device copies into at full speed
+    (page-locked memory), and ``copy_into(out)`` starts copying the shard into ``out`` (C
+    order, the shard's shape and numpy dtype) and returns a function that waits until the copy
+    is done. The engine starts every such copy before it waits for the first one.
     """
 
     region: Region
     fetch: Callable[[], np.ndarray]
     prefetch: Callable[[], None] | None = None
+    copy_into: Callable[[np.ndarray], Callable[[], None]] | None = None
+    host_buffer: Callable[[int], np.ndarray] | None = None
 
 
 @dataclass

@@ -22,9 +22,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from xckpt.engine.layout import Mesh, MeshLayout, mesh, mesh_layout
 from xckpt.errors import UnsupportedError, XckptError
 from xckpt.format.regions import Region
-from xckpt.registry import ArraySource, ArrayTarget, Shard
+from xckpt.registry import ArraySource, ArrayTarget
 
-from .staging import to_host
+from .staging import tensor_shard
 from .tensors import copy_into, cpu_view, from_numpy, logical_dtype, torch_dtype
 
 
@@ -158,7 +158,7 @@ def dtensor_source(d: DTensor) -> ArraySource:
     _, lay, pieces, expect, sharding = _laid_out(d)
     local = _local(d, pieces, expect)
     _check_device(local)
-    shards = [Shard(region, lambda sl=sl: to_host(local[sl])) for region, sl in pieces]
+    shards = [tensor_shard(region, local[sl]) for region, sl in pieces]
     return ArraySource(lay.shape, logical_dtype(d.dtype), shards, sharding, lay)
 
 
@@ -168,7 +168,7 @@ def tensor_source(t: torch.Tensor) -> ArraySource:
     _check_device(t)
     t = t.detach()
     shape = tuple(int(s) for s in t.shape)
-    return ArraySource(shape, logical_dtype(t.dtype), [Shard(Region.full(shape), lambda: to_host(t))],
+    return ArraySource(shape, logical_dtype(t.dtype), [tensor_shard(Region.full(shape), t)],
                        {"framework": "torch", "framework_version": torch.__version__})
 
 

@@ -1,24 +1,36 @@
 """Staging accelerator tensors into pinned host memory for writing.
 
-Each fetch allocates a pinned buffer from torch's caching host allocator, issues a
-non-blocking device-to-host copy on a side stream and waits only for that copy.
-The core's save loop hands each staged buffer to TensorStore asynchronously and
-then fetches the next shard, so the copy of one shard overlaps the writes of the
+A synchronous save fetches each shard in turn: a pinned buffer from torch's caching
+host allocator, a non-blocking device-to-host copy on a side stream, a wait for that
+copy only. The core's save loop hands each staged buffer to TensorStore asynchronously
+and then fetches the next shard, so the copy of one shard overlaps the writes of the
 ones before it. Pinned bytes alive at once are bounded by the core's
 ``max_inflight_bytes`` plus one shard: a buffer is released (and reused by the
 caching allocator) as soon as its write completes and the array is dropped.
+
+An asynchronous save copies every CUDA shard at once, straight into buffers the core
+keeps for the next save (:attr:`xckpt.registry.Shard.copy_into`): plain host memory of
+exactly the shard's size, page-locked with ``cudaHostRegister`` (and unlocked when the
+core frees it), so the caller waits for the device-to-host copies alone. The copies are
+queued on the stream that was current when the save described the tensor, after the work
+already queued there, with one event each.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+import weakref
+from typing import Callable
 
 import numpy as np
 import torch
 
 from xckpt.errors import UnsupportedError
+from xckpt.format.regions import Region
+from xckpt.registry import Shard
 
-from .tensors import cpu_to_numpy
+from .tensors import cpu_to_numpy, from_numpy, logical_dtype
 
 _streams: dict[int, "torch.cuda.Stream"] = {}
 _lock = threading.Lock()
@@ -59,3 +71,51 @@ def to_host(t: torch.Tensor) -> np.ndarray:
     if t.device.type == "meta":
         raise UnsupportedError("a tensor on the meta device has no data to save", code="tensor.meta")
     return stage_to_host(t)
+
+
+def pinned_buffer(nbytes: int) -> np.ndarray:
+    """A uint8 host buffer of ``nbytes`` page-locked for CUDA copies: plain memory of exactly that size
+    locked with ``cudaHostRegister`` (unlocked before it is freed), or where CUDA refuses to lock it,
+    memory from torch's pinned allocator (which rounds sizes up to a power of two)."""
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    if not nbytes or not torch.cuda.is_available():
+        return t.numpy()
+    ptr = t.data_ptr()
+    if int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0:
+        arr = t.numpy()
+        # unlocked once the last array over the memory is gone: the object every view of it keeps alive is
+        # the array's base (a tensor of its own, not ``t``); the finalizer keeps the memory until then
+        weakref.finalize(arr.base if arr.base is not None else arr, _unregister, t.untyped_storage(), ptr)
+        return arr
+    del t
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+def _unregister(storage: object, ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def start_copy_to_host(t: torch.Tensor, stream: "torch.cuda.Stream", out: np.ndarray) -> Callable[[], None]:
+    """Start copying CUDA tensor ``t`` into host array ``out`` (its shape, C order) on ``stream``, the
+    caller's stream when it described ``t`` (also from a helper thread, whose own current stream is
+    another), after the work already queued there; returns a function that waits for the copy."""
+    dst = from_numpy(out, logical_dtype(t.dtype))
+    done = torch.cuda.Event()
+    if torch.cuda.current_stream(t.device) == stream:
+        dst.copy_(t.detach(), non_blocking=True)
+        done.record(stream)
+    else:
+        with torch.cuda.stream(stream):
+            dst.copy_(t.detach(), non_blocking=True)
+            done.record(stream)
+    return done.synchronize
+
+
+def tensor_shard(region: Region, t: torch.Tensor) -> Shard:
+    """The shard of a save that tensor ``t`` holds: fetched as host numpy, and for a CUDA tensor also
+    copied straight into an asynchronous save's page-locked buffers."""
+    if t.device.type == "cuda":
+        return Shard(region, lambda: stage_to_host(t),
+                     copy_into=functools.partial(start_copy_to_host, t, torch.cuda.current_stream(t.device)),
+                     host_buffer=pinned_buffer)
+    return Shard(region, lambda: to_host(t))

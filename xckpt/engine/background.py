@@ -23,6 +23,12 @@ coordinating one cannot know whether it committed: it keeps its objects, which a
 checkpoint may hold, and says so); :meth:`Pending.wait` is not a collective. The threads are daemons; at interpreter exit, pending saves are given
 their timeout to finish.
 
+A shard on an accelerator (one whose source gives :attr:`~xckpt.registry.Shard.copy_into`) is
+staged differently: its device-to-host copy goes straight into a page-locked buffer of the
+shard's shape, every such copy is started before the first is waited for, and the background
+lays its chunks out as it writes them (as a synchronous save does), so the caller waits for the
+device-to-host copies and nothing more.
+
 Staging buffers come from one process-wide pool and are kept for the next asynchronous
 save, so a training loop that saves the same state again copies into memory it already
 owns: the pool holds this process's share of the last asynchronous checkpoint
@@ -33,11 +39,12 @@ from __future__ import annotations
 
 import atexit
 import copy
+import math
 import os
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -50,7 +57,7 @@ from xckpt.engine.storage import Location
 from xckpt.engine.threads import yield_cpu
 from xckpt.engine.write import ChunkWriter
 from xckpt.errors import CollectiveError, CoordinationError
-from xckpt.format import shard
+from xckpt.format import dtypes, shard
 
 #: How long a process waits for the others (their status; the outcome of the commit), in seconds.
 COMMIT_TIMEOUT_S = 600.0
@@ -61,8 +68,11 @@ EXIT_GRACE_S = 10.0
 POLL_LOCAL_S = 0.001
 POLL_REMOTE_S = 0.005
 
-#: ``(object name, geometry, host copy of the chunk clipped to the array, laid out as stored, leaf)``
-StagedChunk = tuple[str, shard.Geometry, shard.LaidOut, str]
+#: ``(object name, geometry, host copy of the chunk clipped to the array: laid out as stored, or, for a
+#: shard copied from an accelerator, as it lies in the shard's buffer, leaf)``
+StagedChunk = tuple[str, shard.Geometry, "shard.LaidOut | np.ndarray", str]
+#: Allocates a uint8 host buffer of the given size (None: plain memory)
+Allocator = Callable[[int], np.ndarray] | None
 
 
 class Staged:
@@ -71,36 +81,44 @@ class Staged:
 
     def __init__(self) -> None:
         self.chunks: list[StagedChunk] = []
+        self.buffers: list[tuple[np.ndarray, Allocator]] = []  # the shard buffers of accelerator shards
         self.values: dict[int, Any] = {}
         self.error: BaseException | None = None
 
     def give_back(self) -> None:
         """Return every staged buffer to the pool."""
         chunks, self.chunks = self.chunks, []
+        buffers, self.buffers = self.buffers, []
         for _, _, host, _ in chunks:
-            _staging.give(host.payloads)
+            if isinstance(host, shard.LaidOut):
+                _staging.give(host.payloads)
+        for buf, alloc in buffers:
+            _staging.give(buf, alloc)
 
 
 class _Buffers:
-    """Host buffers of the last asynchronous save's chunks, kept for the next one (same sizes)."""
+    """Host buffers of the last asynchronous save's chunks, kept for the next one (same sizes, same
+    allocator)."""
 
     def __init__(self) -> None:
-        self._free: dict[int, list[np.ndarray]] = {}
+        self._free: dict[tuple[int, Allocator], list[np.ndarray]] = {}
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> np.ndarray:
-        """A uint8 buffer of ``nbytes``."""
+    def take(self, nbytes: int, alloc: Allocator = None) -> np.ndarray:
+        """A uint8 buffer of ``nbytes``, from ``alloc`` (default: plain memory)."""
         with self._lock:
-            free = self._free.get(nbytes)
+            free = self._free.get((nbytes, alloc))
             if free:
                 return free.pop()
-        return np.empty(nbytes, dtype=np.uint8)
+        buf = np.empty(nbytes, dtype=np.uint8) if alloc is None else alloc(nbytes)
+        assert buf.dtype == np.uint8 and buf.shape == (nbytes,)
+        return buf
 
-    def give(self, buf: np.ndarray) -> None:
-        """Keep a buffer :meth:`take` returned for later."""
-        assert buf.dtype == np.uint8 and buf.ndim == 1 and buf.base is None  # a whole buffer, not a view of one
+    def give(self, buf: np.ndarray, alloc: Allocator = None) -> None:
+        """Keep a buffer :meth:`take` returned (from ``alloc``) for later."""
+        assert buf.dtype == np.uint8 and buf.ndim == 1
         with self._lock:
-            self._free.setdefault(buf.nbytes, []).append(buf)
+            self._free.setdefault((buf.nbytes, alloc), []).append(buf)
 
     def clear(self) -> None:
         """Drop every kept buffer."""
@@ -331,13 +349,27 @@ def _finish_at_exit() -> None:
 
 
 def stage(p: Prepared, stop: threading.Event | None = None) -> Staged:
-    """Copy every chunk this process writes into host buffers of its own, laid out as stored, then
-    snapshot its values; a failure (or ``stop``) ends it instead, its buffers given back."""
+    """Copy every chunk this process writes into host buffers of its own, then snapshot its values; a
+    failure (or ``stop``) ends it instead, its buffers given back.
+
+    The shards on an accelerator are copied whole into buffers of their own (every copy started
+    first); the others are copied chunk by chunk, laid out as stored, while those copies run."""
     staged = Staged()
+    waits: list[Callable[[], None]] = []
     try:
-        for name, geom, data, leaf in protocol.chunk_jobs(p):
+        held = protocol.held_shards(p)
+        on_device = _start_device_copies(p, held, staged, waits)
+
+        def fetch(pos: int, piece: Any) -> Any:
+            return on_device[(pos, piece)] if (pos, piece) in on_device else held[(pos, piece)].fetch()
+
+        jobs = protocol.plan_chunks(p.local, p.descs, fetch, p.options.compression)
+        for t, (name, geom, data, leaf) in zip(p.local.tasks, jobs):
             if stop is not None and stop.is_set():
                 raise CoordinationError("staging stopped: the processes agreed on another plan")
+            if (t.leaf, t.piece) in on_device:
+                staged.chunks.append((name, geom, data, leaf))  # laid out by the background as it writes
+                continue
             buf = _staging.take(shard.laid_nbytes(geom, data.shape))
             try:
                 host = shard.lay_out(geom, data, buf, stream_copy)
@@ -345,11 +377,45 @@ def stage(p: Prepared, stop: threading.Event | None = None) -> Staged:
                 _staging.give(buf)
                 raise
             staged.chunks.append((name, geom, host, leaf))
+        _wait_all(waits)
         staged.values = copy.deepcopy(protocol.local_values(p))
     except Exception as exc:  # noqa: BLE001 - reported by wait(), on every process alike
+        _wait_all(waits, quiet=True)  # no copy may still be writing into a buffer given back
         staged.give_back()
         staged.error = exc
     return staged
+
+
+def _start_device_copies(p: Prepared, held: dict[tuple[int, Any], Any], staged: Staged,
+                         waits: list[Callable[[], None]]) -> dict[tuple[int, Any], np.ndarray]:
+    """Start copying every held shard that lives on an accelerator into a buffer of its own (kept in
+    ``staged``); each copy's wait goes to ``waits``. The buffers, by ``(leaf position, box)``."""
+    out: dict[tuple[int, Any], np.ndarray] = {}
+    for (pos, piece), sh in held.items():
+        if sh.copy_into is None or sh.host_buffer is None:
+            continue
+        dtype = dtypes.numpy_dtype(p.descs.leaves[pos].dtype)
+        nbytes = math.prod(piece.sizes) * dtype.itemsize
+        buf = _staging.take(nbytes, sh.host_buffer)
+        staged.buffers.append((buf, sh.host_buffer))
+        arr = buf.view(dtype).reshape(piece.sizes)
+        if nbytes:
+            waits.append(sh.copy_into(arr))
+        out[(pos, piece)] = arr
+    return out
+
+
+def _wait_all(waits: list[Callable[[], None]], quiet: bool = False) -> None:
+    """Wait for every copy, then raise the first failure (``quiet``: none, something already failed)."""
+    pending, waits[:] = list(waits), []
+    first: Exception | None = None
+    for w in pending:
+        try:
+            w()
+        except Exception as exc:  # noqa: BLE001 - the first is raised once every copy is over
+            first = first or exc
+    if first is not None and not quiet:
+        raise first
 
 
 class _Speculation:

@@ -282,7 +282,8 @@ ChunkJob = tuple[str, shard.Geometry, np.ndarray, str]  # (object name, geometry
 
 def plan_chunks(local: LocalPlan, descs: Descriptors, fetch: Callable[[int, Region], Any],
                 compression: str) -> Iterator[ChunkJob]:
-    """Every chunk a process writes, its data cut from what ``fetch(leaf position, box)`` gives.
+    """Every chunk a process writes (one per task of its plan, in the plan's order), its data cut from
+    what ``fetch(leaf position, box)`` gives.
 
     A generator: each box is fetched when its first chunk is reached and dropped after its last
     (the plan lists a box's chunks together), so a writer that waits for room bounds the memory.

@@ -1,0 +1,130 @@
+"""The engine's path for shards on an accelerator in ``save_async`` (``Shard.copy_into``), through a
+source registered like an adapter's whose "device" copies on threads of its own: every copy starts
+before the first is waited for, the caller's later changes do not reach the checkpoint, the buffers
+come from the source's allocator and are kept for the next save, and a failing copy fails the save
+with nothing committed. The CUDA path itself runs in tests/test_gpu.py on a machine with a GPU."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import pytest
+
+import xckpt
+from xckpt import registry
+from xckpt.errors import XckptError
+from xckpt.format import dtypes
+from xckpt.format.regions import Region
+
+
+@dataclass
+class DeviceArray:
+    """An array on a pretend accelerator: split into row blocks, each copied to the host by a thread."""
+
+    data: np.ndarray
+    blocks: int = 2
+    log: list[str] = field(default_factory=list)
+    fail: bool = False
+
+
+allocations: list[int] = []
+
+
+def _alloc(nbytes: int) -> np.ndarray:
+    allocations.append(nbytes)
+    return np.full(nbytes, 0xAB, dtype=np.uint8)  # poisoned: every byte must be written by the copy
+
+
+def _source(arr: DeviceArray) -> registry.ArraySource:
+    rows = np.array_split(np.arange(arr.data.shape[0]), arr.blocks)
+    shards = []
+    for i, r in enumerate(rows):
+        region = Region((int(r[0]), 0), (len(r), arr.data.shape[1]))
+
+        def copy_into(out: np.ndarray, i: int = i, region: Region = region) -> Callable[[], None]:
+            arr.log.append(f"start {i}")
+            src = arr.data[region.slices()].copy()  # what the device holds now, in the order of its queue
+
+            def run() -> None:
+                time.sleep(0.05)  # the copy is still running when the next one starts
+                if not arr.fail:
+                    out[...] = src
+
+            t = threading.Thread(target=run)
+            t.start()
+
+            def wait() -> None:
+                arr.log.append(f"wait {i}")
+                t.join()
+                if arr.fail:
+                    raise OSError(f"device copy {i} failed")
+            return wait
+
+        shards.append(registry.Shard(region, lambda region=region: arr.data[region.slices()].copy(),
+                                     copy_into=copy_into, host_buffer=_alloc))
+    return registry.ArraySource(arr.data.shape, dtypes.logical_name(arr.data.dtype), shards)
+
+
+registry.register_source(lambda obj: isinstance(obj, DeviceArray), _source)
+
+
+def _state() -> dict:
+    rng = np.random.default_rng(5)
+    return {"w": DeviceArray(rng.standard_normal((300, 70)).astype(np.float32), blocks=3),
+            "b": DeviceArray(rng.integers(-9, 9, (64, 1000)).astype(np.int64)),
+            "host": rng.standard_normal((50, 50)), "step": 7}
+
+
+def test_device_shards_are_copied_at_once_and_snapshotted(tmp_path):
+    xckpt.release_buffers()
+    allocations.clear()
+    state = _state()
+    want = {k: (v.data.copy() if isinstance(v, DeviceArray) else v) for k, v in state.items()}
+    handle = xckpt.save_async(state, tmp_path / "a")
+    for arr in (state["w"], state["b"]):
+        starts = [i for i, e in enumerate(arr.log) if e.startswith("start")]
+        waits = [i for i, e in enumerate(arr.log) if e.startswith("wait")]
+        assert len(starts) == len(waits) == arr.blocks and max(starts) < min(waits), arr.log
+        arr.data += 1  # the caller goes on changing its arrays
+    handle.wait()
+    got = xckpt.load(tmp_path / "a")
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+    # one buffer per device shard, of exactly its bytes
+    assert sorted(allocations) == sorted([100 * 70 * 4] * 3 + [32 * 1000 * 8] * 2)
+
+    # a second save of the same structure copies into the buffers kept from the first
+    want2 = {k: v.data.copy() for k, v in state.items() if isinstance(v, DeviceArray)}
+    xckpt.save_async(state, tmp_path / "b").wait()
+    assert len(allocations) == 5
+    got = xckpt.load(tmp_path / "b")
+    for k, v in want2.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+    assert xckpt.validate(tmp_path / "b", deep=True).ok
+
+
+def test_a_failing_device_copy_fails_the_save_and_commits_nothing(tmp_path):
+    state = _state()
+    state["b"].fail = True
+    handle = xckpt.save_async(state, tmp_path / "c")
+    with pytest.raises(XckptError, match="device copy 0 failed"):
+        handle.wait()
+    assert not (tmp_path / "c").exists()
+    assert [p.name for p in tmp_path.iterdir()] == []  # nothing left beside it
+    # the buffers went back to the pool: a good save after it allocates nothing new
+    state["b"].fail = False
+    xckpt.release_buffers()
+    allocations.clear()
+    xckpt.save_async(state, tmp_path / "d").wait()
+    n = len(allocations)
+    state["b"].fail = True
+    with pytest.raises(XckptError):
+        xckpt.save_async(state, tmp_path / "e").wait()
+    state["b"].fail = False
+    xckpt.save_async(state, tmp_path / "f").wait()
+    assert len(allocations) == n
+    np.testing.assert_array_equal(xckpt.load(tmp_path / "f")["b"], state["b"].data)
