@@ -18,6 +18,7 @@ already queued there, with one event each.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -101,21 +102,19 @@ def start_copy_to_host(t: torch.Tensor, stream: "torch.cuda.Stream", out: np.nda
     another), after the work already queued there; returns a function that waits for the copy."""
     dst = from_numpy(out, logical_dtype(t.dtype))
     done = torch.cuda.Event()
-    if torch.cuda.current_stream(t.device) == stream:
+    # entering a stream context costs more than the copy's own call: only where the stream is another
+    on_stream = contextlib.nullcontext() if torch.cuda.current_stream(t.device) == stream else torch.cuda.stream(stream)
+    with on_stream:
         dst.copy_(t.detach(), non_blocking=True)
         done.record(stream)
-    else:
-        with torch.cuda.stream(stream):
-            dst.copy_(t.detach(), non_blocking=True)
-            done.record(stream)
     return done.synchronize
 
 
 def tensor_shard(region: Region, t: torch.Tensor) -> Shard:
     """The shard of a save that tensor ``t`` holds: fetched as host numpy, and for a CUDA tensor also
     copied straight into an asynchronous save's page-locked buffers."""
-    if t.device.type == "cuda":
-        return Shard(region, lambda: stage_to_host(t),
-                     copy_into=functools.partial(start_copy_to_host, t, torch.cuda.current_stream(t.device)),
-                     host_buffer=pinned_buffer)
-    return Shard(region, lambda: to_host(t))
+    if t.device.type != "cuda":
+        return Shard(region, lambda: to_host(t))
+    return Shard(region, lambda: to_host(t),
+                 copy_into=functools.partial(start_copy_to_host, t, torch.cuda.current_stream(t.device)),
+                 host_buffer=pinned_buffer)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import atexit
 import copy
-import math
 import os
 import threading
 import time
@@ -58,6 +57,7 @@ from xckpt.engine.threads import yield_cpu
 from xckpt.engine.write import ChunkWriter
 from xckpt.errors import CollectiveError, CoordinationError
 from xckpt.format import dtypes, shard
+from xckpt.registry import Shard
 
 #: How long a process waits for the others (their status; the outcome of the commit), in seconds.
 COMMIT_TIMEOUT_S = 600.0
@@ -116,7 +116,8 @@ class _Buffers:
 
     def give(self, buf: np.ndarray, alloc: Allocator = None) -> None:
         """Keep a buffer :meth:`take` returned (from ``alloc``) for later."""
-        assert buf.dtype == np.uint8 and buf.ndim == 1
+        # a whole buffer, not a view of one (an allocator's buffer may be a view of memory it owns)
+        assert buf.dtype == np.uint8 and buf.ndim == 1 and (alloc is not None or buf.base is None)
         with self._lock:
             self._free.setdefault((buf.nbytes, alloc), []).append(buf)
 
@@ -386,7 +387,7 @@ def stage(p: Prepared, stop: threading.Event | None = None) -> Staged:
     return staged
 
 
-def _start_device_copies(p: Prepared, held: dict[tuple[int, Any], Any], staged: Staged,
+def _start_device_copies(p: Prepared, held: dict[tuple[int, Any], Shard], staged: Staged,
                          waits: list[Callable[[], None]]) -> dict[tuple[int, Any], np.ndarray]:
     """Start copying every held shard that lives on an accelerator into a buffer of its own (kept in
     ``staged``); each copy's wait goes to ``waits``. The buffers, by ``(leaf position, box)``."""
@@ -395,7 +396,7 @@ def _start_device_copies(p: Prepared, held: dict[tuple[int, Any], Any], staged: 
         if sh.copy_into is None or sh.host_buffer is None:
             continue
         dtype = dtypes.numpy_dtype(p.descs.leaves[pos].dtype)
-        nbytes = math.prod(piece.sizes) * dtype.itemsize
+        nbytes = piece.numel * dtype.itemsize
         buf = _staging.take(nbytes, sh.host_buffer)
         staged.buffers.append((buf, sh.host_buffer))
         arr = buf.view(dtype).reshape(piece.sizes)
