@@ -103,14 +103,23 @@ def _rank_main(rank: int, req: dict[str, Any], store_path: str) -> dict[str, Any
     state = {"w": local, "rep": DTensor.from_local(torch.from_numpy(want["rep"].copy()), mesh, [Replicate()],
                                                    run_check=False),
              "step": want["step"], "tag": want["tag"]}
+    import warnings
+
     try:
-        manifest = xckpt.save(state, req["path"], overwrite=bool(req.get("overwrite")))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", xckpt.XckptWarning)
+            manifest = xckpt.save(state, req["path"], overwrite=bool(req.get("overwrite")))
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         return {"ok": False, "type": type(exc).__name__, "code": getattr(exc, "code", None),
                 "error": str(exc)[:4000]}
-    dist.barrier()  # both ranks are past the save's last collective before either closes its connections
-    dist.destroy_process_group()
-    return {"ok": True, "generation": getattr(manifest, "generation", None)}
+    said = [str(w.message) for w in caught if issubclass(w.category, xckpt.XckptWarning)]
+    try:  # both ranks are past the save's last collective before either closes its connections
+        dist.barrier()
+        dist.destroy_process_group()
+        after = None
+    except Exception as exc:  # noqa: BLE001 - the other rank may be gone (the test says when that is expected)
+        after = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return {"ok": True, "generation": getattr(manifest, "generation", None), "warnings": said, "after": after}
 
 
 def _rank_entry(rank: int, req: dict[str, Any], store_path: str, wfd: int) -> None:

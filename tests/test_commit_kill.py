@@ -340,4 +340,11 @@ def test_survivor_timeout_during_commit_never_publishes_a_partial_checkpoint(zyg
     path = tmp_path / "ck"
     ranks = zygote.group(path, NEW, delay=["before_publish", 0, 2.5], pg_timeout=1)
     assert ranks[1]["result"] and ranks[1]["result"]["code"] == "save.outcome_unknown", ranks
-    assert_holds(path, NEW)
+    assert all(not r["hung"] and r["exit"] == 0 for r in ranks), ranks
+    assert ranks[0]["result"] and ranks[0]["result"]["ok"] is True, ranks  # it committed, and says so
+    assert any("is committed, but the other processes could not be told" in w
+               for w in ranks[0]["result"]["warnings"]), ranks
+    generation = ranks[0]["result"]["generation"]
+    assert isinstance(generation, str) and len(generation) == 32, ranks
+    assert_holds(path, NEW, generation)  # what rank 0 published is its own save
+    assert leftovers(tmp_path) == {}

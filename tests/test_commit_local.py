@@ -255,9 +255,10 @@ def test_loads_against_an_overwriter_are_never_torn(tmp_path):
                               stderr=subprocess.PIPE, text=True)
     stats = {"whole": 0, "torn": 0, "replaced": 0, "generations": set()}
     failures: list[BaseException] = []
+    loads = [0, 0]  # whole loads per thread: each must have done some
     lock = threading.Lock()
 
-    def loader() -> None:
+    def loader(me: int) -> None:
         while writer.poll() is None:
             try:
                 g = generation_of(xckpt.load(path))
@@ -268,14 +269,18 @@ def test_loads_against_an_overwriter_are_never_torn(tmp_path):
                 with lock:
                     stats["replaced"] += 1
                 continue
+            except BaseException as exc:  # noqa: BLE001 - any other error is a failure the test reports
+                failures.append(exc)
+                return
             with lock:
+                loads[me] += 1
                 if g is None:
                     stats["torn"] += 1
                 else:
                     stats["whole"] += 1
                     stats["generations"].add(g)
 
-    threads = [threading.Thread(target=loader) for _ in range(2)]
+    threads = [threading.Thread(target=loader, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     try:
@@ -287,6 +292,7 @@ def test_loads_against_an_overwriter_are_never_torn(tmp_path):
             t.join(60)
     assert writer.returncode == 0 and out.strip() == f"saved {commits}", err
     assert not failures, failures
+    assert not any(t.is_alive() for t in threads) and min(loads) > 0, loads
     print({k: (len(v) if isinstance(v, set) else v) for k, v in stats.items()})
     assert stats["torn"] == 0, stats
     assert stats["whole"] >= 100 and len(stats["generations"]) >= 20, stats

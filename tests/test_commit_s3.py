@@ -303,8 +303,7 @@ def test_claim_after_a_commit_is_refused(bucket):
     xckpt.save(tree, url)  # meanwhile, another save commits there
     before = _snapshot(bucket)
     with pytest.raises(xckpt.XckptError) as info:
-        hold = Hold(target, claims.new_generation(), 3600.0)
-        hold.end()
+        Hold(target, claims.new_generation(), 3600.0)
     assert info.value.code == "save.exists"
     assert _snapshot(bucket) == before
     _committed(bucket, url, tree)

@@ -97,9 +97,14 @@ def test_crc_mismatch(ckpt):
     with pytest.raises(IntegrityError) as info:
         xckpt.load(ckpt)
     assert info.value.code == "chunk.crc32c" and info.value.leaf == "params/w"
-    # Another leaf is still readable on its own, and a region not touching the bad chunk too.
+    # Another leaf is still readable on its own, and a region not touching the bad inner chunk too (64-byte
+    # inner chunks: (4, 4) of float32; the flipped byte 3 lies in the first).
     ok = xckpt.load(ckpt, like={"params": {"b": np.zeros(8, np.float32), "w": None}})
     np.testing.assert_array_equal(ok["params"]["b"], np.ones(8, np.float32))
+    rows = xckpt.load(ckpt, like={"params": {"w": xckpt.ReadSpec(region=(slice(4, 8), slice(0, 8))), "b": None}})
+    np.testing.assert_array_equal(rows["params"]["w"], W[4:8])
+    with pytest.raises(IntegrityError):  # while the region holding it fails
+        xckpt.load(ckpt, like={"params": {"w": xckpt.ReadSpec(region=(slice(0, 4), slice(0, 4))), "b": None}})
 
 
 def test_values_crc_mismatch(ckpt):
@@ -186,14 +191,138 @@ def test_symbolic_link_to_a_chunk_is_refused_on_load(ckpt):
 def test_save_async_staging_failure_is_raised_by_wait_and_commits_nothing(ckpt):
     from xckpt.engine import background
 
-    big = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # staged before the failure
-    handle = xckpt.save_async({"a": big, "z": _failing_source()}, ckpt, overwrite=True)
+    xckpt.release_buffers()  # the pool starts empty: what it holds below is this save's
+    big = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # staged before the failure (smaller first)
+    failing = _failing_source()
+    failing = ArraySource((2048, 1024), "float32", [Shard(Region((0, 0), (2048, 1024)), failing.shards[0].fetch)])
+    handle = xckpt.save_async({"a": big, "z": failing}, ckpt, overwrite=True)
     with pytest.raises(SaveError, match="device lost") as info:
         handle.wait()
     assert "nothing was committed" in str(info.value)
     np.testing.assert_array_equal(xckpt.load(ckpt)["params"]["w"], W)  # the previous checkpoint is whole
     assert sorted(os.listdir(ckpt.parent)) == ["c"]
     kept = background._staging._free
-    assert sum(len(v) for v in kept.values()) >= 1  # the staged buffer went back to the pool
+    assert sum(b.nbytes for bufs in kept.values() for b in bufs) >= big.nbytes  # big's buffers went back
     xckpt.release_buffers()
     assert not background._staging._free
+
+
+# -- manifests, values and metadata files crafted against the reader -------------------------------
+
+
+def _with_tree_item(ckpt, name, node):
+    """Add a container without leaves to the manifest's root dict."""
+    _edit_manifest(ckpt, lambda m: m["tree"]["items"].append([name, node]))
+
+
+@pytest.mark.parametrize("name,fields", [("not valid", ["x"]), ("class", ["x"]), ("NT", ["def"]), ("NT", ["x", "x"]),
+                                         ("NT", ["_x"]), ("NT", ["x", "_0"]), ("NT", [""])])
+def test_namedtuple_name_and_fields_must_be_identifiers(ckpt, name, fields):
+    _with_tree_item(ckpt, "nt", {"kind": "namedtuple", "name": name, "fields": fields,
+                                 "items": [{"kind": "list", "items": []} for _ in fields]})
+    with pytest.raises(ManifestError) as info:
+        xckpt.load(ckpt)
+    assert info.value.code == "manifest.tree" and info.value.file == str(ckpt / "xckpt.json")
+    report = xckpt.validate(ckpt, deep=True)
+    assert [f.code for f in report.findings] == ["manifest.tree"]
+
+
+def test_namedtuple_with_renamed_fields_round_trips(tmp_path):
+    import collections
+
+    NT = collections.namedtuple("NT", ["a", "def", "a"], rename=True)  # fields a, _1, _2
+    tree = {"n": NT(np.arange(3, dtype=np.int16), 2, "x")}
+    xckpt.save(tree, tmp_path / "c")
+    got = xckpt.load(tmp_path / "c")["n"]
+    assert type(got).__name__ == "NT" and got._fields == ("a", "_1", "_2")
+    np.testing.assert_array_equal(got.a, tree["n"].a)
+    assert (got._1, got._2) == (2, "x")
+
+
+def test_a_key_given_twice_in_one_dict_is_refused(tmp_path):
+    """Two leaves under one key: a reader would keep one and silently drop the other."""
+    path = tmp_path / "c"
+    xckpt.save({"x": b"first", "y": b"second"}, path)
+
+    def twice(m):
+        next(item for item in m["tree"]["items"] if item[0] == "y")[0] = "x"
+        next(e for e in m["leaves"] if e["key"] == ["y"])["key"] = ["x"]
+    _edit_manifest(path, twice)
+    with pytest.raises(ManifestError) as info:
+        xckpt.load(path)
+    assert info.value.code == "manifest.tree" and "'x' is given twice" in str(info.value)
+    assert [f.code for f in xckpt.validate(path).findings] == ["manifest.tree"]
+    # an int key and a str key of the same digits are two keys
+    xckpt.save({1: b"int", "1": b"str"}, tmp_path / "d")
+    assert xckpt.load(tmp_path / "d") == {1: b"int", "1": b"str"}
+
+
+def test_a_manifest_member_given_twice_is_refused(ckpt):
+    raw = (ckpt / "xckpt.json").read_bytes()
+    assert raw.startswith(b'{"format":"xckpt"')
+    (ckpt / "xckpt.json").write_bytes(raw.replace(b'{"format":"xckpt"', b'{"format":"xckpt","leaves":[]', 1))
+    with pytest.raises(ManifestError) as info:
+        xckpt.load(ckpt)
+    assert info.value.code == "manifest.json" and "'leaves' appears twice" in str(info.value)
+    assert [f.code for f in xckpt.validate(ckpt).findings] == ["manifest.json"]
+
+
+def _nested(depth):
+    v = 1
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+def test_values_files_nest_at_most_64_containers(tmp_path):
+    """The values file (a dict of every value) nests at most 64 containers, as written and as read."""
+    import crc32c
+    import msgpack
+
+    from xckpt.format import values as xvalues
+
+    path = tmp_path / "c"
+    xckpt.save({"v": xckpt.Value(_nested(63)), "t": xckpt.Value((1, [2, (3,)]))}, path)  # values 0 and 1
+    assert xckpt.load(path) == {"v": _nested(63), "t": (1, [2, (3,)])}
+    with pytest.raises(xckpt.XckptError):
+        xckpt.save({"v": xckpt.Value(_nested(64))}, tmp_path / "d")
+    # written by hand: 64 lists in the file's dict, or lists and tuples (each tuple a payload unpacked on its
+    # own) 3,000 deep
+    tuple_ = lambda v: msgpack.ExtType(xvalues.EXT_TUPLE, msgpack.packb([v]))  # noqa: E731
+    deep_mixed = 1
+    for i in range(3000):
+        deep_mixed = tuple_(deep_mixed) if i % 50 == 0 else [deep_mixed]
+    for bad in (_nested(64), deep_mixed):
+        blob = msgpack.packb(msgpack.ExtType(xvalues.EXT_DICT, msgpack.packb(
+            [[0, bad], [1, msgpack.ExtType(xvalues.EXT_TUPLE, msgpack.packb([1, [2, tuple_(3)]]))]])))
+        (path / "values.msgpack").write_bytes(blob)
+        _edit_manifest(path, lambda m: m["values"].update(size=len(blob), crc32c=crc32c.crc32c(blob)))
+        with pytest.raises(ManifestError) as info:
+            xckpt.load(path)
+        assert info.value.code == "values.invalid" and "nest deeper than 64" in str(info.value)
+        assert info.value.file == str(path / "values.msgpack")
+        assert "values.invalid" in [f.code for f in xckpt.validate(path).findings]
+
+
+def _sparse(path, nbytes):
+    """Make ``path`` a file of ``nbytes`` zero bytes that takes no space."""
+    with open(path, "r+b" if path.exists() else "wb") as f:
+        f.truncate(nbytes)
+
+
+@pytest.mark.parametrize("name,code,leaf", [("xckpt.json", "resource.too_large", None),
+                                            ("params.w/zarr.json", "resource.too_large", "params/w"),
+                                            ("values.msgpack", "values.size", None)])
+def test_metadata_files_above_their_bound_are_refused_before_reading(ckpt, name, code, leaf):
+    """A manifest above 256 MiB, a zarr.json above 1 MiB, a values file larger than the manifest says: each
+    refused from its size (the files here are sparse: reading them would allocate gigabytes)."""
+    _sparse(ckpt / name, 2 << 30)
+    with pytest.raises(XckptError) as info:
+        xckpt.load(ckpt)
+    assert info.value.code == code and info.value.file == str(ckpt / name) and info.value.leaf == leaf
+    report = xckpt.validate(ckpt, deep=True)  # reports, never raises
+    assert not report.ok and code in [f.code for f in report.findings]
+    if name == "xckpt.json":
+        with pytest.raises(XckptError) as info:
+            xckpt.inspect(ckpt)
+        assert info.value.code == code

@@ -72,6 +72,7 @@ def test_tree_structure_and_values_preserved(tmp_path):
     np.testing.assert_array_equal(out["model"]["layers.0.bias"], tree["model"]["layers.0.bias"])
     assert type(out["opt"]) is list and type(out["opt"][1]) is tuple
     assert type(out["opt"][0]).__name__ == "NT" and out["opt"][0]._fields == ("mu", "nu")
+    np.testing.assert_array_equal(out["opt"][0].mu, tree["opt"][0].mu)
     np.testing.assert_array_equal(out["opt"][0].nu, np.full(2, 2.0))
     assert out["opt"][1] == (1, "two", None) and out["opt"][2] == {}
     assert out["state"] == {0: {"step": 3}, 1: {"step": 4}}

@@ -118,6 +118,32 @@ def test_demo_passes_end_to_end(demo_run):
     print(f"demo wall time: {took:.1f} s")
 
 
+def _torch_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
+    """The demo's PyTorch pre-training (same seed, same global batches, same AdamW) in one process, unsharded:
+    parameters and AdamW moments by name."""
+    from xckpt_demo import model_torch
+    torch.manual_seed(cfg.init_seed)
+    net = model_torch.GPT(cfg)
+    opt = model_torch.make_optimizer(net, cfg)
+    for s in range(cfg.pretrain_steps):
+        ids, tg = data.batch(cfg, s)
+        loss = model_torch.loss_fn(net, torch.from_numpy(ids), torch.from_numpy(tg))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    params = dict(net.named_parameters())
+    return ({k: p.detach().numpy() for k, p in params.items()},
+            {k: {m: opt.state[p][m].numpy() for m in ("exp_avg", "exp_avg_sq")} for k, p in params.items()})
+
+
+def _near_reference(got: np.ndarray, want: np.ndarray, frac: float, what: str) -> None:
+    """``got`` within ``frac`` of ``want``'s largest magnitude, element by element. The 4-rank run sums in another
+    order (FSDP reduce-scatter, tensor-parallel partial sums): float32 noise of ~1e-4 of that scale after 30 steps
+    (6e-4 for parameters); a shard in the wrong place, a swapped moment or a stale value is off by the scale."""
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape)
+    np.testing.assert_allclose(got, want, rtol=0, atol=frac * float(np.abs(want).max()), err_msg=what)
+
+
 def test_demo_checkpoints_hold_what_was_trained(demo_run):
     """The PyTorch checkpoint was written by the 2 x 2 mesh, the JAX one by the 4 x 2 mesh; both hold step and state."""
     out, proc, _ = demo_run
@@ -130,6 +156,21 @@ def test_demo_checkpoints_hold_what_was_trained(demo_run):
         assert float(st["step"]) == cfg.pretrain_steps
         assert st["exp_avg"].shape == t["model"][fqn].shape
     assert t["rng"]["torch_cpu"].shape[0] == 4
+    (group,) = t["optim"]["param_groups"]
+    assert (group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"]) == \
+        (cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
+    ref_params, ref_moments = _torch_reference(cfg)
+    assert group["params"] == list(ref_params) and set(t["model"]) == set(ref_params)
+    for fqn, want in ref_params.items():
+        st = t["optim"]["state"][fqn]
+        if fqn.endswith("attn.k.bias"):
+            # softmax ignores a key bias (it adds the same q . b_k to every key of a query): its gradient is 0
+            # up to rounding, which AdamW normalises into a random walk of the bias itself in either run
+            assert np.abs(st["exp_avg"]).max() < 1e-9 and np.abs(st["exp_avg_sq"]).max() < 1e-18, fqn
+            continue
+        _near_reference(t["model"][fqn], want, 5e-3, fqn)
+        for m in ("exp_avg", "exp_avg_sq"):
+            _near_reference(st[m], ref_moments[fqn][m], 2e-3, f"{fqn} {m}")
     info = {e["key"]: e for e in xckpt.inspect(out / f"torch_step{cfg.pretrain_steps}")["leaves"]}
     q = info["model/blocks.0.attn.q.weight"]["sharding"]
     assert q["mesh_shape"] == [2, 2] and q["dim_axes"] == [["dp", "tp"], []]
@@ -138,6 +179,23 @@ def test_demo_checkpoints_hold_what_was_trained(demo_run):
     assert j["params"]["blocks_0"]["attn"]["q"]["kernel"].shape == (cfg.d_model, cfg.d_model)
     info = {e["key"]: e for e in xckpt.inspect(out / f"jax_step{cfg.pretrain_steps}")["leaves"]}
     assert info["params/blocks_0/attn/q/kernel"]["sharding"]["mesh_shape"] == [4, 2]
+    # the demo's own JAX trainer, rerun here on the same 4 x 2 mesh of host devices: the same compiled steps,
+    # so the same bits as the state the demo saved
+    from xckpt_demo import train_jax
+    from xckpt_demo.config import JAX_MESH
+    trainer = train_jax.Trainer(cfg, JAX_MESH)
+    key, init_key = jax.random.split(jax.random.PRNGKey(cfg.init_seed))
+    params, opt_state = trainer.init(init_key)
+    params, opt_state, _ = trainer.run(params, opt_state, 0, cfg.pretrain_steps, "[reference]", every=5)
+    want = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
+    got = {"params": j["params"], "opt_state": j["opt_state"], "rng": j["rng"]}
+    # loaded without a target, optax's namedtuples come back as look-alikes of the same name and fields
+    leaves = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(want)}
+    loaded = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(got)}
+    assert list(loaded) == list(leaves) and len(leaves) > 3 * len(jax.tree.leaves(params))  # params, mu, nu, ...
+    for where, w in leaves.items():
+        assert loaded[where].dtype == w.dtype, where
+        np.testing.assert_array_equal(loaded[where], w, err_msg=where)
 
 
 def test_demo_ends_its_processes_on_ctrl_c(tmp_path):

@@ -1,8 +1,8 @@
 """A reader that trusts nothing: links and special files are refused without being read through or
 waited on, by every read path; chunk objects are bound to their place; manifests hold valid Unicode.
 
-Outside copies have their access time set to 1 before each operation: an operation that read them
-through a link would move it (the file systems used here mount with ``relatime``).
+Outside copies are watched with inotify (:mod:`opened`) during each operation: an operation that
+opened or read them through a link is caught, however the file system is mounted.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import pytest
 import xckpt
 import xckpt.mapping as M
 from xckpt.errors import XckptError
+
+from opened import Opened, probe
 
 CONF = Path(__file__).resolve().parents[1] / "spec" / "conformance"
 SHARDED = CONF / "valid" / "sharded" / "checkpoint"
@@ -87,14 +89,11 @@ def _code(op: str, error: BaseException | None) -> str | None:
     return None
 
 
-def _outside_files(outside: Path) -> list[Path]:
-    return [outside] if outside.is_file() else [p for p in outside.rglob("*") if p.is_file()]
-
-
 @pytest.fixture(scope="module")
-def torch_adapter() -> None:
+def torch_adapter(tmp_path_factory: pytest.TempPathFactory) -> None:
     pytest.importorskip("torch")
     xckpt.torch  # noqa: B018 - registers the adapter
+    probe(tmp_path_factory.mktemp("probe"))  # the watch below sees reads here
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
@@ -105,12 +104,10 @@ def test_links_are_refused_and_never_read_through(tmp_path: Path, target: str, t
         outside = tmp_path / op / "outside"
         shutil.move(ckpt / target, outside)
         os.symlink(outside, ckpt / target)
-        files = _outside_files(outside)
-        for f in files:
-            os.utime(f, (0, 1))
-        result, error = _run(op, ckpt)
-        read = [str(f) for f in files if os.stat(f).st_atime > 1]
-        assert not read, f"{op} read {read} through the link {target}"
+        with Opened(outside) as seen:
+            result, error = _run(op, ckpt)
+            read = seen.paths()
+        assert not read, f"{op} opened {read} through the link {target}"
         if op == "validate":
             assert error is None, f"validate raised {error!r}"
             assert "path.link" in result.codes() and not result.ok, (target, result.codes())
@@ -155,6 +152,27 @@ def test_a_linked_root_or_parent_directory_is_read_normally(tmp_path: Path, torc
         xckpt.convert.convert(str(path), str(out))
         np.testing.assert_array_equal(xckpt.load(out)["w"], W)
         shutil.rmtree(out)
+
+
+@pytest.mark.parametrize("repo,allowed", [("models--org--name", True), ("datasets--org--name", True),
+                                           ("anything", False)])
+def test_links_into_blobs_are_followed_only_in_a_hub_cache_snapshot(tmp_path: Path, repo: str, allowed: bool) -> None:
+    """A checkpoint at ``<repo>/snapshots/<rev>`` whose chunk is a link to ``<repo>/blobs/<hash>`` (how the
+    Hugging Face hub cache stores files) reads through it only when ``<repo>`` is named as the cache names
+    a repository; elsewhere that link is refused like any other."""
+    snap = tmp_path / repo / "snapshots" / "0123abcd"
+    shutil.copytree(SHARDED, snap)
+    chunk = next(p for p in sorted((snap / "w").rglob("*")) if p.is_file() and p.name != "zarr.json")
+    (tmp_path / repo / "blobs").mkdir()
+    blob = tmp_path / repo / "blobs" / "4f2a"
+    os.rename(chunk, blob)
+    os.symlink(os.path.relpath(blob, chunk.parent), chunk)
+    if allowed:
+        np.testing.assert_array_equal(xckpt.load(snap)["w"], W)
+        return
+    with pytest.raises(XckptError) as info:
+        xckpt.load(snap)
+    assert info.value.code == "path.link" and info.value.file == str(chunk)
 
 
 def test_a_linked_manifest_is_not_read_as_an_orbax_checkpoint(tmp_path: Path) -> None:

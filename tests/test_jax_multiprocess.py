@@ -66,3 +66,8 @@ def test_save_from_two_processes_and_restore_on_other_meshes(tmp_path):
         manifest = xckpt.inspect(path)
         w = next(leaf for leaf in manifest["leaves"] if leaf["key"] == "params/w")
         assert w["sharding"]["mesh_shape"] == [4, 2] and w["sharding"]["dim_axes"] == [["x"], ["y"]]
+    # the save that followed the refused one (under a regular file) holds the saved array whole
+    after = xckpt.load(os.path.join(workdir, "after"))
+    assert set(after) == {"after"} and after["after"].dtype == exp["w"].dtype
+    np.testing.assert_array_equal(after["after"], exp["w"])
+    assert (tmp_path / "blocker").read_bytes() == b"a file where a directory would have to be"

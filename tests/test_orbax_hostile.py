@@ -5,7 +5,9 @@ each test copies one, puts a symbolic link (to an outside copy) or a FIFO where 
 files or directories was, and checks that xckpt refuses it with ``path.link`` or
 ``path.special`` before anything is read: the outside copy's access time stays where the test
 set it (``/tmp`` honours relatime: a read would move it). A checkpoint reached through a
-linked root or a linked parent directory still loads exactly.
+linked root or a linked parent directory still loads exactly. A hostile ``_METADATA`` (JSON nested
+too deeply to parse, a key longer than a tree may be deep) is refused with ``orbax.invalid`` or
+``orbax.tree``, never a ``RecursionError``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     # must be set before jax is imported (tests/conftest.py may already have done it)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import json
 import logging
 import shutil
 import threading
@@ -38,6 +41,7 @@ from xckpt.format.regions import Region
 from xckpt.interop.orbax.checkpoint import open_orbax
 from xckpt.interop.orbax.files import check_tree
 
+from opened import Opened, probe
 from test_orbax_read import assert_same
 
 logging.getLogger("absl").setLevel(logging.ERROR)
@@ -84,13 +88,9 @@ def want() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def atime_works(tmp_path_factory: pytest.TempPathFactory) -> bool:
-    """Whether reading a file here moves an access time set in the past (relatime or strictatime)."""
-    f = tmp_path_factory.mktemp("atime") / "probe"
-    f.write_bytes(b"x" * 100)
-    os.utime(f, (0, 1))
-    f.read_bytes()
-    return os.stat(f).st_atime > 1
+def watch_works(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The inotify watch of :mod:`opened` sees a read here."""
+    probe(tmp_path_factory.mktemp("probe"))
 
 
 def _copy(ckpts: dict[str, Path], name: str, tmp_path: Path) -> Path:
@@ -110,20 +110,6 @@ def _pick(path: Path, what: str) -> str:
         return next(p.name for p in sorted(path.iterdir()) if p.name.startswith("ocdbt.process_"))
     assert (path / what).exists() or (path / what).is_symlink(), what
     return what
-
-
-def _age(path: Path) -> list[Path]:
-    """Set the access time of ``path`` (and of everything below it) to 0; returns what was set."""
-    paths = sorted(path.rglob("*"), reverse=True) + [path] if path.is_dir() else [path]
-    for p in paths:
-        os.utime(p, (0, 1), follow_symlinks=False)
-    return paths
-
-
-def _unread(paths: list[Path], atime_works: bool) -> None:
-    if atime_works:
-        read = [str(p) for p in paths if os.stat(p, follow_symlinks=False).st_atime > 1]
-        assert not read, f"read through a link: {read}"
 
 
 def _raises(fn: Callable[[], Any], timeout: float = 60.0) -> BaseException | None:
@@ -158,25 +144,25 @@ LINKED = [
 
 @pytest.mark.parametrize("name,what", LINKED)
 def test_link_to_an_outside_copy_is_refused_unread(ckpts: dict[str, Path], name: str, what: str, tmp_path: Path,
-                                                   atime_works: bool) -> None:
+                                                   watch_works: None) -> None:
     path = _copy(ckpts, name, tmp_path)
     rel = _pick(path, what)
     outside = tmp_path / "outside" / Path(rel).name
     outside.parent.mkdir()
     shutil.move(str(path / rel), outside)
     os.symlink(outside, path / rel)
-    aged = _age(outside)
-    for fn in (lambda: xckpt.load(path), lambda: xckpt.inspect(path), lambda: open_orbax(path)):
-        with pytest.raises(XckptError) as err:
-            fn()
-        assert err.value.code == "path.link", str(err.value)
-        assert err.value.file == str(path / rel), str(err.value)
-        if name.startswith("zarr") and rel.split("/")[0] in ("w", "step"):
-            assert err.value.leaf == rel.split("/")[0]
-    _unread(aged, atime_works)
-    report = xckpt.validate(path, deep=True)  # the validator reads xckpt checkpoints; it refuses this one
-    assert not report.ok
-    _unread(aged, atime_works)
+    with Opened(outside) as seen:
+        for fn in (lambda: xckpt.load(path), lambda: xckpt.inspect(path), lambda: open_orbax(path)):
+            with pytest.raises(XckptError) as err:
+                fn()
+            assert err.value.code == "path.link", str(err.value)
+            assert err.value.file == str(path / rel), str(err.value)
+            if name.startswith("zarr") and rel.split("/")[0] in ("w", "step"):
+                assert err.value.leaf == rel.split("/")[0]
+        assert seen.paths() == [], "read through a link"
+        report = xckpt.validate(path, deep=True)  # the validator reads xckpt checkpoints; it refuses this one
+        assert not report.ok
+        assert seen.paths() == [], "the validator read through a link"
 
 
 @pytest.mark.parametrize("name,what", [("zarr3", "chunk"), ("zarr2", "w")])
@@ -276,3 +262,79 @@ def test_check_tree_counts_files_and_names_the_leaf(ckpts: dict[str, Path], tmp_
     finally:
         store.close()
     assert err.value.code == "path.link" and err.value.file == f"{path}/w/9.9" and err.value.leaf == "params/w"
+
+
+# -- a hostile _METADATA ----------------------------------------------------------------------------
+
+
+def _edit_metadata(ckpts: dict[str, Path], tmp_path: Path, edit: Callable[[dict[str, Any]], str]) -> Path:
+    """A copy of the zarr3 checkpoint whose ``_METADATA`` is ``edit(the parsed document)``."""
+    path = _copy(ckpts, "zarr3", tmp_path)
+    meta = json.loads((path / "_METADATA").read_text())
+    (path / "_METADATA").write_text(edit(meta))
+    return path
+
+
+def _long_key(n: int, value_type: str = "scalar") -> Callable[[dict[str, Any]], str]:
+    """An edit adding a record whose key_metadata has ``n`` parts (``k/k/.../k``)."""
+    def edit(meta: dict[str, Any]) -> str:
+        meta["tree_metadata"]["('deep',)"] = {"key_metadata": [{"key": "k", "key_type": 2}] * n,
+                                              "value_metadata": {"value_type": value_type, "skip_deserialize": True}}
+        return json.dumps(meta)
+    return edit
+
+
+def _refused(path: Path, code: str) -> list[XckptError]:
+    """load and inspect both refuse ``path`` with ``code``, naming its _METADATA; validate reports, never raises."""
+    errors = []
+    for fn in (lambda: xckpt.load(path), lambda: xckpt.inspect(path)):
+        exc = _raises(fn)
+        assert isinstance(exc, XckptError), repr(exc)
+        assert exc.code == code and exc.file == str(path / "_METADATA"), str(exc)
+        errors.append(exc)
+    assert not xckpt.validate(path).ok
+    return errors
+
+
+@pytest.mark.parametrize("where", ["top", "record"])
+def test_metadata_nested_too_deeply_to_parse_is_invalid(ckpts: dict[str, Path], tmp_path: Path, where: str) -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+
+    def edit(meta: dict[str, Any]) -> str:
+        text = json.dumps(meta)
+        if where == "top":
+            return text[:-1] + f', "x": {deep}}}'
+        return text.replace('"value_metadata": {', f'"value_metadata": {{"x": {deep}, ', 1)
+
+    for exc in _refused(_edit_metadata(ckpts, tmp_path, edit), "orbax.invalid"):
+        assert "too deeply" in str(exc)
+
+
+def test_metadata_with_a_huge_number_or_a_deep_tuple_key_is_invalid(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    _refused(_edit_metadata(ckpts, tmp_path, lambda meta: json.dumps(meta)[:-1] + ', "x": ' + "1" * 5000 + "}"),
+             "orbax.invalid")
+    shutil.rmtree(tmp_path / "ckpt")
+
+    def old_key(meta: dict[str, Any]) -> str:  # no key_metadata: the record key is parsed as a Python tuple
+        meta["tree_metadata"]["-" * 100_000 + "1"] = {"value_metadata": {"value_type": "None"}}
+        return json.dumps(meta)
+
+    _refused(_edit_metadata(ckpts, tmp_path, old_key), "orbax.invalid")
+
+
+@pytest.mark.parametrize("parts", [65, 1000, 100_000])
+def test_key_deeper_than_a_tree_may_be_is_refused(ckpts: dict[str, Path], tmp_path: Path, parts: int) -> None:
+    for exc in _refused(_edit_metadata(ckpts, tmp_path, _long_key(parts)), "orbax.tree"):
+        assert exc.leaf == "/".join(["k"] * 64) + "/..."
+        assert f"key of {parts} parts" in str(exc)
+
+
+def test_key_as_deep_as_a_tree_may_be_loads(ckpts: dict[str, Path], want: dict[str, Any], tmp_path: Path) -> None:
+    path = _edit_metadata(ckpts, tmp_path, _long_key(64, "None"))
+    got = xckpt.load(path)
+    node = got.pop("k")
+    for _ in range(63):  # k/k/.../k: 64 parts
+        node = node["k"]
+    assert node is None
+    assert_same(got, want)
+    assert xckpt.inspect(path)["format"] == "orbax"

@@ -38,6 +38,11 @@ def test_standard_checkpointer_restores_onto_a_mesh(tmp_path):
         assert got.dtype == tree["params"][name].dtype
         np.testing.assert_array_equal(np.asarray(got), tree["params"][name])
     assert out["step"] == 42 and out["lr"] == 0.5 and out["done"] is False and out["nothing"] is None
+    for i, layer in enumerate(out["layers"]):
+        assert isinstance(layer, jax.Array) and layer.sharding == target["layers"][i].sharding
+        assert layer.dtype == tree["layers"][i].dtype
+    assert len(out["layers"]) == 2
+    np.testing.assert_array_equal(np.asarray(out["layers"][0]), tree["layers"][0])
     np.testing.assert_array_equal(np.asarray(out["layers"][1]), tree["layers"][1])
 
 
@@ -50,7 +55,10 @@ def test_pytree_checkpointer_restores_without_target(tmp_path):
         np.testing.assert_array_equal(np.asarray(out["params"][name]), tree["params"][name])
         assert np.asarray(out["params"][name]).dtype == tree["params"][name].dtype
     assert out["step"] == 42 and out["name"] == "run-7" and out["done"] is False
+    assert out["lr"] == 0.5 and out["nothing"] is None
+    assert len(out["layers"]) == 2
     np.testing.assert_array_equal(out["layers"][0], tree["layers"][0])
+    np.testing.assert_array_equal(np.asarray(out["layers"][1]), tree["layers"][1])
 
 
 def test_checkpoint_manager_step_directory(tmp_path):

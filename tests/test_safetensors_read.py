@@ -223,12 +223,18 @@ def test_tied_weights_stored_once(tmp_path: Path) -> None:
     import transformers
 
     other = transformers.LlamaForCausalLM(cfg)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not all(torch.equal(v, saved[k]) for k, v in other.state_dict().items())
     with pytest.raises(KeyMismatchError) as info:
         xckpt.load(str(tmp_path / "tied"), like=other)
     assert info.value.missing == ["lm_head.weight"] and not info.value.unexpected
     with pytest.warns(xckpt.XckptWarning, match="lm_head.weight"):
         xckpt.load(str(tmp_path / "tied"), like=other, strict=False)
     assert torch.equal(other.lm_head.weight, model.model.embed_tokens.weight)
+    got = other.state_dict()
+    assert set(got) == set(saved)
+    for k, v in got.items():
+        assert v.dtype == saved[k].dtype and torch.equal(v, saved[k]), k
 
 
 def test_jax_arrays_on_a_mesh(tmp_path: Path) -> None:
@@ -424,6 +430,8 @@ def test_a_sharded_directory_reads_exactly(tmp_path: Path) -> None:
         _same(got[k], v)
     got = xckpt.load(str(tmp_path / "s" / "model.safetensors.index.json"))  # the index named directly
     assert set(got) == set(want)
+    for k, v in want.items():
+        _same(got[k], v)
 
 
 @pytest.mark.parametrize("case", ["outside", "absolute", "subdirectory", "not safetensors", "missing file",

@@ -8,6 +8,7 @@ any process group, converted, validated, and restored by real Orbax.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import ml_dtypes
@@ -127,10 +128,17 @@ def test_load_on_two_ranks(saved):
     assert out[0]["tp_tensors"] == 4 + 4 * 3  # parameters, and step, exp_avg, exp_avg_sq of each
 
 
-def test_load_on_three_ranks_and_resume_fsdp(saved):
+@pytest.fixture(scope="module")
+def loaded3(saved: tuple[Path, dict]) -> list[dict]:
+    """The 3-rank job (it also leaves the 3-rank save ``from3``): what each rank reported."""
+    wd, results = saved
+    return tw.run_group(3, "load3", wd, timeout=200, ref_losses=results[0]["ref_losses"])
+
+
+def test_load_on_three_ranks_and_resume_fsdp(saved, loaded3):
     wd, results = saved
     ref = results[0]["ref_losses"]
-    out = tw.run_group(3, "load3", wd, timeout=200, ref_losses=ref)
+    out = loaded3
     np.testing.assert_allclose(out[0]["losses"], ref, rtol=1e-12, atol=0)
     assert [o["empty_here"] for o in out] == [False, False, True]
     assert [o["u_local"] for o in out] == [[1, 5], [1, 5], [0, 5]]
@@ -246,11 +254,9 @@ def test_dcp_round_trip_and_conversions(saved, tmp_path):
     assert (sd["step"], sd["name"]) == (6, "dcp-run")
 
 
-def test_every_checkpoint_validates_deep(saved):
+def test_every_checkpoint_validates_deep(saved, loaded3):
     wd, _ = saved
-    names = ["main", "fsdp", "tp", "dcp_x", "orbax_src", "mem", "mem_warm"]
-    if (wd / "from3").exists():
-        names.append("from3")
+    names = ["main", "fsdp", "tp", "dcp_x", "orbax_src", "mem", "mem_warm", "from3"]
     for name in names:
         assert cli(["validate", "--deep", str(wd / name)]) == 0, name
         assert xckpt.validate(wd / name, deep=True).ok, name
@@ -263,6 +269,28 @@ def test_host_memory_during_save_stays_near_the_shard(saved):
         assert mem["model_bytes"] == 4 * mem["shard_bytes"]
         # zero-copy fetches: growth is bounded by the staging budget, far below the shard itself
         assert mem["peak_growth"] < mem["shard_bytes"] // 2, mem
+
+
+def test_memory_checkpoints_hold_what_each_rank_saved(saved):
+    """``memory_save``'s checkpoints, element by element: rank r's rows of every ``t<i>`` are the i-th
+    ``torch.randn`` draw of a generator seeded with r; ``warm`` is 4 ranks' (4, 4) blocks of ones."""
+    wd, results = saved
+    world = len(results)
+    defaults = {k: p.default for k, p in inspect.signature(tw.memory_save).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    tensors, rows, cols = defaults["tensors"], defaults["rows"], defaults["cols"]
+    assert results[0]["memory"]["shard_bytes"] == tensors * rows * cols * 4  # the defaults were the ones used
+    warm = xckpt.load(wd / "mem_warm")
+    assert set(warm) == {"warm"} and warm["warm"].dtype == np.float32
+    np.testing.assert_array_equal(warm["warm"], np.ones((4 * world, 4), np.float32))
+    model = xckpt.load(wd / "mem")["model"]
+    assert sorted(model) == sorted(f"t{i}" for i in range(tensors))
+    gens = [torch.Generator().manual_seed(r) for r in range(world)]
+    for i in range(tensors):  # in the order each rank drew them
+        want = np.concatenate([torch.randn(rows, cols, generator=g).numpy() for g in gens])
+        got = model.pop(f"t{i}")
+        assert got.dtype == np.float32 and got.shape == (world * rows, cols), (i, got.dtype, got.shape)
+        np.testing.assert_array_equal(got, want, err_msg=f"t{i}")
 
 
 def test_orbax_restores_torch_saved_arrays(saved):

@@ -193,7 +193,7 @@ def _read_json(loc: Location, store: Store, name: str, e: ArrayEntry, report: Re
     add = report.findings.append
     file, leaf = str(loc.child(name)), key_str(e.key)
     try:
-        raw = store.read(name)
+        raw = store.read(name, limit=zarr.MAX_METADATA_BYTES)
     except XckptError as exc:
         add(Finding(exc.code, exc.message, exc.file or file, leaf))
         return None

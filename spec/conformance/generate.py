@@ -507,6 +507,24 @@ def _surrogate_key(p: str) -> None:
     write(p, naming.MANIFEST, raw.replace(b'"step"', b'"\\ud800"'))
 
 
+def _key_twice(m: dict[str, Any]) -> None:
+    """'b' renamed 'w', in the tree and in its leaf entry (its array keeps its own path)."""
+    next(item for item in m["tree"]["items"] if item[0] == "b")[0] = "w"
+    leaf(m, ["b"])["key"] = ["w"]
+
+
+def _values_too_deep(p: str) -> None:
+    """values.msgpack whose 'name' is 64 nested arrays inside the file's top-level dict (65 levels); size and
+    crc32c updated."""
+    deep: Any = "run-1"
+    for _ in range(64):
+        deep = [deep]
+    payload = msgpack.packb([[2, 3], [3, deep], [4, None], [5, 0.5]], use_bin_type=True)
+    blob = msgpack.packb(msgpack.ExtType(xvalues.EXT_DICT, payload))
+    write(p, naming.VALUES, blob)
+    edit_manifest(p, lambda m: m["values"].update(size=len(blob), crc32c=crc32c.crc32c(blob)))
+
+
 # name -> (code, deep, load, description, corruption applied to a copy of the base checkpoint);
 # load: True when loading the whole checkpoint fails with the same code, a code when it fails with
 # another one, False when the defect does not stop a load (it concerns Orbax, or bytes no read touches).
@@ -661,6 +679,19 @@ INVALID: dict[str, Invalid] = {
                                "disagree on which one counts)",
                                lambda p: write(p, "w/zarr.json", read(p, "w/zarr.json").replace(
                                    b'"shape":', b'"shape":[4,4],"shape":', 1))),
+    "manifest_member_twice": ("manifest.json", False, True, "xckpt.json gives 'leaves' twice, first empty (JSON "
+                              "readers disagree on which one counts)",
+                              lambda p: write(p, naming.MANIFEST, read(p, naming.MANIFEST).replace(
+                                  b'{"format":"xckpt"', b'{"format":"xckpt","leaves":[]', 1))),
+    "tree_key_twice": ("manifest.tree", False, True, "two leaves under the key 'w' of one dict ('b' renamed): a "
+                       "reader would keep one and drop the other", lambda p: edit_manifest(p, _key_twice)),
+    "namedtuple_field_keyword": ("manifest.tree", False, True, "a namedtuple node whose field is the keyword "
+                                 "'class' (no namedtuple can have it)",
+                                 lambda p: edit_manifest(p, lambda m: m["tree"]["items"].append(
+                                     ["nt", {"kind": "namedtuple", "name": "Pair", "fields": ["class"],
+                                             "items": [{"kind": "list", "items": []}]}]))),
+    "values_too_deep": ("values.invalid", False, True, "a value of 64 nested arrays in the values file's top-level "
+                        "dict: 65 levels, more than the 64 allowed (size and crc32c updated)", _values_too_deep),
     "generation_missing": ("manifest.schema", False, True, "a format 1.2 manifest without its generation",
                            lambda p: edit_manifest(p, lambda m: m.pop("generation"))),
     "orbax_checkpoint_metadata_missing": ("orbax.checkpoint_metadata", False, False,

@@ -76,7 +76,7 @@ def _identity_bytes(store: Store, kind: str) -> bytes | None:
     """The bytes that identify a committed directory of ``kind``: xckpt's manifest, DCP's ``.metadata``, a
     safetensors export's index or its single file's header."""
     if kind == "dcp":
-        return store.read(names.DCP_METADATA)
+        return store.read(names.DCP_METADATA, limit=1 << 30)  # the DCP reader's own bound (spec 8.1)
     if kind != "safetensors":
         return store.read(names.MANIFEST)
     index = store.read(safetensors.INDEX_FILE)

@@ -22,6 +22,7 @@ import hashlib
 import math
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -38,7 +39,7 @@ from xckpt.engine.commit import (Hold, SaveOptions, array_metadata, check_target
 from xckpt.engine.plan import Descriptors, GlobalPlan, LeafDesc, LocalPlan, digest, local_plan, plan_save
 from xckpt.engine.storage import Location
 from xckpt.engine.write import ChunkWriter
-from xckpt.errors import CollectiveError, CoordinationError, SaveError, TreeError, XckptError
+from xckpt.errors import CollectiveError, CoordinationError, SaveError, TreeError, XckptError, XckptWarning
 from xckpt.format import dtypes, shard, values as values_format, zarr
 from xckpt.format.manifest import Manifest
 from xckpt.format.regions import Region
@@ -424,6 +425,8 @@ def commit(p: Prepared, local_error: BaseException | None = None) -> Manifest | 
     is committed, the temporary data is removed, and every process raises the same error. A
     process that loses the coordinating process during this step cannot know the outcome: it
     keeps what it wrote (a committed checkpoint may hold it) and raises ``save.outcome_unknown``.
+    The coordinating process that committed but cannot tell the others (they timed out, or died)
+    returns the manifest all the same, with an :class:`~xckpt.errors.XckptWarning`.
     """
     started = time.perf_counter()
     values = local_values(p)
@@ -442,6 +445,12 @@ def commit(p: Prepared, local_error: BaseException | None = None) -> Manifest | 
                 raise SaveError(f"the coordinating process did not report the outcome of the commit ({exc}); the "
                                 f"checkpoint at {p.final} may or may not be committed: load it to find out",
                                 code="save.outcome_unknown", file=str(p.final)) from exc
+            if p.committed and "manifest" in result and not isinstance(exc, CollectiveError):
+                # committed, and only telling the others failed: they raise save.outcome_unknown
+                warnings.warn(XckptWarning(f"the checkpoint at {p.final} is committed, but the other processes "
+                                           f"could not be told ({exc})"), stacklevel=3)
+                p.stats["commit_s"] = time.perf_counter() - started
+                return result["manifest"]
             if not p.committed:
                 p.discard()
             elif p.hold is not None:

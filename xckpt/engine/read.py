@@ -159,7 +159,7 @@ def _check_array(store: Store, a: _Array, file: Callable[[str], str]) -> int:
     """The array's ``zarr.json`` must say what the manifest says (other readers go by it)."""
     name = f"{a.path}/{zarr_format.METADATA}"
     try:
-        raw = store.read(name)
+        raw = store.read(name, limit=zarr_format.MAX_METADATA_BYTES)
     except XckptError as exc:
         raise exc.at(leaf=a.leaf) from None
     if raw is None:

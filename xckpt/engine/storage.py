@@ -27,13 +27,16 @@ import tensorstore as ts
 
 from xckpt.engine import threads
 from xckpt.engine.atomic import start_writeback
-from xckpt.errors import DataError, SaveError, UnsafePathError, XckptError
+from xckpt.errors import DataError, ResourceError, SaveError, UnsafePathError, XckptError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 #: TensorStore's storage generation of a missing key: a write conditioned on it only creates.
 ABSENT = b"\x02"
+#: Most bytes :meth:`Store.read` returns unless its caller names another limit: a larger object (a
+#: manifest or an Orbax ``_METADATA`` read whole, say) is refused with ``resource.too_large``.
+MAX_READ_BYTES = 256 << 20
 
 
 def _dir_cache() -> int:
@@ -149,8 +152,9 @@ class Store(Protocol):
     def open(self, name: str) -> Blob | None:
         """Open an object for reading; None when it does not exist."""
 
-    def read(self, name: str) -> bytes | None:
-        """A whole (small) object, None when missing."""
+    def read(self, name: str, limit: int = MAX_READ_BYTES) -> bytes | None:
+        """A whole (small) object, None when missing; one above ``limit`` bytes is refused
+        (:class:`~xckpt.errors.ResourceError`, naming the file)."""
 
     def write(self, name: str, data: Any, *, atomic: bool = False) -> None:
         """Create or replace an object with ``data`` (a bytes-like object, or an iterable of them
@@ -261,6 +265,13 @@ class LocalBlob:
         os.close(self._fd)
 
 
+def _check_size(size: int, limit: int, file: str) -> None:
+    """Refuse to read a whole object of ``size`` bytes above ``limit``."""
+    if size > limit:
+        raise ResourceError(f"the file has {size} bytes, more than the {limit} a reader takes whole",
+                            file=file)
+
+
 def _write_all(fd: int, data: Any) -> None:
     """Write every part of ``data`` to the open file ``fd``."""
     for part in _parts(data):
@@ -312,13 +323,18 @@ def fsync_all(files: list[tuple[int, str]]) -> None:
     threads.gather([pool.submit(run, files[i::n]) for i in range(n)])
 
 
+#: How the hub cache names a repository's folder: ``models--<org>--<name>`` and the like.
+HUB_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
+
+
 def hub_blobs(root: str) -> str | None:
     """The ``blobs`` folder of the Hugging Face hub cache repository whose snapshot ``root`` is
-    (``<repo>/snapshots/<revision>``), else None."""
+    (``<repo>/snapshots/<revision>``, the repository's folder named as the cache names it), else None."""
     snapshots = os.path.dirname(os.path.abspath(root))
-    if os.path.basename(snapshots) != "snapshots":
+    repo = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) != "snapshots" or not os.path.basename(repo).startswith(HUB_REPO_PREFIXES):
         return None
-    blobs = os.path.join(os.path.dirname(snapshots), "blobs")
+    blobs = os.path.join(repo, "blobs")
     return blobs if os.path.isdir(blobs) and not os.path.islink(blobs) else None
 
 
@@ -471,12 +487,13 @@ class LocalStore:
             raise UnsafePathError(f"{path} is not a regular file", code="path.special", file=path)
         return LocalBlob(name, self.root, fd, st.st_size)
 
-    def read(self, name: str) -> bytes | None:
-        """A whole file, None when missing."""
+    def read(self, name: str, limit: int = MAX_READ_BYTES) -> bytes | None:
+        """A whole file, None when missing; one above ``limit`` bytes is refused before it is read."""
         blob = self.open(name)
         if blob is None:
             return None
         try:
+            _check_size(blob.size or 0, limit, blob.path)
             out = np.empty(blob.size or 0, dtype=np.uint8)
             blob.read_into(0, out)
             return out.tobytes()
@@ -724,13 +741,17 @@ class KvStore:
         """An object read by ranges; None when it does not exist."""
         return KvBlob(self._kv, name, self._file(name)) if self.exists(name) else None
 
-    def read(self, name: str) -> bytes | None:
-        """A whole object, None when missing."""
+    def read(self, name: str, limit: int = MAX_READ_BYTES) -> bytes | None:
+        """A whole object, None when missing; one above ``limit`` bytes is refused (once fetched: a store's
+        read does not say the size first)."""
         try:
             res = self._kv.read(name).result()
         except ValueError as exc:
             raise XckptError(f"cannot read: {exc}", code="io.read", file=self._file(name)) from exc
-        return bytes(res.value) if res.state == "value" else None
+        if res.state != "value":
+            return None
+        _check_size(len(res.value), limit, self._file(name))
+        return bytes(res.value)
 
     def write(self, name: str, data: Any, *, atomic: bool = False) -> None:
         """Write an object from one or several parts (every object write is atomic on object stores)."""

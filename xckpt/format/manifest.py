@@ -11,6 +11,7 @@ as a JSON Schema (``spec/manifest-1.2.schema.json``); the test suite holds the t
 from __future__ import annotations
 
 import json
+import keyword
 import math
 import re
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any, NoReturn, Union
 from xckpt.format.regions import MAX_INNER, Region, check_tiling, grid_shape
 from xckpt.errors import ManifestError, ShapeError, UnsafePathError, VersionError, XckptError
 from xckpt.format import dtypes, names
+from xckpt.format.jsonobj import unique_members
 from xckpt.format.tree import MAX_DEPTH, Key, Node, iter_nodes, key_str
 from xckpt.format.values import VALUE_TYPES
 
@@ -275,25 +277,42 @@ class _Parser:
             if kind == "dict":
                 self.object(n, at, ("items",), ("kind", "items"))
                 items = self.list_(n["items"], f"{at}/items")
+                keys: set[tuple[type, str | int]] = set()
                 for i, item in enumerate(items):
                     if not isinstance(item, list) or len(item) != 2:
                         self.fail(f"{at}/items/{i}", "a dict item is a [key, node] pair")
-                    self.key_part(item[0], f"{at}/items/{i}/0")
+                    k = self.key_part(item[0], f"{at}/items/{i}/0")
+                    if (type(k), k) in keys:
+                        self.fail(f"{at}/items/{i}/0", f"key {k!r} is given twice in one dict", "manifest.tree")
+                    keys.add((type(k), k))
                     stack.append((item[1], f"{at}/items/{i}/1"))
             elif kind in ("list", "tuple"):
                 self.object(n, at, ("items",), ("kind", "items"))
                 stack.extend((x, f"{at}/items/{i}") for i, x in enumerate(self.list_(n["items"], f"{at}/items")))
             elif kind == "namedtuple":
                 self.object(n, at, ("name", "fields", "items"), ("kind", "name", "fields", "items"))
-                self.string(n["name"], f"{at}/name")
-                for i, f in enumerate(self.list_(n["fields"], f"{at}/fields")):
-                    self.string(f, f"{at}/fields/{i}")
+                self.identifier(n["name"], f"{at}/name")
+                fields = self.list_(n["fields"], f"{at}/fields")
+                for i, f in enumerate(fields):
+                    self.identifier(f, f"{at}/fields/{i}")
+                    if f.startswith("_") and f != f"_{i}":  # the only field names namedtuple(rename=True) makes
+                        self.fail(f"{at}/fields/{i}", f"field {f!r} starts with '_' but is not '_{i}'",
+                                  "manifest.tree")
+                if len(set(fields)) != len(fields):
+                    self.fail(f"{at}/fields", "a field is named twice", "manifest.tree")
                 stack.extend((x, f"{at}/items/{i}") for i, x in enumerate(self.list_(n["items"], f"{at}/items")))
             elif kind == "leaf":
                 self.object(n, at, ("index",), ("kind", "index"))
                 self.count(n["index"], f"{at}/index", maximum=2**53 - 1)
             else:
                 self.fail(f"{at}/kind", f"unknown node kind {kind!r}")
+
+    def identifier(self, v: Any, where: str) -> str:
+        """A namedtuple's name or field: a Python identifier that is not a keyword."""
+        name = self.string(v, where)
+        if not name.isidentifier() or keyword.iskeyword(name):
+            self.fail(where, f"{name[:80]!r} is not a Python identifier", "manifest.tree")
+        return name
 
     def list_(self, v: Any, where: str) -> list:
         if not isinstance(v, list):
@@ -390,8 +409,8 @@ def _check_text(obj: Any, p: "_Parser", where: str) -> None:
 def parse(data: bytes, *, file: str = names.MANIFEST) -> Manifest:
     """Parse and check manifest bytes; raise a specific :class:`~xckpt.errors.XckptError` on any defect."""
     try:
-        obj = json.loads(data.decode("utf-8"))
-    except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError, and a number beyond Python's 4300 digits
+        obj = json.loads(data.decode("utf-8"), object_pairs_hook=unique_members)
+    except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError, a number beyond 4300 digits, a member twice
         raise ManifestError(f"manifest is not valid JSON: {exc}", code="manifest.json", file=file) from None
     except RecursionError:
         raise ManifestError("manifest nests too deeply to be parsed", code="manifest.json", file=file) from None

@@ -127,6 +127,7 @@ def unflatten(node: Node, leaves: list[Any]) -> Any:
     if kind == "tuple":
         return tuple(items)
     if kind == "namedtuple":
-        cls = collections.namedtuple(node["name"], node["fields"])  # type: ignore[misc]
+        # rename: fields named '_<index>', as a namedtuple made with rename=True has them, are kept
+        cls = collections.namedtuple(node["name"], node["fields"], rename=True)  # type: ignore[misc]
         return cls(*items)
     raise TreeError(f"unknown node kind {kind!r}")

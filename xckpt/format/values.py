@@ -14,8 +14,9 @@ code Python                  payload (msgpack)
 ==== ======================= ==========================================
 
 Decoding trusts nothing: it never recurses on the C stack (each extension payload is unpacked by
-its own top-level call, from an explicit work list), refuses extension values nested deeper than
-:data:`MAX_DEPTH`, map keys that are not strings, duplicate keys, msgpack's timestamp type and
+its own top-level call, from an explicit work list), refuses a document whose containers nest
+deeper than :data:`MAX_DEPTH` (as :func:`encode` does), map keys that are not strings, duplicate
+keys, msgpack's timestamp type and
 any payload that :func:`encode` would not have written (a tuple whose payload is not an array, a
 bigint that is not the canonical decimal form of an int outside 64 bits, a complex that is not two
 floats), each as a :class:`~xckpt.errors.ManifestError` with code ``values.invalid``.
@@ -185,6 +186,8 @@ class _Decoder:
                 parent.data = value
             else:
                 parent[slot] = value
+        if _depth(root[0]) > MAX_DEPTH:
+            self.fail(f"containers nest deeper than {MAX_DEPTH} levels")
         return root[0]
 
     def resolve(self, ext: _Ext) -> Any:

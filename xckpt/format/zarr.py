@@ -19,11 +19,14 @@ import numpy as np
 
 from xckpt.format import dtypes
 from xckpt.format.codecs import ZSTD_LEVEL
+from xckpt.format.jsonobj import unique_members
 from xckpt.format.shard import Geometry
 
 #: Codec names a conforming xckpt writer may use inside ``sharding_indexed``.
 COMPRESSIONS = ("none", "zstd")
 METADATA = "zarr.json"
+#: Most bytes of a ``zarr.json`` a reader takes (one array's metadata is a few hundred bytes).
+MAX_METADATA_BYTES = 1 << 20
 #: Top-level members a zarr.json may have; anything else could change how the data is read.
 _ZARR_KEYS = frozenset({"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
                         "fill_value", "codecs", "attributes", "dimension_names", "storage_transformers"})
@@ -201,22 +204,12 @@ def _brief(v: Any, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose members have distinct names (readers disagree on which of two wins)."""
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"member {_brief(k)} appears twice in one object")
-        out[k] = v
-    return out
-
-
 def parse_metadata(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
     """A ``zarr.json``'s object, or None and why it cannot be read: UTF-8 JSON (no BOM, every number
     within Python's 4300 digits, nesting within the interpreter's recursion limit), an object, no
     member twice in one object."""
     try:
-        meta = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs)
+        meta = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_members)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         return None, f"zarr.json is not valid JSON: {exc}"
     if not isinstance(meta, dict):

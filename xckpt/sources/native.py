@@ -16,7 +16,7 @@ import tensorstore as ts
 
 from xckpt.engine.read import ReadRequest, placeholder, read_regions
 from xckpt.engine.storage import Location, Store
-from xckpt.errors import DataError, IntegrityError, ManifestError, NotACheckpointError
+from xckpt.errors import DataError, IntegrityError, ManifestError, NotACheckpointError, ResourceError
 from xckpt.format import dtypes, manifest as manifest_format, names, values as values_format, zarr
 from xckpt.format.regions import Region
 from xckpt.format.manifest import ArrayEntry, Manifest, ValueEntry
@@ -127,7 +127,11 @@ def read_values(loc: Location, store: Store, m: Manifest) -> dict[int, Any]:
     if m.values is None:
         return {}
     file = str(loc.child(names.VALUES))
-    blob = store.read(names.VALUES)
+    try:
+        blob = store.read(names.VALUES, limit=m.values["size"])
+    except ResourceError as exc:
+        raise DataError(f"values file is larger than the manifest says ({m.values['size']} bytes): {exc.message}",
+                        code="values.size", file=file) from None
     if blob is None:
         raise DataError("values file is missing", code="values.missing", file=file)
     if len(blob) != m.values["size"]:

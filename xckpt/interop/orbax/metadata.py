@@ -13,7 +13,7 @@ from typing import Any
 from xckpt.format import names as naming
 from xckpt.format.orbax_view import KEY_DICT, KEY_SEQUENCE
 from xckpt.errors import ManifestError, UnsafePathError, UnsupportedError
-from xckpt.format.tree import Key, Node, key_str
+from xckpt.format.tree import MAX_DEPTH, Key, Node, key_str
 
 
 OCDBT_MANIFEST = "manifest.ocdbt"
@@ -42,11 +42,15 @@ class Record:
 
 
 def parse_metadata(raw: bytes, file: str) -> dict[str, Any]:
-    """Parse Orbax's ``_METADATA`` JSON; reject anything without a ``tree_metadata`` object."""
+    """Parse Orbax's ``_METADATA`` JSON; reject anything without a ``tree_metadata`` object.
+
+    Not UTF-8, not JSON, a number beyond Python's digit limit or nesting too deep to parse: ``orbax.invalid``.
+    """
     try:
         meta = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"_METADATA is not valid JSON: {exc}", code="orbax.invalid", file=file) from exc
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        why = "nests too deeply to be parsed" if isinstance(exc, RecursionError) else str(exc)
+        raise ManifestError(f"_METADATA is not valid JSON: {why}", code="orbax.invalid", file=file) from None
     if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):
         raise ManifestError("_METADATA is not an object with a tree_metadata object", code="orbax.invalid",
                             file=file)
@@ -64,6 +68,7 @@ def read_records(meta: dict[str, Any], file: str) -> list[Record]:
         if not parts:
             raise UnsupportedError("a bare leaf at the root of the tree is not supported", file=file)
         key = tuple(int(k) if t == KEY_SEQUENCE else k for k, t in parts)
+        _check_depth(key, file)
         vm = rec["value_metadata"]
         value_type = vm.get("value_type")
         if not isinstance(value_type, str):
@@ -75,14 +80,21 @@ def read_records(meta: dict[str, Any], file: str) -> list[Record]:
     return out
 
 
+def _check_depth(key: Key, file: str) -> None:
+    """A key has at most :data:`MAX_DEPTH` parts (xckpt's trees nest no deeper): ``orbax.tree``."""
+    if len(key) > MAX_DEPTH:
+        raise ManifestError(f"key of {len(key)} parts: a tree nests at most {MAX_DEPTH} levels deep",
+                            code="orbax.tree", file=file, leaf=key_str(key[:MAX_DEPTH]) + "/...")
+
+
 def _key_parts(tree_key: str, km: Any, file: str) -> list[tuple[str, int]]:
     """``[(key, key_type), ...]`` of a record; old files without key_metadata hold dict keys only."""
     if km is None:
         try:
             parsed = ast.literal_eval(tree_key)
-        except (ValueError, SyntaxError) as exc:
-            raise ManifestError(f"record key {tree_key!r} is not a tuple and has no key_metadata",
-                                code="orbax.invalid", file=file) from exc
+        except (ValueError, SyntaxError, RecursionError, MemoryError):  # the last two: nesting too deep
+            raise ManifestError(f"record key {tree_key[:200]!r} is not a tuple and has no key_metadata",
+                                code="orbax.invalid", file=file) from None
         if not isinstance(parsed, tuple):
             raise ManifestError(f"record key {tree_key!r} is not a tuple", code="orbax.invalid", file=file)
         return [(str(k), KEY_DICT) for k in parsed]
@@ -107,9 +119,13 @@ def _new_node() -> dict[str, Any]:
 
 
 def build_tree(records: list[Record], file: str) -> dict[str, Any]:
-    """Nest the records into containers, checking that each path is used one way only."""
+    """Nest the records into containers, checking that each path is used one way only.
+
+    Keys are at most :data:`MAX_DEPTH` parts long, so every walk of the tree built here stays shallow.
+    """
     root = _new_node()
     for rec in records:
+        _check_depth(rec.key, file)
         node = root
         for depth, part in enumerate(rec.key):
             kind = "list" if isinstance(part, int) else "dict"
@@ -163,7 +179,7 @@ def apply_rich_types(root: dict[str, Any], text: Any) -> None:
         rich = json.loads(text)
         marks: list[tuple[dict[str, Any], dict[str, Any]]] = []
         _match_rich(root, rich, marks)
-    except (ValueError, KeyError, TypeError, IndexError):
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError):
         return
     for node, change in marks:
         node.update(change)
@@ -202,7 +218,10 @@ def _match_rich(node: dict[str, Any], rich: Any, marks: list[tuple[dict[str, Any
 
 
 def finish(node: dict[str, Any], key: Key) -> tuple[Node, list[Record]]:
-    """The JSON tree of xckpt and the data-bearing records in leaf order."""
+    """The JSON tree of xckpt and the data-bearing records in leaf order.
+
+    ``node`` comes from :func:`build_tree`, so the recursion is at most :data:`MAX_DEPTH` deep.
+    """
     ordered: list[Record] = []
 
     def walk(n: dict[str, Any], k: Key) -> Node:
