@@ -109,3 +109,36 @@ def test_status_files_name_only_ranks_of_the_job() -> None:
 
     names = ["rank-0", "rank-3", "rank-4", "rank-01", "rank-", "rank--1", "rank-1.tmp", "outcome", ".rank-1.x1"]
     assert [_status_names(4).get(n) for n in names] == [0, 3, None, None, None, None, None, None, None]
+
+
+EXITS_WITHOUT_WAITING = """
+import sys
+import numpy as np
+import xckpt
+wd = sys.argv[1]
+big = np.arange(20_000_000, dtype=np.float32)  # 80 MB: still writing when the script ends
+xckpt.save_async({"a": big, "s": 1}, wd + "/ck")
+m = xckpt.CheckpointManager(wd + "/run")
+m.save(7, {"a": big[:1000]}, force=True)
+big[:] = -1  # after the calls returned: the checkpoints keep what was passed
+"""
+
+
+def test_a_process_that_ends_without_waiting_commits_its_pending_saves(tmp_path):
+    """A script that ends right after save_async (no wait()) and a CheckpointManager's save (no close()): at
+    exit each pending save is given its time and commits (the interpreter's thread pools must not be shut down
+    under it first), with what was passed."""
+    import numpy as np
+
+    import xckpt
+
+    got = subprocess.run([sys.executable, "-c", EXITS_WITHOUT_WAITING, str(tmp_path)], capture_output=True,
+                         text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    want = np.arange(20_000_000, dtype=np.float32)
+    out = xckpt.load(tmp_path / "ck")
+    np.testing.assert_array_equal(out["a"], want)
+    assert out["s"] == 1
+    assert [s.step for s in xckpt.list_steps(tmp_path / "run")] == [7]
+    np.testing.assert_array_equal(xckpt.load(tmp_path / "run" / "7")["a"], want[:1000])
+    assert leftovers(tmp_path) == [] and leftovers(tmp_path / "run") == []

@@ -241,6 +241,84 @@ def test_overwrite_replaces_only_a_committed_checkpoint(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["file", "notes"]
 
 
+@pytest.mark.parametrize("kind", ["save", "save_async"])
+def test_overwrite_never_deletes_files_put_into_a_checkpoint(tmp_path, kind):
+    """A README, a tokenizer folder or a stray hidden file put into a committed checkpoint's directory: overwrite
+    refuses (save.foreign, naming the first) and writes nothing; once they are moved out, it replaces it."""
+    path = tmp_path / "ckpt"
+    xckpt.save({"w": np.ones(4), "step": 1, "tag": "a"}, path)
+    (path / "NOTES.txt").write_text("hand-written")
+    (path / "tokenizer").mkdir()
+    (path / "tokenizer" / "vocab.json").write_text("{}")
+    (path / ".DS_Store").write_bytes(b"x")
+    before = {p.relative_to(path): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+    def save(tree):
+        if kind == "save":
+            xckpt.save(tree, path, overwrite=True)
+        else:
+            xckpt.save_async(tree, path, overwrite=True).wait()
+    with pytest.raises(xckpt.XckptError) as info:
+        save({"w": np.zeros(4), "step": 2, "tag": "b"})
+    assert info.value.code == "save.foreign" and info.value.file == str(path / ".DS_Store"), info.value
+    assert "NOTES.txt" in str(info.value) and "tokenizer" in str(info.value)
+    assert {p.relative_to(path): p.read_bytes() for p in path.rglob("*") if p.is_file()} == before
+    assert hidden(tmp_path) == []
+    for name in ("NOTES.txt", "tokenizer", ".DS_Store"):
+        shutil.move(path / name, tmp_path / name)
+    save({"w": np.zeros(4), "step": 2, "tag": "b"})
+    out = xckpt.load(path)
+    np.testing.assert_array_equal(out["w"], np.zeros(4))
+    assert (out["step"], out["tag"]) == (2, "b")
+
+
+@pytest.mark.parametrize("kind", ["save", "save_async"])
+@pytest.mark.parametrize("where", ["commit_marker", "manifest", "publish"])
+def test_an_io_error_in_the_commit_names_its_file(tmp_path, monkeypatch, kind, where):
+    """The disk fails while the commit writes commit_success.txt or the manifest, or while it moves the new
+    checkpoint into place: io.write naming that file (not a bare OSError), the previous checkpoint whole and
+    nothing left beside it."""
+    import errno
+
+    from xckpt.engine import atomic, storage
+
+    path = tmp_path / "ckpt"
+    xckpt.save({"w": np.ones(4)}, path)
+    full = OSError(errno.ENOSPC, "No space left on device")
+    if where == "publish":
+        def fail(*args):
+            raise full
+        monkeypatch.setattr(atomic, "exchange", fail)
+        monkeypatch.setattr(atomic, "move_new", fail)
+        want = str(path)
+    else:
+        name = "commit_success.txt" if where == "commit_marker" else "xckpt.json"
+        write, create = storage.LocalStore.write, storage.LocalStore.create
+
+        def failing_write(self, n, data, **kw):
+            if n == name:
+                raise full
+            return write(self, n, data, **kw)
+
+        def failing_create(self, n, data):
+            if n == name:
+                raise full
+            return create(self, n, data)
+        monkeypatch.setattr(storage.LocalStore, "write", failing_write)
+        monkeypatch.setattr(storage.LocalStore, "create", failing_create)
+        want = name
+    with pytest.raises(xckpt.XckptError) as info:
+        if kind == "save":
+            xckpt.save({"w": np.zeros(4)}, path, overwrite=True)
+        else:
+            xckpt.save_async({"w": np.zeros(4)}, path, overwrite=True).wait()
+    assert info.value.code == "io.write" and info.value.file.endswith(want), info.value
+    assert "No space left on device" in str(info.value)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(xckpt.load(path)["w"], np.ones(4))
+    assert hidden(tmp_path) == []
+
+
 # -- readers against a writer ------------------------------------------------------------------------
 
 

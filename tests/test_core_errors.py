@@ -326,3 +326,46 @@ def test_metadata_files_above_their_bound_are_refused_before_reading(ckpt, name,
         with pytest.raises(XckptError) as info:
             xckpt.inspect(ckpt)
         assert info.value.code == code
+
+
+def _interrupting_source() -> ArraySource:
+    def interrupt() -> np.ndarray:
+        raise KeyboardInterrupt  # as Ctrl-C would, where the shard is read
+    return ArraySource((64, 64), "float32", [Shard(Region((0, 0), (64, 64)), interrupt)])
+
+
+@pytest.mark.parametrize("kind", ["save", "save_async"])
+def test_an_interrupted_save_removes_what_it_made(ckpt, kind):
+    """Ctrl-C in the middle of a save (a KeyboardInterrupt where a shard is read, after other chunks were
+    written or staged): the interrupt goes on up, the previous checkpoint is whole, nothing is left beside it
+    and no lease is kept alive (a loop or notebook that catches the interrupt would otherwise hold a partial
+    checkpoint that gc and later saves take for a live save)."""
+    import threading
+
+    tree = {"a": np.arange(1 << 16, dtype=np.float32), "z": _interrupting_source()}
+    with pytest.raises(KeyboardInterrupt):
+        if kind == "save":
+            xckpt.save(tree, ckpt, overwrite=True)
+        else:
+            xckpt.save_async(tree, ckpt, overwrite=True).wait()
+    assert sorted(os.listdir(ckpt.parent)) == ["c"]
+    assert not [t.name for t in threading.enumerate() if t.name == "xckpt-lease"]
+    np.testing.assert_array_equal(xckpt.load(ckpt)["params"]["w"], W)
+    assert xckpt.gc(ckpt.parent) == []
+    xckpt.save({"x": np.ones(2)}, ckpt, overwrite=True)  # the next save goes ahead
+    np.testing.assert_array_equal(xckpt.load(ckpt)["x"], np.ones(2))
+
+
+@pytest.mark.parametrize("kind", ["save", "save_async"])
+@pytest.mark.parametrize("bad", ["a\ud800b", 10 ** 5000, xckpt.Value([{1, 2}])], ids=["surrogate", "huge_int", "set"])
+def test_a_value_that_cannot_be_stored_is_refused_first_naming_its_leaf(tmp_path, kind, bad):
+    """A str that is not valid Unicode, an int beyond 4300 digits, a set inside a Value: refused while the tree is
+    described, before any array is written, naming the leaf."""
+    tree = {"weights": np.ones(1000, np.float32), "cfg": {"run": {"name": bad}}}
+    with pytest.raises(XckptError) as info:
+        if kind == "save":
+            xckpt.save(tree, tmp_path / "c")
+        else:
+            xckpt.save_async(tree, tmp_path / "c").wait()
+    assert info.value.code == "value.unsupported" and info.value.leaf == "cfg/run/name", info.value
+    assert os.listdir(tmp_path) == []  # nothing was written, not even a temporary directory

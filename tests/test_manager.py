@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -243,6 +245,124 @@ def test_kill_during_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
             m.wait()
         assert _entries(root) == ["1", "2", "3"], (point, _entries(root))  # the leftovers are gone
         np.testing.assert_array_equal(xckpt.load(root / "3")["a"], mw.numpy_state(3)["a"])
+
+
+# -- publishing a step: specific errors, nothing foreign deleted, the staged step removed ------------------
+
+
+def _hook_publish(monkeypatch: pytest.MonkeyPatch, step: int, before: Any) -> None:
+    """Run ``before(staging)`` whenever the manager publishes ``step`` (its checkpoint committed in the staged step)."""
+    publish = xckpt.CheckpointManager._publish
+
+    def hooked(self: Any, flight: Any, metrics: Any, started_ns: int) -> None:
+        if flight.step == step:
+            before(Path(flight.staging))
+        publish(self, flight, metrics, started_ns)
+
+    monkeypatch.setattr(xckpt.CheckpointManager, "_publish", hooked)
+
+
+@pytest.mark.parametrize("renameat2", [True, False])
+def test_step_appearing_during_its_save_is_step_exists(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       renameat2: bool) -> None:
+    from xckpt.engine import atomic
+
+    if not renameat2:
+        monkeypatch.setattr(atomic, "_renameat2", None)  # as XCKPT_NO_RENAMEAT2=1, or off Linux
+    root = tmp_path / "run"
+    staged: list[Path] = []
+
+    def someone_else(staging: Path) -> None:  # another job of the run, or a user, makes the step meanwhile
+        staged.append(staging)
+        assert (staging / "default" / "xckpt.json").is_file()
+        (root / "2").mkdir()
+        (root / "2" / "other.txt").write_text("someone else's")
+
+    _hook_publish(monkeypatch, 2, someone_else)
+    with xckpt.CheckpointManager(root) as m:
+        m.save(1, {"a": np.ones(10, np.float32)}, force=True)
+        m.wait()
+        assert m.save(2, {"a": np.arange(4000, dtype=np.float32)}, force=True)
+        with pytest.raises(XckptError) as exc:
+            m.wait()
+        assert type(exc.value) is XckptError and exc.value.code == "manager.step_exists"
+        assert exc.value.file == str(root / "2")
+        assert _entries(root) == ["1", "2"] and not staged[0].exists()  # the staged step is removed
+        assert os.listdir(root / "2") == ["other.txt"] and (root / "2" / "other.txt").read_text() == "someone else's"
+        assert m.latest_step() == 1
+        assert m.save(3, {"a": np.full(3, 3.0)}, force=True)
+        m.wait()
+    assert _entries(root) == ["1", "2", "3"]
+    np.testing.assert_array_equal(xckpt.load(root / "3")["a"], np.full(3, 3.0))
+
+
+@pytest.fixture()
+def small_fs(tmp_path: Path) -> Any:
+    """A 16 MiB tmpfs (mounting one needs root: skipped otherwise)."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    try:
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs: {exc}")
+    if res.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+def _fill(directory: Path, leave_pages: int) -> None:
+    """Fill the file system of ``directory`` with ``directory/filler``, then free ``leave_pages`` 4 KiB pages."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for chunk in (1 << 20, 4096):
+            while True:
+                try:
+                    os.write(fd, b"\0" * chunk)
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC, exc
+                    break
+        size = os.fstat(fd).st_size
+        os.ftruncate(fd, size - size % 4096 - 4096 * leave_pages)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize(("metrics", "leave_pages", "failing"), [
+    (None, 0, "_CHECKPOINT_METADATA"),
+    (None, 1, "commit_success.txt"),  # _CHECKPOINT_METADATA fits in the one page left
+    ({"loss": 0.5}, 0, "metrics/metrics"),
+])
+def test_disk_full_while_publishing_is_io_write(small_fs: Path, monkeypatch: pytest.MonkeyPatch,
+                                                metrics: Any, leave_pages: int, failing: str) -> None:
+    root = small_fs / "run"
+    staged: list[Path] = []
+
+    def fill(staging: Path) -> None:
+        staged.append(staging)
+        if len(staged) == 1:  # the first save of step 2 only
+            _fill(small_fs, leave_pages)
+
+    _hook_publish(monkeypatch, 2, fill)
+    with xckpt.CheckpointManager(root) as m:
+        m.save(1, {"a": np.ones(10, np.float32)}, force=True)
+        m.wait()
+        assert m.save(2, {"a": np.arange(100_000, dtype=np.float32)}, force=True, metrics=metrics)
+        with pytest.raises(XckptError) as exc:
+            m.wait()
+        assert exc.value.code == "io.write" and exc.value.file == str(staged[0] / failing), exc.value
+        assert "No space left on device" in str(exc.value)
+        assert _entries(root) == ["1"] and not staged[0].exists()  # the staged step is removed, step 1 stays
+        assert _entries(small_fs) == ["filler", "run"]
+        os.unlink(small_fs / "filler")
+        assert m.save(2, {"a": np.arange(100_000, dtype=np.float32)}, force=True, metrics=metrics)  # again
+        m.wait()
+    assert _entries(root) == ["1", "2"]
+    np.testing.assert_array_equal(xckpt.load(root / "2")["a"], np.arange(100_000, dtype=np.float32))
+    assert [s.step for s in xckpt.list_steps(root) if s.committed] == [1, 2]
 
 
 # -- Orbax both ways --------------------------------------------------------------------------------

@@ -2,8 +2,12 @@
 
 A save that dies (killed, or its node lost) can leave beside its destination a temporary
 directory, a lease, a status directory or a side copy (``.<name>.xckpt-<kind>-<generation>``),
-and on an object store a claimed prefix. A later save to the same parent removes those whose
-lease went unrenewed for longer than the stale age; :func:`gc` does it on demand.
+and on an object store a claimed prefix; a :class:`xckpt.CheckpointManager` save can leave its
+staged step (``.<step>.xckpt-step-<token>``, holding that save's temporary directory and lease)
+and an interrupted deletion (``.<step>.xckpt-deleting-<token>``) beside the steps of a run.
+A later save to the same parent (a manager's next save, for a run) removes those whose lease
+went unrenewed for longer than the stale age; :func:`gc` does it on demand, by the same rules
+(:func:`xckpt.engine.claims.scan`, :func:`xckpt.engine.claims.scan_steps`).
 """
 
 from __future__ import annotations
@@ -34,19 +38,24 @@ def gc(path: Any, *, older_than_s: float | None = None, dry_run: bool = False) -
 
     A leftover is dead when its save's lease was not renewed for ``older_than_s`` seconds
     (default ``XCKPT_STALE_AFTER_S``, an hour); a live one is kept. A side copy whose
-    destination is missing is the checkpoint itself: it is restored, never removed.
-    ``dry_run`` only reports ("would remove", "would restore").
+    destination is missing is the checkpoint itself: it is restored, never removed, and left
+    alone while the save that moved it aside is alive. A directory that is the root of a
+    :class:`xckpt.CheckpointManager` run also yields the manager's leftovers: a staged step is
+    dead when no live lease is inside it and it was untouched for ``older_than_s``; an
+    interrupted deletion always is. ``dry_run`` only reports ("would remove", "would restore").
     """
     loc = Location.of(path)
     found = {x.path: x for x in claims.scan(loc, stale_after=older_than_s)}
+    found.update((x.path, x) for x in claims.scan_steps(loc, stale_after=older_than_s))
     parent, _, name = loc.url.rstrip("/").rpartition("/")
     if parent and name:
         found.update((x.path, x) for x in claims.scan(Location(parent), stale_after=older_than_s, name=name))
+        found.update((x.path, x) for x in claims.scan_steps(Location(parent), stale_after=older_than_s, name=name))
     out = []
     for x in sorted(found.values(), key=lambda x: x.path):
         final = os.path.join(os.path.dirname(x.path), x.name)
         if x.kind == "old" and not os.path.lexists(final):
-            restored = dry_run or claims.recover(Location(final))
+            restored = claims.recover(Location(final), stale_after=older_than_s, dry_run=dry_run)
             out.append(Collected(x, ("would restore" if dry_run else "restored") if restored else "kept"))
         elif x.stale:
             if not dry_run:

@@ -10,10 +10,10 @@ the top of the step (see the manager for why).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import stat
@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from xckpt import registry
-from xckpt.engine import atomic, claims, collective
+from xckpt.engine import atomic, background, claims, collective
 from xckpt.engine.collective import Coordinator, LocalCoordinator
 from xckpt.engine.commit import COMMIT_TEXT
 from xckpt.engine.storage import LocalStore, Location
-from xckpt.errors import NotACheckpointError, UnsupportedError, XckptError, XckptWarning
+from xckpt.errors import NotACheckpointError, SaveError, UnsupportedError, XckptError, XckptWarning
 from xckpt.format import names, orbax_view
 from xckpt.load import load
 from xckpt.save import save_async
@@ -188,8 +188,9 @@ def list_steps(root: str | os.PathLike[str], *, sizes: bool = True) -> list[Step
 # -- the manager -------------------------------------------------------------------------------------
 
 #: What the manager leaves beside the steps while it works: ``.<step>.xckpt-step-<token>`` (a step being
-#: written, moved to ``<step>`` once committed) and ``.<step>.xckpt-deleting-<token>`` (a step being deleted).
-MANAGER_LEFTOVER = re.compile(r"\.(?P<step>[0-9]+)\.xckpt-(?P<kind>step|deleting)-(?P<token>[0-9a-f]{32})")
+#: written, moved to ``<step>`` once committed) and ``.<step>.xckpt-deleting-<token>`` (a step being deleted);
+#: which of them are dead is :func:`xckpt.engine.claims.scan_steps`'s rule, shared with ``xckpt gc``.
+MANAGER_LEFTOVER = claims.MANAGER_LEFTOVER
 #: The handler Orbax's ``CheckpointManager`` records for a single item saved with ``StandardSave``.
 ORBAX_HANDLER = orbax_view.HANDLER
 #: Orbax's ``CheckpointManager`` keeps a step's metrics as a JSON item ``metrics/metrics``, written by this handler.
@@ -209,21 +210,6 @@ def _plain(value: Any) -> Any:
     if callable(item):
         return item()
     raise TypeError(f"metric value {value!r} ({type(value).__name__}) is not a number, string, list or dict")
-
-
-def _newest_mtime(path: str) -> float | None:
-    """The newest modification time of ``path`` and of the entries at its top (no link followed)."""
-    try:
-        newest = os.lstat(path).st_mtime
-        with os.scandir(path) as it:
-            for e in it:
-                try:
-                    newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
-                except OSError:
-                    pass
-    except OSError:
-        return None
-    return newest
 
 
 @dataclass
@@ -405,6 +391,7 @@ class CheckpointManager:
         self._last_time = time.monotonic()
         self._requested = False
         flight.thread.start()
+        background.finish_at_exit(flight.thread)  # a script that ends without wait() or close() still publishes
         if not self.async_save:
             self.wait()
         return True
@@ -439,26 +426,51 @@ class CheckpointManager:
                 warnings.warn(f"{self.root}: retention failed: {exc}", XckptWarning, stacklevel=1)
 
     def _publish(self, flight: _InFlight, metrics: dict[str, Any], started_ns: int) -> None:
-        """Write the step's Orbax files into the staged step, sync it, move it to ``<root>/<step>``."""
+        """Write the step's Orbax files into the staged step, sync it, move it to ``<root>/<step>``.
+
+        Failures are specific: a file that cannot be written or synced is ``io.write`` (naming it), a step
+        directory that appeared meanwhile is ``manager.step_exists`` (it is left as it is). The caller
+        removes the staged step."""
         handlers = {DEFAULT_ITEM: ORBAX_HANDLER}
         if metrics:
             handlers[METRICS_ITEM] = ORBAX_METRICS_HANDLER
         meta = {"item_handlers": handlers, "metrics": metrics, "performance_metrics": {},
                 "init_timestamp_nsecs": started_ns, "commit_timestamp_nsecs": time.time_ns(),
                 "custom_metadata": {}}
+        files = []
+        if metrics:  # Orbax's metrics item, which its CheckpointManager reads for best_fn
+            files += [(f"{METRICS_ITEM}/{METRICS_ITEM}", json.dumps(metrics).encode()),
+                      (f"{METRICS_ITEM}/{names.COMMIT}", COMMIT_TEXT)]
+        files += [(names.ORBAX_CHECKPOINT_METADATA, json.dumps(meta).encode()), (names.COMMIT, COMMIT_TEXT)]
         store = LocalStore(flight.staging)
         try:
-            if metrics:  # Orbax's metrics item, which its CheckpointManager reads for best_fn
-                store.write(f"{METRICS_ITEM}/{METRICS_ITEM}", json.dumps(metrics).encode(), atomic=True)
-                store.write(f"{METRICS_ITEM}/{names.COMMIT}", COMMIT_TEXT, atomic=True)
-            store.write(names.ORBAX_CHECKPOINT_METADATA, json.dumps(meta).encode(), atomic=True)
-            store.write(names.COMMIT, COMMIT_TEXT, atomic=True)
-            store.sync()
+            for name, data in files:
+                path = os.path.join(flight.staging, name)
+                try:
+                    store.write(name, data, atomic=True)
+                except OSError as exc:
+                    raise SaveError(f"cannot write {path}: {exc.strerror or exc}; step {flight.step} was not "
+                                    "saved", code="io.write", file=path) from exc
+            _synced(store.sync, flight.staging)
         finally:
             store.close()
-        atomic.sync_dir(flight.staging)
-        atomic.move_new(flight.staging, os.path.join(self.root, str(flight.step)))
-        atomic.sync_dir(self.root)
+        _synced(lambda: atomic.sync_dir(flight.staging), flight.staging)
+        final = os.path.join(self.root, str(flight.step))
+        try:
+            atomic.move_new(flight.staging, final)
+        except OSError as exc:  # FileExistsError; ENOTEMPTY: without renameat2, it appeared after the check
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise XckptError(f"step {flight.step} appeared in {self.root} while it was being saved (another "
+                                 f"job or a user made {final}); it was left as it is and this save of the step "
+                                 "was removed", code="manager.step_exists", file=final) from None
+            raise SaveError(f"cannot move {flight.staging} to {final}: {exc.strerror or exc}; step {flight.step} "
+                            "was not saved", code="io.write", file=final) from exc
+        try:
+            atomic.sync_dir(self.root)
+        except OSError as exc:
+            raise SaveError(f"step {flight.step} is in place at {final}, but {self.root} could not be synced "
+                            f"({exc.strerror or exc}): it may not survive a crash", code="io.write",
+                            file=self.root) from exc
 
     def _finish(self, *, agree: bool = True) -> None:
         """Wait for the save in flight (if any) and agree on its outcome with every process (``agree``)."""
@@ -626,28 +638,24 @@ class CheckpointManager:
 
     def _remove_leftovers(self) -> None:
         """Remove what dead saves left in ``root``: xckpt's stale leftovers, the manager's staged steps whose
-        save is dead (no live lease inside, untouched for ``XCKPT_STALE_AFTER_S``), unfinished deletions."""
-        claims.remove_stale(Location(self.root))
-        limit = claims.stale_after_s()
-        now = time.time()
+        save is dead (no live lease inside, untouched for ``XCKPT_STALE_AFTER_S``), unfinished deletions
+        (:func:`xckpt.engine.claims.scan_steps`, the rule ``xckpt gc`` applies too); never this manager's
+        own step in flight."""
+        root = Location(self.root)
+        claims.remove_stale(root)
         with self._lock:
             mine = self._inflight.staging if self._inflight is not None else None
-        try:
-            entries = os.listdir(self.root)
-        except FileNotFoundError:
-            return
-        for entry in entries:
-            m = MANAGER_LEFTOVER.fullmatch(entry)
-            path = os.path.join(self.root, entry)
-            if m is None or path == mine or os.path.islink(path) or not os.path.isdir(path):
-                continue
-            if m["kind"] == "step":
-                if any(not x.stale for x in claims.scan(Location(path), stale_after=limit)):
-                    continue  # a save is live in it
-                newest = _newest_mtime(path)
-                if newest is None or now - newest <= limit:
-                    continue
-            shutil.rmtree(path, ignore_errors=True)
+        for x in claims.scan_steps(root):
+            if x.stale and x.path != mine:
+                claims.remove(x)
+
+
+def _synced(sync: Callable[[], None], path: str) -> None:
+    """Run ``sync``; an OSError is ``io.write`` naming ``path`` (a SaveError naming its own file passes)."""
+    try:
+        sync()
+    except OSError as exc:
+        raise SaveError(f"cannot sync {path}: {exc.strerror or exc}", code="io.write", file=path) from exc
 
 
 def _reraise(exc: BaseException | None) -> None:

@@ -135,9 +135,7 @@ def _check_files(store: LocalStore, m: Manifest, report: Report) -> None:
                         "only", file))
         elif kind not in ("file", "dir"):
             add(Finding("path.special", f"a {kind}, not a regular file or directory", file))
-    known = set(naming.RESERVED) | {e.path for e in m.arrays()} | \
-        {e.orbax_path for e in m.leaves if isinstance(e, ValueEntry) and e.orbax_path}
-    for name in sorted(top - known):
+    for name in sorted(top - m.top_names()):
         add(Finding("path.unexpected", "no leaf of the manifest refers to this name", str(store.location.child(name)),
                     severity="warning"))
 

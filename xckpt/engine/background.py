@@ -336,17 +336,37 @@ def _remove_dir(loc: Location) -> None:
 
 _live_lock = threading.Lock()
 _live: "weakref.WeakSet[Pending]" = weakref.WeakSet()
+_followers: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()  # threads that finish after a save
 
 
-@atexit.register
+def finish_at_exit(thread: threading.Thread) -> None:
+    """Have interpreter exit wait for ``thread`` too (a daemon that finishes what a pending save began, such as
+    a checkpoint manager moving its step into place), once the pending saves are done: up to
+    :data:`EXIT_GRACE_S` seconds more."""
+    with _live_lock:
+        _followers.add(thread)
+
+
 def _finish_at_exit() -> None:
     """At interpreter exit, give each pending save its timeout (plus :data:`EXIT_GRACE_S`) to finish; one
     still running after that is abandoned (its temporary data ages into a leftover that a later save
-    or ``xckpt gc`` removes)."""
+    or ``xckpt gc`` removes).
+
+    It runs among the interpreter's thread shutdown hooks, registered after the thread pools' own
+    (:mod:`xckpt.engine.threads` imports :mod:`concurrent.futures` first), so it runs before them: a
+    pool shut down first would refuse the pending save's writes, and the save would be rolled back."""
     with _live_lock:
-        pending = list(_live)
+        pending, followers = list(_live), list(_followers)
     for p in pending:
         p.thread.join(p._timeout_s + EXIT_GRACE_S)
+    for t in followers:
+        t.join(EXIT_GRACE_S)
+
+
+try:
+    threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined] - CPython 3.9+, before pool shutdown
+except AttributeError:  # another interpreter: the plain hook, which runs after the pools are shut down
+    atexit.register(_finish_at_exit)
 
 
 def stage(p: Prepared, stop: threading.Event | None = None) -> Staged:
@@ -384,6 +404,10 @@ def stage(p: Prepared, stop: threading.Event | None = None) -> Staged:
         _wait_all(waits, quiet=True)  # no copy may still be writing into a buffer given back
         staged.give_back()
         staged.error = exc
+    except BaseException:  # an interrupt: the caller stops the save
+        _wait_all(waits, quiet=True)
+        staged.give_back()
+        raise
     return staged
 
 
@@ -427,6 +451,7 @@ class _Speculation:
         self.stop = threading.Event()
         self.guess: Prepared | None = None
         self.staged: Staged | None = None
+        self.interrupt: BaseException | None = None  # an interrupt that ended the staging (errors: in staged)
         self.thread: threading.Thread | None = None
 
     def __call__(self, guess: Prepared) -> None:
@@ -434,7 +459,10 @@ class _Speculation:
         self.guess = guess
 
         def run() -> None:
-            self.staged = stage(guess, self.stop)
+            try:
+                self.staged = stage(guess, self.stop)
+            except BaseException as exc:  # noqa: BLE001 - raised by confirmed(), on the caller's thread
+                self.interrupt = exc
 
         self.thread = threading.Thread(target=run, name="xckpt-stage")
         self.thread.start()
@@ -447,6 +475,8 @@ class _Speculation:
         assert self.guess is not None
         if p.local is self.guess.local and p.plan_key == self.guess.plan_key:
             self.thread.join()
+            if self.interrupt is not None:
+                raise self.interrupt
             return self.staged
         self.cancel()
         return None
@@ -477,10 +507,15 @@ def start(tree: Any, path: Any, *, coordinator: Any, options: Any, timeout_s: fl
     except BaseException:
         spec.cancel()
         raise
-    staged = spec.confirmed(p)
-    reused = staged is not None
-    if staged is None:
-        staged = stage(p)
+    try:
+        staged = spec.confirmed(p)
+        reused = staged is not None
+        if staged is None:
+            staged = stage(p)
+    except BaseException:  # an interrupt (KeyboardInterrupt) while staging: nothing goes on in the background
+        spec.cancel()
+        p.discard()
+        raise
     pending = Pending(p, sibling(p.final, "status", p.generation), timeout_s, staged)
     pending.thread.start()
     try:

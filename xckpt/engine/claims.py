@@ -13,6 +13,10 @@ lease, status directory or claim whose lease was not renewed for ``stale_after_s
 seconds (``XCKPT_STALE_AFTER_S``, default an hour) belongs to a dead save: a later save
 to the same parent removes it (:func:`remove_stale`), as does ``xckpt gc``. A live one
 is never touched.
+
+A :class:`xckpt.CheckpointManager` leaves its own kind beside the steps of a run
+(:data:`MANAGER_LEFTOVER`, :func:`scan_steps`): the rule that judges them is here too, shared by
+the manager's cleanup before each save and by ``xckpt gc``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ CLAIM = ".xckpt-claim"
 STALE_AFTER_S = 3600.0
 #: ``.<name>.xckpt-<kind>-<generation>``: what a save leaves beside its destination while it runs.
 LEFTOVER = re.compile(r"\.(?P<name>.+)\.xckpt-(?P<kind>tmp|lease|status|old)-(?P<generation>[0-9a-f]{32})")
+#: What a checkpoint manager leaves beside the steps of a run while it works: ``.<step>.xckpt-step-<token>`` (a
+#: step being written, moved to ``<step>`` once committed) and ``.<step>.xckpt-deleting-<token>`` (a step being
+#: deleted). See :func:`scan_steps`.
+MANAGER_LEFTOVER = re.compile(r"\.(?P<step>[0-9]+)\.xckpt-(?P<kind>step|deleting)-(?P<token>[0-9a-f]{32})")
 
 
 def new_generation() -> str:
@@ -67,9 +75,28 @@ def _split(loc: Location) -> tuple[str, str]:
     return parent, name
 
 
+def _read_small(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read(256).strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _pidns() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+#: What tells this machine's processes apart from another's: the host name, and where the system says
+#: (Linux) the boot and the process-id namespace (a container on the same host sees other process ids).
+_MACHINE = {"host": socket.gethostname(), "boot": _read_small("/proc/sys/kernel/random/boot_id"), "pidns": _pidns()}
+
+
 def _record(generation: str) -> bytes:
-    return json.dumps({"generation": generation, "host": socket.gethostname(), "pid": os.getpid(),
-                       "heartbeat": time.time()}).encode()
+    return json.dumps({"generation": generation, **_MACHINE, "pid": os.getpid(), "heartbeat": time.time()}).encode()
 
 
 class Lease:
@@ -210,9 +237,10 @@ class Leftover:
     """Something a save left beside (or, on object stores, under) a destination."""
 
     path: str
-    kind: str  # tmp, lease, status, old (a file system's side copy), claim (an object-store prefix)
-    name: str  # the destination's name
-    generation: str
+    kind: str  # tmp, lease, status, old (a file system's side copy), claim (an object-store prefix);
+    # step, deleting (a checkpoint manager's staged step, interrupted deletion: :func:`scan_steps`)
+    name: str  # the destination's name (a manager's leftover: the step)
+    generation: str  # (a manager's leftover: its token)
     age_s: float  # since its lease was last renewed
     stale: bool
     stamp: bytes | None = field(default=None, compare=False, repr=False)  # a claim's storage generation when seen
@@ -262,6 +290,61 @@ def scan(directory: Location, *, stale_after: float | None = None, name: str | N
         if m["kind"] == "old" and not os.path.lexists(os.path.join(root, m["name"])):
             stale = False
         out.append(Leftover(path, m["kind"], m["name"], m["generation"], age, stale))
+    return sorted(out, key=lambda x: x.path)
+
+
+def _newest_mtime(path: str) -> float | None:
+    """The newest modification time of ``path`` and of the entries at its top (no link followed)."""
+    try:
+        newest = os.lstat(path).st_mtime
+        with os.scandir(path) as it:
+            for e in it:
+                try:
+                    newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+                except OSError:
+                    pass
+    except OSError:
+        return None
+    return newest
+
+
+def scan_steps(directory: Location, *, stale_after: float | None = None, name: str | None = None) -> list[Leftover]:
+    """Every leftover of a checkpoint manager in the run directory ``directory`` (:data:`MANAGER_LEFTOVER`;
+    none on an object store), optionally only those of step ``name``; ``kind`` is ``step`` or ``deleting``,
+    ``name`` the step, ``generation`` the token.
+
+    A staged step (``step``) is dead when no live leftover is inside it (its save's lease, see :func:`scan`)
+    and neither it nor any entry at its top was modified for ``stale_after`` seconds: its save died, or
+    died before moving it into place. A step being deleted (``deleting``) is always dead: it left the run's
+    listing when its deletion began, and an interrupted deletion is finished by whoever finds it. Its age
+    is that of its newest modification. A link, or anything not a directory, is never one.
+    """
+    if not directory.is_local:
+        return []
+    limit = stale_after_s() if stale_after is None else stale_after
+    now = time.time()
+    root = directory.local_path
+    try:
+        entries = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for entry in entries:
+        m = MANAGER_LEFTOVER.fullmatch(entry)
+        if m is None or (name is not None and m["step"] != name):
+            continue
+        path = os.path.join(root, entry)
+        if os.path.islink(path) or not os.path.isdir(path):
+            continue
+        newest = _newest_mtime(path)
+        if newest is None:
+            continue
+        age = now - newest
+        if m["kind"] == "deleting":
+            stale = True
+        else:
+            stale = age > limit and all(x.stale for x in scan(Location(path), stale_after=limit))
+        out.append(Leftover(path, m["kind"], m["step"], m["token"], age, stale))
     return sorted(out, key=lambda x: x.path)
 
 
@@ -323,22 +406,100 @@ def remove_stale(directory: Location, *, stale_after: float | None = None,
     return gone
 
 
-def recover(final: Location) -> bool:
-    """Restore a side copy (``.<name>.xckpt-old-<g>``) to ``final`` when ``final`` is missing: what a
-    replace without an atomic exchange leaves if it dies between its two renames. Returns whether
-    it restored one."""
-    if not final.is_local or os.path.lexists(final.local_path):
+def _process_runs(pid: int) -> bool:
+    """Whether process ``pid`` of this machine still runs (a zombie, killed but not yet reaped, does not)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
+    except OSError:  # EPERM: it runs, as another user
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            st = f.read()
+        return st[st.rindex(b")") + 2:][:1] not in (b"Z", b"X")
+    except (OSError, ValueError):
+        return True
+
+
+def _owner_gone(record: bytes) -> bool:
+    """Whether a lease record names a process of this machine (same host, boot and process-id namespace)
+    that no longer runs. A record of another machine, or one that cannot be read, never does."""
+    try:
+        obj = json.loads(record.decode())
+    except (UnicodeDecodeError, ValueError):
+        return False
+    if not isinstance(obj, dict) or any(obj.get(k) != v for k, v in _MACHINE.items()):
+        return False
+    pid = obj.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    return not _process_runs(pid)
+
+
+def lease_live(final: Location, generation: str, *, stale_after: float | None = None) -> bool:
+    """Whether the save ``generation`` to the local ``final`` still holds its lease: the lease file is there,
+    was renewed within ``stale_after`` seconds (default ``XCKPT_STALE_AFTER_S``), and does not name a process
+    of this machine that is gone (a save killed here is dead at once; one of another machine only once its
+    lease is stale)."""
+    limit = stale_after_s() if stale_after is None else stale_after
+    path = sibling(final, "lease", generation).local_path
+    seen = _mtime(path)
+    if seen is None or time.time() - seen > limit:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            record = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+    except OSError:
+        return True
+    return not _owner_gone(record)
+
+
+#: Files one of which a side copy holds when it is a whole checkpoint (xckpt, DCP, safetensors).
+_CHECKPOINT_FILES = (names.MANIFEST, names.DCP_METADATA, safetensors.SINGLE_FILE, safetensors.INDEX_FILE)
+
+
+def _side_copies(final: Location) -> list[Leftover]:
+    """The whole side copies of the missing local ``final``, newest first (none when ``final`` exists)."""
+    if not final.is_local or os.path.lexists(final.local_path):
+        return []
     parent, name = os.path.split(final.local_path.rstrip("/"))
     olds = [x for x in scan(Location(parent), name=name) if x.kind == "old"]
-    for old in sorted(olds, key=lambda x: x.age_s):
-        if not any(os.path.exists(os.path.join(old.path, n)) for n in (names.MANIFEST, names.DCP_METADATA,
-                                                                         safetensors.SINGLE_FILE, safetensors.INDEX_FILE)):
-            continue
-        try:
-            atomic.move_new(old.path, final.local_path)
-        except OSError:
-            return False
-        atomic.sync_dir(parent or ".")
+    return [x for x in sorted(olds, key=lambda x: x.age_s)
+            if any(os.path.exists(os.path.join(x.path, n)) for n in _CHECKPOINT_FILES)]
+
+
+def live_side_copy(final: Location, *, stale_after: float | None = None) -> Location | None:
+    """The side copy a live save (:func:`lease_live`) made of the missing local ``final``, between its two
+    renames: the checkpoint that stood at ``final``, whole, which a reader may read meanwhile (the save
+    deletes it once the new one is in place; a reader then starts again). None when there is none."""
+    for old in _side_copies(final):
+        if lease_live(final, old.generation, stale_after=stale_after):
+            return Location(old.path)
+    return None
+
+
+def recover(final: Location, *, stale_after: float | None = None, dry_run: bool = False) -> bool:
+    """Restore a side copy (``.<name>.xckpt-old-<g>``) to ``final`` when ``final`` is missing: what a
+    replace without an atomic exchange leaves if it dies between its two renames. Returns whether
+    it restored one (``dry_run``: whether it would, changing nothing).
+
+    A side copy whose save is alive (:func:`lease_live`, with ``stale_after``) is that save's, between its
+    two renames: while there is one, nothing is restored (the save puts either checkpoint in place itself).
+    """
+    olds = _side_copies(final)
+    if not olds or any(lease_live(final, x.generation, stale_after=stale_after) for x in olds):
+        return False
+    if dry_run:
         return True
-    return False
+    try:
+        atomic.move_new(olds[0].path, final.local_path)
+    except OSError:
+        return False
+    atomic.sync_dir(os.path.dirname(final.local_path.rstrip("/")) or ".")
+    return True

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
@@ -28,7 +29,7 @@ from xckpt.engine.storage import Location, Store
 from xckpt.engine.write import MAX_INFLIGHT_BYTES, ChunkWriter
 from xckpt.errors import CollectiveError, SaveError, XckptError
 from xckpt.format import dtypes, names, orbax_view, safetensors, values as values_format, zarr
-from xckpt.format.manifest import ArrayEntry, Entry, Manifest, StoredArray, ValueEntry
+from xckpt.format.manifest import ArrayEntry, Entry, Manifest, StoredArray, ValueEntry, parse as parse_manifest
 from xckpt.format.regions import chunk_indices
 from xckpt.format.tree import Key
 
@@ -126,14 +127,18 @@ def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt") -> Tar
 
     A save creates a new checkpoint, or with ``overwrite`` replaces a committed xckpt
     checkpoint (on a file system only): anything else at the destination is refused, never
-    deleted (``save.exists``, ``save.not_checkpoint``, ``save.not_empty``, ``save.in_progress``).
+    deleted (``save.exists``, ``save.not_checkpoint``, ``save.not_empty``, ``save.in_progress``),
+    files put into the checkpoint's directory included (``save.foreign``).
     """
     if final.is_local:
         path = final.local_path
         parent, name = os.path.split(path.rstrip("/"))
-        claims.recover(final)
+        claims.recover(final, stale_after=opts.stale_after())
         claims.remove_stale(Location(parent or "/"), stale_after=opts.stale_after())
         if not os.path.lexists(path):
+            if claims.live_side_copy(final, stale_after=opts.stale_after()) is not None:
+                raise SaveError(f"another save is replacing {path} (its checkpoint is aside); nothing was written",
+                                code="save.in_progress", file=path)
             return Target(final, kind=kind)
         if os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path):
             return Target(final, empty_dir=True, kind=kind)
@@ -144,6 +149,8 @@ def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt") -> Tar
         if held is None:
             raise SaveError(f"{path} is not {KINDS[kind]}; overwrite=True replaces only one, so nothing was written",
                             code="save.not_checkpoint", file=path)
+        if kind == "xckpt":
+            _refuse_foreign(final)
         return Target(final, replaces=held, kind=kind)
     store = final.store()
     if store.exists(names.MANIFEST):
@@ -166,6 +173,38 @@ def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt") -> Tar
         raise SaveError(f"{final} is not empty and holds no checkpoint; a save writes only to a new or empty "
                         "prefix, so nothing was written", code="save.not_empty", file=str(final))
     return Target(final)
+
+
+def _refuse_foreign(final: Location) -> None:
+    """Refuse to replace a committed checkpoint whose directory holds names its manifest does not refer to
+    (a README, a tokenizer folder put there by hand): replacing it would delete them (``save.foreign``). A
+    checkpoint whose manifest cannot be read is replaced as it is (what belongs to it cannot be told)."""
+    store = final.store()
+    try:
+        raw = store.read(names.MANIFEST)
+        m = parse_manifest(raw, file=str(final.child(names.MANIFEST))) if raw is not None else None
+    except XckptError:
+        m = None
+    finally:
+        store.close()
+    if m is None:
+        return
+    foreign = sorted(set(os.listdir(final.local_path)) - m.top_names())
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise SaveError(f"{final} holds {shown}, which no leaf of its manifest refers to; overwrite replaces a "
+                        "checkpoint, never files put into it, so nothing was written: move them out first",
+                        code="save.foreign", file=str(final.child(foreign[0])))
+
+
+@contextmanager
+def _writing(file: str, what: str) -> Iterator[None]:
+    """Turn an ``OSError`` of the commit's own file operations into ``io.write`` naming ``file``."""
+    try:
+        yield
+    except OSError as exc:
+        raise SaveError(f"cannot {what}: {exc.strerror or exc}; nothing was committed", code="io.write",
+                        file=file) from exc
 
 
 def publish(tmp: Location, target: Target, generation: str, rank: int = 0) -> None:
@@ -196,7 +235,8 @@ def publish(tmp: Location, target: Target, generation: str, rank: int = 0) -> No
             if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
                 raise SaveError(f"another save committed {dst} first; nothing was committed", code="save.exists",
                                 file=dst) from None
-            raise
+            with _writing(dst, "move the new checkpoint into place"):
+                raise
         atomic.sync_dir(parent)
         failpoints.hit("after_publish", rank)
         return
@@ -208,6 +248,9 @@ def publish(tmp: Location, target: Target, generation: str, rank: int = 0) -> No
     except FileNotFoundError:
         raise SaveError(f"{dst} disappeared while this save replaced it; nothing was committed",
                         code="save.conflict", file=dst) from None
+    except OSError as exc:
+        with _writing(dst, "swap the new checkpoint into place"):
+            raise exc
     failpoints.hit("after_exchange", rank)
     if identity(Location(src), target.kind) != target.replaces:  # another save replaced it since this one began
         atomic.exchange(src, dst)
@@ -221,21 +264,30 @@ def publish(tmp: Location, target: Target, generation: str, rank: int = 0) -> No
 def _publish_aside(src: str, dst: str, target: Target, generation: str, rank: int) -> None:
     """A replacement with two renames (no atomic exchange here); see :func:`publish`."""
     aside = claims.sibling(target.final, "old", generation).local_path
+    conflict = SaveError(f"another save replaced {dst} while this one was writing; nothing was committed",
+                         code="save.conflict", file=dst)
     try:
         os.rename(dst, aside)
     except FileNotFoundError:
         raise SaveError(f"{dst} disappeared while this save replaced it; nothing was committed",
                         code="save.conflict", file=dst) from None
-    atomic.sync_dir(os.path.dirname(dst) or ".")
-    failpoints.hit("after_aside", rank)
-    if identity(Location(aside), target.kind) != target.replaces:
-        os.rename(aside, dst)
-        raise SaveError(f"another save replaced {dst} while this one was writing; nothing was committed",
-                        code="save.conflict", file=dst)
+    except OSError as exc:
+        with _writing(dst, "move the old checkpoint aside"):
+            raise exc
     try:
-        os.rename(src, dst)
-    except OSError:
-        if not os.path.lexists(dst):
+        atomic.sync_dir(os.path.dirname(dst) or ".")
+        failpoints.hit("after_aside", rank)
+        if identity(Location(aside), target.kind) != target.replaces:
+            raise conflict
+        try:
+            os.rename(src, dst)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # another save put a checkpoint there meanwhile
+                raise conflict from None
+            with _writing(dst, "move the new checkpoint into place"):
+                raise exc
+    except BaseException:  # the new one is not in place: the old one goes back (unless something else is there)
+        if os.path.lexists(aside) and not os.path.lexists(dst):
             os.rename(aside, dst)
         raise
     atomic.sync_dir(os.path.dirname(dst) or ".")
@@ -446,14 +498,16 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
     failpoints.hit("after_values")
     if written is not None:
         written.append(names.COMMIT)
-    store.write(names.COMMIT, COMMIT_TEXT)
-    store.sync()
+    with _writing(str(store.location.child(names.COMMIT)), f"write {names.COMMIT}"):
+        store.write(names.COMMIT, COMMIT_TEXT)
+        store.sync()
     failpoints.hit("after_commit_marker")
     _check_held(hold)
-    if not store.create(names.MANIFEST, manifest.dumps()):
-        raise SaveError(f"another save committed {store.location} first; nothing was committed", code="save.exists",
-                        file=str(store.location))
-    store.sync()
+    with _writing(str(store.location.child(names.MANIFEST)), f"write {names.MANIFEST}"):
+        if not store.create(names.MANIFEST, manifest.dumps()):
+            raise SaveError(f"another save committed {store.location} first; nothing was committed",
+                            code="save.exists", file=str(store.location))
+        store.sync()
     failpoints.hit("after_manifest")
     return manifest
 
@@ -484,6 +538,8 @@ def commit_failed(final: Location, error: BaseException) -> XckptError:
     if isinstance(error, XckptError) and error.code == "save.outcome_unknown":
         return error
     code = error.code if isinstance(error, XckptError) else "save.failed"  # e.g. save.exists, save.conflict
-    err = SaveError(f"save to {final} failed; nothing was committed: {error}", code=code, file=str(final))
+    file, leaf = (error.file, error.leaf) if isinstance(error, XckptError) else (None, None)
+    err = SaveError(f"save to {final} failed; nothing was committed: {error}", code=code, file=file or str(final),
+                    leaf=leaf)
     err.__cause__ = error
     return err

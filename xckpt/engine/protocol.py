@@ -87,8 +87,10 @@ class Prepared:
 
 def _source(key: Any, obj: Any) -> tuple[Any, LeafDesc]:
     if isinstance(obj, Value):
+        values_format.check(obj.value)
         return obj.value, LeafDesc(key, "value", value_type=values_format.value_type(obj.value))
     if isinstance(obj, _SCALARS) and not isinstance(obj, np.generic):  # np.float64 subclasses float
+        values_format.check(obj)  # a str that is not valid Unicode, an int beyond 4300 digits
         return obj, LeafDesc(key, "value", value_type=values_format.value_type(obj))
     make = registry.source_for(obj)
     if make is None:
@@ -116,7 +118,7 @@ def describe(tree: Any) -> tuple[Descriptors, list[Any]]:
     for key, obj in leaves:
         try:
             src, desc = _source(key, obj)
-        except XckptError as exc:  # an adapter's refusal (a placement, a dtype, a device) names no leaf
+        except XckptError as exc:  # an adapter's or a value's refusal (a placement, a dtype) names no leaf
             raise exc.at(leaf=key_str(key)) from exc
         sources.append(src)
         descs.append(desc)
@@ -477,4 +479,7 @@ def save(tree: Any, path: Any, *, coordinator: Coordinator | None = None,
         write(p)
     except Exception as exc:  # noqa: BLE001 - every process must reach the commit
         error = exc
+    except BaseException:  # an interrupt (KeyboardInterrupt): no collective step now; remove what was written
+        p.discard()
+        raise
     return commit(p, error)

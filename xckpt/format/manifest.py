@@ -196,6 +196,12 @@ class Manifest:
         """Leaves indexed by key."""
         return {e.key: e for e in self.leaves}
 
+    def top_names(self) -> set[str]:
+        """The names at the checkpoint's top level that belong to it: the reserved files, every array's
+        directory and every value's Orbax mirror; anything else there was put by hand."""
+        return set(names.RESERVED) | {e.path for e in self.arrays()} | \
+            {e.orbax_path for e in self.leaves if isinstance(e, ValueEntry) and e.orbax_path}
+
 
 # -- parsing ------------------------------------------------------------------------------------
 

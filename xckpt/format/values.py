@@ -116,6 +116,11 @@ def encode(value: Any) -> bytes:
         raise UnsupportedError(f"cannot store the value: {exc}", code="value.unsupported") from None
 
 
+def check(value: Any) -> None:
+    """Raise what :func:`encode` would raise for ``value`` (``value.unsupported``), before anything is written."""
+    encode(value)
+
+
 # -- decoding --------------------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from xckpt.engine.claims import recover
+from xckpt.engine.claims import live_side_copy, recover
 from xckpt.engine.storage import Location, Store
 from xckpt.errors import XckptError
 from xckpt.format import names
@@ -113,6 +113,9 @@ def open_checkpoint(path: Any) -> Source:
         if fk.matches(loc):
             return fk.open(loc)
     recover(loc)  # a replace that died between its two renames left the checkpoint aside
+    aside = live_side_copy(loc)  # a live replace without an atomic exchange is between its two renames:
+    if aside is not None:  # read the checkpoint that stood at the path, whole (once it goes, a load starts again)
+        loc = aside
     store = loc.store()
     try:
         kind = _kind_of(store, KINDS)
