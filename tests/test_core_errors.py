@@ -369,3 +369,16 @@ def test_a_value_that_cannot_be_stored_is_refused_first_naming_its_leaf(tmp_path
             xckpt.save_async(tree, tmp_path / "c").wait()
     assert info.value.code == "value.unsupported" and info.value.leaf == "cfg/run/name", info.value
     assert os.listdir(tmp_path) == []  # nothing was written, not even a temporary directory
+
+
+@pytest.mark.parametrize("tree", [{"a:b": np.ones(2)}, {"m": {"loss:train": 1.5}}, {"n": {"x:y": 3}}],
+                         ids=["array", "float", "int"])
+def test_a_key_with_a_colon_is_refused_where_it_names_a_path(tmp_path, tree):
+    """An array's name and a number's Orbax mirror are paths, which a reader refuses with ':' in them: refused
+    before anything is written (it used to commit a checkpoint no reader opens); a string keeps its ':'."""
+    with pytest.raises(XckptError) as info:
+        xckpt.save(tree, tmp_path / "c")
+    assert info.value.code == "tree.invalid" and ":" in info.value.leaf and "':'" in str(info.value)
+    assert os.listdir(tmp_path) == []
+    xckpt.save({"cfg": {"model:name": "gpt"}}, tmp_path / "s")
+    assert xckpt.load(tmp_path / "s") == {"cfg": {"model:name": "gpt"}}

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import errno
 import json
 import os
@@ -171,6 +173,21 @@ def test_best_only_keeps_the_newest(tmp_path: Path) -> None:
         assert [s.step for s in infos] == [1, 4]
         assert infos[0].metrics == {"acc": [0, float(np.float32(0.9))]}  # numpy scalars recorded as numbers
         np.testing.assert_array_equal(m.restore()["x"], np.full(3, 4))
+
+
+def test_a_step_saved_without_the_ranked_metric_is_said(tmp_path: Path) -> None:
+    """best_fn names a metric a save does not record: that step cannot be ranked, and the save says so (keep_best
+    would otherwise silently keep nothing); steps that record it are ranked."""
+    with xckpt.CheckpointManager(tmp_path / "run", save_interval_steps=1, keep_best=1, best_fn="val_loss",
+                                 best_mode="min") as m:
+        with pytest.warns(xckpt.XckptWarning, match="without the metric 'val_loss'"):
+            m.save(1, {"x": np.ones(2)}, metrics={"loss": 1.0})
+        for step, val in ((2, 0.3), (3, 0.7), (4, 0.9)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", xckpt.XckptWarning)
+                m.save(step, {"x": np.full(2, step)}, metrics={"loss": 1.0, "val_loss": val})
+        m.wait()
+        assert [s.step for s in m.all_steps()] == [2, 4]  # the best by val_loss, and the newest
 
 
 def test_no_step(tmp_path: Path) -> None:

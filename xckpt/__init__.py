@@ -17,7 +17,7 @@ from xckpt import convert, mapping  # noqa: F401 - xckpt.convert.convert, xckpt.
 from xckpt import registry
 from xckpt._version import __version__
 from xckpt.engine.collective import Coordinator, LocalCoordinator
-from xckpt.errors import CollectiveError, XckptError, XckptWarning
+from xckpt.errors import CollectiveError, KeyMismatchError, XckptError, XckptWarning
 from xckpt.format.manifest import Manifest
 from xckpt.format.regions import Region
 from xckpt.format.tree import Default, Value
@@ -31,7 +31,7 @@ from xckpt.validate import validate
 
 __all__ = ["save", "save_async", "SaveHandle", "release_buffers", "load", "inspect", "validate", "gc", "Value",
            "Default", "ReadSpec", "Region", "Manifest", "Coordinator", "LocalCoordinator", "XckptError", "CollectiveError",
-           "XckptWarning", "CheckpointManager", "StepInfo", "list_steps",
+           "KeyMismatchError", "XckptWarning", "CheckpointManager", "StepInfo", "list_steps",
            "__version__"]
 
 

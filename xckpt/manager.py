@@ -278,6 +278,7 @@ class CheckpointManager:
         self.keep_period = keep_period
         self.best_fn: Callable[[dict[str, Any]], float] | None = (
             (lambda m, _k=best_fn: m[_k]) if isinstance(best_fn, str) else best_fn)
+        self._best_key = best_fn if isinstance(best_fn, str) and keep_best is not None else None
         self.best_mode = best_mode
         self.keep_best = keep_best
         self.keep_younger_than_s = keep_younger_than_s
@@ -359,6 +360,9 @@ class CheckpointManager:
             return False
         self._finish()  # the previous save: its outcome agreed on by every process
         plain_metrics = _plain(dict(metrics or {}))
+        if self._best_key is not None and self._best_key not in plain_metrics:
+            warnings.warn(f"step {step} is saved without the metric {self._best_key!r} that best_fn ranks steps by: "
+                          "keep_best will not keep it", XckptWarning, stacklevel=2)
         coord = self.coordinator
         if coord.rank == collective.ROOT:
             plan = self._prepare_step(step)

@@ -310,7 +310,7 @@ def _check_orbax(loc: Location, store: Store, m: Manifest, vals: dict[int, Any] 
                            missing=("orbax.missing", "_METADATA is missing; Orbax cannot restore this checkpoint"))
     if meta is _UNUSABLE:
         return
-    strings = [e for e in m.leaves if isinstance(e, ValueEntry) and e.type == "str"]
+    strings = [e for e in m.leaves if orbax_files.in_strings(e)]
     expected = json.loads(orbax_files.metadata_json(m, [e.key for e in strings]))
     if not isinstance(meta, dict) or meta.get("use_zarr3") is not True or meta.get("use_ocdbt") is True:
         add(Finding("orbax.mismatch", "_METADATA must be an object with use_zarr3: true and use_ocdbt unset or "
@@ -326,7 +326,7 @@ def _check_orbax(loc: Location, store: Store, m: Manifest, vals: dict[int, Any] 
         return  # values unreadable (already reported): nothing to compare the strings and mirrors with
     if strings:
         _check_strings(loc, store, {".".join(str(p) for p in e.key): vals[i] for i, e in enumerate(m.leaves)
-                                    if isinstance(e, ValueEntry) and e.type == "str"}, report)
+                                    if orbax_files.in_strings(e)}, report)
     for i, e in enumerate(m.leaves):
         if isinstance(e, ValueEntry):
             _check_mirror(loc, store, e, vals[i], deep, report, gen)

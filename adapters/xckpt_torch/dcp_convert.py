@@ -42,7 +42,7 @@ from xckpt.engine.storage import Location
 from xckpt.errors import UnsupportedError, XckptError
 from xckpt.format.manifest import ArrayEntry
 from xckpt.format.regions import Region
-from xckpt.format.tree import unflatten
+from xckpt.format.tree import is_namedtuple, unflatten
 from xckpt.registry import Shard
 from xckpt.sources.detect import open_checkpoint
 
@@ -166,12 +166,12 @@ def _to_dcp(ckpt: Any, dst: str, overwrite: bool) -> None:
             leaves[i] = t
         else:
             leaves[i] = vals[i]
-    state = unflatten(m.tree, leaves)  # type: ignore[arg-type]
-    if not isinstance(state, dict):
-        state = {"state": state}
-
     def read(e: ArrayEntry) -> torch.Tensor:
         return from_numpy(read_region(ckpt, e, Region.full(e.shape)), e.dtype)
+
+    state = _for_dcp(unflatten(m.tree, leaves), entries, read)  # type: ignore[arg-type]
+    if not isinstance(state, dict):
+        state = {"state": state}
 
     hold = Hold(target, new_generation(), opts.stale_after())
     try:
@@ -189,6 +189,24 @@ def _to_dcp(ckpt: Any, dst: str, overwrite: bool) -> None:
         raise
     finally:
         hold.end()
+
+
+def _for_dcp(obj: Any, entries: dict[int, ArrayEntry], read: Any, whole: bool = False) -> Any:
+    """The state as DCP can store it. DCP writes the tensors of dicts and lists one by one (``entries``:
+    the placeholders it reads lazily) but pickles anything else whole, tuples included: the arrays inside a
+    tuple are read now (``whole``), and a namedtuple becomes the dict of its fields (its class, rebuilt from
+    the manifest, exists in no reader's program)."""
+    if is_namedtuple(obj):
+        return {f: _for_dcp(v, entries, read, whole) for f, v in zip(obj._fields, obj)}
+    if isinstance(obj, dict):
+        return {k: _for_dcp(v, entries, read, whole) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_for_dcp(v, entries, read, whole) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_for_dcp(v, entries, read, True) for v in obj)
+    if whole and isinstance(obj, torch.Tensor) and id(obj) in entries:
+        return read(entries.pop(id(obj)))
+    return obj
 
 
 #: The converters this module offers (entry point ``xckpt.converters``: ``dcp``).

@@ -436,7 +436,7 @@ def build_manifest(plan: GlobalPlan, values: dict[int, Any], opts: SaveOptions, 
         if a is not None:
             entries.append(array_entry(a, opts.compression))
         else:
-            mirror = names.storage_name(key) if orbax_view.mirrors(values[i]) else None
+            mirror = names.path_name(key) if orbax_view.mirrors(values[i]) else None
             entries.append(ValueEntry(key, plan.kinds[i], mirror))
     meta = dict(opts.metadata)
     return Manifest(tree=plan.tree, leaves=entries, producer=producer, values=values_info, metadata=meta,
@@ -489,7 +489,7 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
                 w.file(f"{e.orbax_path}/{zarr.METADATA}", zarr.encode_metadata(meta))
                 w.chunk(f"{e.orbax_path}/{zarr.chunk_key(())}", zarr.geometry(meta["data_type"], (), (), "none"),
                         data, e.orbax_path)
-            elif isinstance(e, ValueEntry) and e.type == "str":
+            elif orbax_view.in_strings(e):
                 strings[e.key] = values[i]
         for name, data in orbax_view.files(_orbax_metadata(plan, manifest, strings), strings).items():
             w.file(name, data)

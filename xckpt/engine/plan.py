@@ -361,10 +361,13 @@ def plan_save(groups: Sequence[tuple[Sequence[int], Descriptors]], world: int, *
             chunk_table[wire] = len(chunk_list)
             chunk_list.append([[list(s.offset), list(s.shape), list(s.chunk), list(inner)] for s, inner in planned])
         n_pieces = lay.n_pieces if lay is not None else len(nonempty)
-        arrays[i] = ArrayPlan(key, d.shape, d.dtype, names.storage_name(key), planned, n_pieces, d.sharding,
+        arrays[i] = ArrayPlan(key, d.shape, d.dtype, names.path_name(key), planned, n_pieces, d.sharding,
                               lay, chunks_id=chunk_table[wire])
     # Orbax names arrays, mirrored scalars and strings alike by their keys joined with '.'
     names.check_unique(k for k, kind in zip(keys, kinds) if kind in ("array", "bool", "int", "float", "str"))
+    for k, kind in zip(keys, kinds):
+        if kind in ("bool", "int", "float"):  # mirrored for Orbax at that path
+            names.path_name(k)
     group_of = [0] * world
     for g, ranks in enumerate(group_ranks):
         for r in ranks:
@@ -445,7 +448,7 @@ def local_plan(descs: Descriptors, answer: dict[str, Any], rank: int) -> LocalPl
         if d.kind != "array":
             continue
         segments = chunks[int(ans[1])]
-        leaves[pos] = LeafLayout(names.storage_name(d.key), segments, int(ans[0]))
+        leaves[pos] = LeafLayout(names.path_name(d.key), segments, int(ans[0]))
         if ans[2] is None:  # planned from its mesh layout: every holder knows who writes what
             assert d.layout is not None
             mine = [region for region, _ in d.layout.writes(rank, seed_of(d.key))]

@@ -45,6 +45,16 @@ def storage_name(key: Key) -> str:
     return name
 
 
+def path_name(key: Key) -> str:
+    """The storage name of a leaf that is stored at that path (an array, a numeric value's Orbax mirror):
+    also a path a reader takes (:func:`check_relative`), so it holds no ``:``."""
+    name = storage_name(key)
+    if ":" in name:
+        raise TreeError(f"key {key_str(key)!r} holds ':', which a stored path may not (readers refuse it: a drive or "
+                        "a stream on some file systems); rename it", leaf=key_str(key))
+    return name
+
+
 def check_unique(keys: Iterable[Key]) -> dict[Key, str]:
     """Storage names of ``keys``; raise when two keys would share one name."""
     seen: dict[str, Key] = {}

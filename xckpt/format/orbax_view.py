@@ -26,7 +26,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from xckpt.format import dtypes, names as naming, zarr
-from xckpt.format.manifest import ArrayEntry, Manifest, ValueEntry
+from xckpt.format.manifest import ArrayEntry, Entry, Manifest, ValueEntry
 from xckpt.format.tree import Key, iter_nodes
 
 #: ``key_type`` of an Orbax key: a sequence index, a dict key.
@@ -115,6 +115,13 @@ def files(metadata: bytes, string_values: dict[Key, str]) -> dict[str, bytes]:
         out["_strings.json"] = json.dumps({".".join(str(p) for p in key): text
                                            for key, text in string_values.items()}).encode()
     return out
+
+
+def in_strings(e: Entry) -> bool:
+    """Whether a value leaf is one of the strings Orbax restores from ``_strings.json``: a str whose key holds
+    no ``~`` (Orbax looks a string up by a JSON pointer made of its key, unescaped: a ``~`` in it fails the
+    whole restore)."""
+    return isinstance(e, ValueEntry) and e.type == "str" and not any("~" in str(k) for k in e.key)
 
 
 def mirrors(value: Any) -> bool:
