@@ -197,14 +197,18 @@ def _refuse_foreign(final: Location) -> None:
                         code="save.foreign", file=str(final.child(foreign[0])))
 
 
+def _io_error(file: str, what: str, exc: OSError) -> SaveError:
+    """``io.write`` naming ``file``, for an ``OSError`` of the commit's own file operations."""
+    return SaveError(f"cannot {what}: {exc.strerror or exc}; nothing was committed", code="io.write", file=file)
+
+
 @contextmanager
 def _writing(file: str, what: str) -> Iterator[None]:
-    """Turn an ``OSError`` of the commit's own file operations into ``io.write`` naming ``file``."""
+    """Raise an ``OSError`` of the block as :func:`_io_error`."""
     try:
         yield
     except OSError as exc:
-        raise SaveError(f"cannot {what}: {exc.strerror or exc}; nothing was committed", code="io.write",
-                        file=file) from exc
+        raise _io_error(file, what, exc) from exc
 
 
 def publish(tmp: Location, target: Target, generation: str, rank: int = 0) -> None:
@@ -235,8 +239,7 @@ def publish(tmp: Location, target: Target, generation: str, rank: int = 0) -> No
             if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
                 raise SaveError(f"another save committed {dst} first; nothing was committed", code="save.exists",
                                 file=dst) from None
-            with _writing(dst, "move the new checkpoint into place"):
-                raise
+            raise _io_error(dst, "move the new checkpoint into place", exc) from exc
         atomic.sync_dir(parent)
         failpoints.hit("after_publish", rank)
         return
@@ -249,8 +252,7 @@ def publish(tmp: Location, target: Target, generation: str, rank: int = 0) -> No
         raise SaveError(f"{dst} disappeared while this save replaced it; nothing was committed",
                         code="save.conflict", file=dst) from None
     except OSError as exc:
-        with _writing(dst, "swap the new checkpoint into place"):
-            raise exc
+        raise _io_error(dst, "swap the new checkpoint into place", exc) from exc
     failpoints.hit("after_exchange", rank)
     if identity(Location(src), target.kind) != target.replaces:  # another save replaced it since this one began
         atomic.exchange(src, dst)
@@ -272,8 +274,7 @@ def _publish_aside(src: str, dst: str, target: Target, generation: str, rank: in
         raise SaveError(f"{dst} disappeared while this save replaced it; nothing was committed",
                         code="save.conflict", file=dst) from None
     except OSError as exc:
-        with _writing(dst, "move the old checkpoint aside"):
-            raise exc
+        raise _io_error(dst, "move the old checkpoint aside", exc) from exc
     try:
         atomic.sync_dir(os.path.dirname(dst) or ".")
         failpoints.hit("after_aside", rank)
@@ -284,8 +285,7 @@ def _publish_aside(src: str, dst: str, target: Target, generation: str, rank: in
         except OSError as exc:
             if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # another save put a checkpoint there meanwhile
                 raise conflict from None
-            with _writing(dst, "move the new checkpoint into place"):
-                raise exc
+            raise _io_error(dst, "move the new checkpoint into place", exc) from exc
     except BaseException:  # the new one is not in place: the old one goes back (unless something else is there)
         if os.path.lexists(aside) and not os.path.lexists(dst):
             os.rename(aside, dst)
