@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -69,3 +70,76 @@ def test_answer_step_sends_each_rank_its_answer() -> None:
     out = _outcome(lambda c: collective.answer_step(
         c, "test", (lambda: [f"for {r}" for r in range(4)]) if c.rank == collective.ROOT else None))
     assert out == ["for 0", "for 1", "for 2", "for 3"]
+
+
+def _outcomes(n: int, fn: Any) -> list[Any]:
+    """``fn(coord)`` on ``n`` thread ranks; each rank's result or exception."""
+    def body(coord: Any) -> Any:
+        try:
+            return fn(coord)
+        except BaseException as exc:  # noqa: BLE001 - compared below
+            return exc
+    return run_ranks(n, body)
+
+
+@pytest.mark.parametrize("differ", ["path", "compression", "overwrite", "inner_chunk_bytes"])
+def test_ranks_that_disagree_on_the_path_or_options_commit_nothing(tmp_path, differ):
+    """Each process writes its own chunks by its own options: ranks that disagree (another path, another
+    compression...) would commit a checkpoint whose objects contradict its manifest, or tell a rank it saved
+    what was never made. Every rank raises one CollectiveError naming the disagreement; nothing is written."""
+    import numpy as np
+
+    import xckpt
+    from xckpt.engine import protocol
+    from xckpt.engine.commit import SaveOptions
+    from xckpt.format.regions import Region
+    from xckpt.registry import ArraySource, Shard
+
+    full = np.arange(64, dtype=np.float32).reshape(8, 8)
+
+    def body(coord: Any) -> Any:
+        r = coord.rank
+        tree = {"w": ArraySource((8, 8), "float32", [Shard(Region((4 * r, 0), (4, 8)), lambda: full[4 * r:4 * r + 4])])}
+        opts = {"path": {}, "compression": {"compression": "zstd" if r else "none"},
+                "overwrite": {"overwrite": bool(r)}, "inner_chunk_bytes": {"inner_chunk_bytes": 64 if r else 128}}
+        path = tmp_path / (f"c{r}" if differ == "path" else "c")
+        return protocol.save(tree, path, coordinator=coord, options=SaveOptions(**opts[differ]))
+    got = _outcomes(2, body)
+    for rank, g in enumerate(got):
+        assert isinstance(g, CollectiveError) and g.code == "coord.mismatch", (rank, g)
+        assert "disagree on the save" in str(g) and "rank 1 saves to" in str(g), g
+    assert sorted(os.listdir(tmp_path)) == []
+    same = _outcomes(2, lambda coord: protocol.save(
+        {"w": ArraySource((8, 8), "float32", [Shard(Region((4 * coord.rank, 0), (4, 8)),
+                                                    lambda r=coord.rank: full[4 * r:4 * r + 4])])},
+        tmp_path / "c", coordinator=coord, options=SaveOptions()))
+    assert not any(isinstance(g, BaseException) for g in same), same
+    np.testing.assert_array_equal(xckpt.load(tmp_path / "c")["w"], full)
+
+
+def test_a_rank_failing_after_reporting_success_keeps_its_objects(tmp_path, monkeypatch):
+    """save_async: rank 1 fails right after writing its success status (a disk error reading the outcome, say).
+    The coordinating process may commit with rank 1's objects, so rank 1 must keep them and say the outcome is
+    unknown; the committed checkpoint is whole."""
+    import numpy as np
+
+    import xckpt
+    from xckpt.engine import background
+    from xckpt.engine.commit import SaveOptions
+    from xckpt.format.regions import Region
+    from xckpt.registry import ArraySource, Shard
+
+    monkeypatch.setenv("XCKPT_FAILPOINTS", "after_status@1:raise")
+    full = np.arange(64, dtype=np.float32).reshape(8, 8)
+
+    def body(coord: Any) -> Any:
+        r = coord.rank
+        tree = {"w": ArraySource((8, 8), "float32", [Shard(Region((4 * r, 0), (4, 8)), lambda: full[4 * r:4 * r + 4])])}
+        pending = background.start(tree, tmp_path / "c", coordinator=coord, options=SaveOptions(), timeout_s=2.0)
+        return pending.wait()
+    got = _outcomes(2, body)
+    assert not isinstance(got[0], BaseException), got
+    assert isinstance(got[1], SaveError) and got[1].code == "save.outcome_unknown", got
+    report = xckpt.validate(tmp_path / "c", deep=True)
+    assert report.ok, [str(f) for f in report.findings]
+    np.testing.assert_array_equal(xckpt.load(tmp_path / "c")["w"], full)

@@ -345,3 +345,24 @@ def test_save_async_writes_the_objects_a_synchronous_save_writes(tmp_path, compr
     back = xckpt.load(tmp_path / "async")
     for key, want in {**tree, "edge": edge}.items():
         np.testing.assert_array_equal(back[key], want)
+
+
+def test_save_async_keeps_no_reference_to_the_saved_arrays(tmp_path):
+    """Once save_async returns, what it saves is staged: the caller's arrays are not kept alive by the pending save
+    (nor by its handle after wait()), so a loop that replaces its arrays holds one copy, not two."""
+    import gc
+    import weakref
+
+    class Array(np.ndarray):  # a weakly referenceable array
+        pass
+
+    big = Array((1 << 20,), np.float32)  # it owns its memory: every view of it keeps it alive
+    big[:] = np.arange(1 << 20, dtype=np.float32)
+    ref = weakref.ref(big)
+    handle = xckpt.save_async({"w": big, "step": 1}, tmp_path / "c")
+    del big
+    gc.collect()
+    assert ref() is None  # already before wait()
+    handle.wait()
+    np.testing.assert_array_equal(xckpt.load(tmp_path / "c")["w"], np.arange(1 << 20, dtype=np.float32))
+    xckpt.release_buffers()

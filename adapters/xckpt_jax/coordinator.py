@@ -69,7 +69,7 @@ class JaxCoordinator:
             return bytes(self._client.blocking_key_value_get_bytes(key, self._timeout_ms))
         except Exception as exc:  # noqa: BLE001 - jaxlib raises its own error types
             raise CoordinationError(f"process {self._rank} timed out or failed waiting for {key!r} "
-                                    f"from another process: {exc}") from exc
+                                    f"from another process: {exc}", code="coord.lost") from exc
 
     def _forget_older(self, keep: str | None = None, only: str | None = None) -> None:
         """Delete this process's keys of earlier operations (of kind ``only``): every process is past them."""
@@ -149,7 +149,8 @@ class JaxCoordinator:
         try:
             self._client.wait_at_barrier(name, self._timeout_ms)
         except Exception as exc:  # noqa: BLE001
-            raise CoordinationError(f"process {self._rank} failed at barrier {name!r}: {exc}") from exc
+            raise CoordinationError(f"process {self._rank} failed at barrier {name!r}: {exc}",
+                                    code="coord.lost") from exc
         self._forget_older()
 
 

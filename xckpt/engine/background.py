@@ -55,7 +55,7 @@ from xckpt.engine.protocol import Prepared
 from xckpt.engine.storage import Location
 from xckpt.engine.threads import yield_cpu
 from xckpt.engine.write import ChunkWriter
-from xckpt.errors import CollectiveError, CoordinationError
+from xckpt.errors import CollectiveError, CoordinationError, SaveError
 from xckpt.format import dtypes, shard
 from xckpt.registry import Shard
 
@@ -207,6 +207,7 @@ class Pending:
         except BaseException as exc:  # noqa: BLE001 - reported through the status files and wait()
             self._error = commit_failed(p.final, exc)
             status = {"error": collective.describe(exc)}
+        reported = False  # this process told the coordinating one that its part succeeded
         try:
             if p.coord.world_size == 1:
                 self._commit([status])
@@ -216,12 +217,19 @@ class Pending:
                 store.write(f"rank-{p.coord.rank}", collective.pack(status), atomic=True)
             finally:
                 store.close()
+            reported = "error" not in status
             failpoints.hit("after_status", p.coord.rank)
             if p.coord.rank == collective.ROOT:
                 self._coordinate()
             else:
                 self._follow()
         except BaseException as exc:  # noqa: BLE001 - surfaces from wait()
+            if reported and p.coord.rank != collective.ROOT and not self._unknown:
+                # the coordinating process may commit with this process's objects: keep them, say so (spec 6.5)
+                self._unknown = True
+                exc = SaveError(f"this process failed after reporting its part done ({exc}); the checkpoint at "
+                                f"{p.final} may or may not be committed: load it to find out",
+                                code="save.outcome_unknown", file=str(p.final))
             self._error = self._error or (exc if self._unknown else commit_failed(p.final, exc))
             if not p.committed and not self._unknown:
                 p.discard()
@@ -516,6 +524,7 @@ def start(tree: Any, path: Any, *, coordinator: Any, options: Any, timeout_s: fl
         spec.cancel()
         p.discard()
         raise
+    p.sources = []  # the background needs only what was staged: the caller's arrays are not kept alive
     pending = Pending(p, sibling(p.final, "status", p.generation), timeout_s, staged)
     pending.thread.start()
     try:

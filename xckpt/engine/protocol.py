@@ -180,11 +180,13 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None, opt
             cached = _plans.local.get((coord.rank, d))
         if cached is not None and speculate is not None:
             speculate(Prepared(final, final, coord, opts, descs, sources, cached[2], None, False, cached[0]))
-        return {"digest": d, "plan": cached[0] if cached else None}
+        return {"digest": d, "plan": cached[0] if cached else None,
+                "save": [final.url, opts.overwrite, opts.compression, opts.inner_chunk_bytes]}
 
     decided: dict[str, Any] = {}
 
     def decide(reports: list[dict[str, Any]]) -> dict[str, Any]:
+        _check_same_save(reports)
         target = check_target(final, opts)
         digests = tuple(r["digest"] for r in reports)
         key = digest(b"".join(digests))  # names the global plan of exactly these descriptions
@@ -207,6 +209,17 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None, opt
         if hold is not None:
             discard(hold.tmp, [], hold=hold)
         raise
+
+
+def _check_same_save(reports: list[dict[str, Any]]) -> None:
+    """Every process saves to one path with the same options: each writes its own chunks and ``zarr.json`` by
+    them, so processes that differ would commit a checkpoint some of whose objects say otherwise."""
+    ours = reports[0]["save"]
+    for rank, r in enumerate(reports):
+        if r["save"] != ours:
+            said = lambda s: f"{s[0]} with overwrite={s[1]}, compression={s[2]!r}, inner_chunk_bytes={s[3]}"  # noqa: E731
+            raise CoordinationError(f"the processes disagree on the save: rank {rank} saves to {said(r['save'])}, "
+                                    f"rank 0 to {said(ours)}; every process must pass the same path and options")
 
 
 def _agree_plan(coord: Coordinator, opts: SaveOptions, final: Location, what: str, started: float,
@@ -298,12 +311,22 @@ def plan_chunks(local: LocalPlan, descs: Descriptors, fetch: Callable[[int, Regi
         leaf = key_str(d.key)
         if current != (t.leaf, t.piece):
             current, data = (t.leaf, t.piece), None
-            data = storage_view(fetch(t.leaf, t.piece), t.piece.sizes, d.dtype, leaf)
+            data = storage_view(_fetched(fetch, t.leaf, t.piece, leaf), t.piece.sizes, d.dtype, leaf)
         assert data is not None
         layout = local.leaves[t.leaf]
         seg, inner = layout.segments[t.segment]
         geom = zarr.geometry(dtypes.storage_name(d.dtype), seg.chunk, inner, compression)
         yield layout.object_name(t.segment, t.index), geom, data[t.box.relative_to(t.piece).slices()], leaf
+
+
+def _fetched(fetch: Callable[[int, Region], Any], pos: int, piece: Region, leaf: str) -> Any:
+    """``fetch(pos, piece)``; what it raises names the leaf (a source's own error, or ``save.failed``)."""
+    try:
+        return fetch(pos, piece)
+    except XckptError as exc:
+        raise exc.at(leaf=leaf) from exc
+    except Exception as exc:  # noqa: BLE001 - a framework's or a user's error while reading the data
+        raise SaveError(f"reading the data of this leaf failed: {type(exc).__name__}: {exc}", leaf=leaf) from exc
 
 
 def chunk_jobs(p: Prepared) -> Iterator[ChunkJob]:

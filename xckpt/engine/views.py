@@ -8,7 +8,7 @@ texts into the validator's codes, naming the file and the leaf.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -20,6 +20,9 @@ from xckpt.format.tree import key_str
 
 #: Bytes of read results held at once.
 MAX_INFLIGHT_BYTES = 256 << 20
+#: A request copied straight into its output goes in pieces of about this many bytes (whole read chunks of
+#: the stored array along its first dimension), so that TensorStore holds one piece's chunks at a time.
+PIECE_BYTES = 64 << 20
 
 _context: ts.Context | None = None
 
@@ -32,18 +35,60 @@ def context() -> ts.Context:
     return _context
 
 
+def _rows(view: Any, itemsize: int) -> list[tuple[int, int]]:
+    """The pieces a copy of ``view`` goes in: ranges of its first dimension (in its own coordinates) of about
+    :data:`PIECE_BYTES`, cut on its read chunks' boundaries where it has them."""
+    lo, hi = view.domain[0].inclusive_min, view.domain[0].exclusive_max
+    row = itemsize * int(np.prod(view.shape[1:], dtype=np.int64))
+    rows = max(1, PIECE_BYTES // max(row, 1))
+    chunk = view.chunk_layout.read_chunk.shape[0] if view.rank else None
+    if chunk:
+        rows = max(chunk, rows // chunk * chunk)
+    out, at = [], lo
+    while at < hi:
+        end = min(hi, (at // rows + 1) * rows) if chunk else min(hi, at + rows)
+        out.append((at, end))
+        at = end
+    return out
+
+
+def _into(out: np.ndarray, view: Any) -> Iterator[Any] | None:
+    """Start copying ``view`` straight into ``out`` (no copy of the region is made): the writes to wait for, in
+    order; a large copy goes in pieces (:func:`_rows`), each started once the previous one is waited for, so that
+    TensorStore holds one piece's chunks at a time. None when ``out`` cannot take it as it is (another shape or
+    item size, a layout TensorStore cannot reference): then it is read whole, and copied."""
+    src = view.dtype.numpy_dtype
+    if tuple(out.shape) != tuple(view.shape) or src.itemsize != out.dtype.itemsize:
+        return None
+    target = out.view(src) if src != out.dtype else out
+    try:
+        if view.rank == 0 or out.nbytes <= 2 * PIECE_BYTES:
+            return iter((ts.array(target, copy=False, write=True).write(view),))
+        lo = view.domain[0].inclusive_min
+        pieces = [(ts.array(target[a - lo:b - lo], copy=False, write=True), view[a:b])
+                  for a, b in _rows(view, src.itemsize)]
+    except (ValueError, TypeError):  # a layout TensorStore cannot reference
+        return None
+    return (into.write(part) for into, part in pieces)
+
+
 def read_views(requests: Sequence[ReadRequest], open_view: Callable[[ArrayEntry], "ts.Future[ts.TensorStore]"],
                file: Callable[[ArrayEntry], str]) -> None:
-    """Fill each request's output from the entry's TensorStore view, a bounded number of bytes at a time."""
+    """Fill each request's output from the entry's TensorStore view, a bounded number of bytes at a time: copied
+    into the output chunk by chunk where it can take the view as it is, else read whole and copied."""
     opened: dict[int, Any] = {}
-    pending: deque[tuple[ReadRequest, Any]] = deque()
+    pending: deque[tuple[ReadRequest, Any, bool]] = deque()
     held = 0
 
-    def finish(req: ReadRequest, fut: Any) -> None:
+    def finish(req: ReadRequest, fut: Any, direct: bool) -> None:
         try:
-            got = np.asarray(fut.result())
+            got = None if direct else np.asarray(fut.result())
+            for piece in fut if direct else ():
+                piece.result()
         except Exception as exc:  # noqa: BLE001 - translated to a specific xckpt error
             raise translate(exc, req.entry, file(req.entry)) from exc
+        if got is None:
+            return
         if got.dtype != req.out.dtype:
             got = got.view(req.out.dtype)
         np.copyto(req.out, got.reshape(req.out.shape), casting="equiv")
@@ -55,12 +100,16 @@ def read_views(requests: Sequence[ReadRequest], open_view: Callable[[ArrayEntry]
         try:
             if key not in opened:
                 opened[key] = open_view(req.entry).result()
-            fut = opened[key][req.region.slices()].read()
+            view = opened[key][req.region.slices()]
+            fut = _into(req.out, view)
+            direct = fut is not None
+            if fut is None:
+                fut = view.read()
         except XckptError:
             raise
         except Exception as exc:  # noqa: BLE001
             raise translate(exc, req.entry, file(req.entry)) from exc
-        pending.append((req, fut))
+        pending.append((req, fut, direct))
         held += req.out.nbytes
         while held > MAX_INFLIGHT_BYTES and len(pending) > 1:
             done = pending.popleft()
