@@ -143,3 +143,15 @@ def test_a_rank_failing_after_reporting_success_keeps_its_objects(tmp_path, monk
     report = xckpt.validate(tmp_path / "c", deep=True)
     assert report.ok, [str(f) for f in report.findings]
     np.testing.assert_array_equal(xckpt.load(tmp_path / "c")["w"], full)
+
+
+def test_ranks_saving_different_values_under_one_key_name_it(tmp_path):
+    """The same trees but for one value (a step that differs between ranks): every rank raises one
+    CollectiveError naming that leaf; nothing is committed."""
+    from xckpt.engine import protocol
+
+    got = _outcomes(2, lambda coord: protocol.save({"cfg": {"lr": 0.1, "step": 100 + coord.rank, "name": "run"}},
+                                                   tmp_path / "c", coordinator=coord))
+    for g in got:
+        assert isinstance(g, CollectiveError) and g.code == "coord.mismatch" and g.leaf == "cfg/step", g
+    assert os.listdir(tmp_path) == []

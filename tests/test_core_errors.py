@@ -382,3 +382,28 @@ def test_a_key_with_a_colon_is_refused_where_it_names_a_path(tmp_path, tree):
     assert os.listdir(tmp_path) == []
     xckpt.save({"cfg": {"model:name": "gpt"}}, tmp_path / "s")
     assert xckpt.load(tmp_path / "s") == {"cfg": {"model:name": "gpt"}}
+
+
+def test_a_target_object_that_fails_to_restore_itself_is_named(tmp_path):
+    """An object of the target restores its own state (load_state_dict) and raises: load.restore naming its leaf,
+    not the object's raw error."""
+    torch = pytest.importorskip("torch")
+    xckpt.torch  # noqa: B018 - registers the adapter
+
+    class Loader:
+        def __init__(self):
+            self.pos = 0
+
+        def state_dict(self):
+            return {"pos": self.pos}
+
+        def load_state_dict(self, sd):
+            raise ValueError("this loader cannot seek")
+
+    loader = Loader()
+    loader.pos = 7
+    xckpt.save({"w": torch.ones(3), "data": loader}, tmp_path / "c")
+    with pytest.raises(XckptError) as info:
+        xckpt.load(tmp_path / "c", like={"w": torch.zeros(3), "data": Loader()})
+    assert info.value.code == "load.restore" and info.value.leaf == "data", info.value
+    assert "cannot seek" in str(info.value) and "Loader" in str(info.value)

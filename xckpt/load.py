@@ -67,7 +67,7 @@ def _plan_like(like: Any, key: Key, requests: list[_Request], optional: bool = F
             if said:
                 notes[key] = said  # type: ignore[index]
             inner = _plan_like(plain, key, requests, optional, notes)
-            return lambda res: rebuild(inner(res))
+            return lambda res: _restored(like, key, rebuild, inner(res))
     if isinstance(like, (dict, list, tuple)) and not like:
         requests.append(_Request(key, _EMPTY))
     if isinstance(like, dict):
@@ -98,6 +98,18 @@ def _target(requests: list[_Request], notes: dict[Key, dict[str, Any]]) -> Targe
     leaves = [TargetLeaf(r.key, None if r.like is _EMPTY else shape_of(r.like), r.like is _EMPTY, r.optional)
               for r in requests if r.like is not None]
     return Target(leaves, notes)
+
+
+def _restored(like: Any, key: Key, rebuild: Callable[[Any], Any], plain: Any) -> Any:
+    """``rebuild(plain)``: a target object restoring its own state (``load_state_dict``); what it raises names
+    the leaf (``load.restore``: the arrays read before it are already in their in-place targets)."""
+    try:
+        return rebuild(plain)
+    except XckptError as exc:
+        raise exc.at(leaf=key_str(key)) from exc
+    except Exception as exc:  # noqa: BLE001 - the object's own code
+        raise XckptError(f"{type(like).__name__} could not restore its state: {type(exc).__name__}: {exc}",
+                         code="load.restore", leaf=key_str(key)) from exc
 
 
 def _rebuild_dict(like: dict, parts: dict[Any, Callable[[dict[Key, Any]], Any]], res: dict[Key, Any]) -> dict:

@@ -383,7 +383,9 @@ def report(p: Prepared, values: dict[int, Any]) -> dict[str, Any]:
     its group) or their digest."""
     blob = values_format.encode(values)
     return {"bytes": p.bytes_written, "plan": p.plan_key, "values": blob if p.representative else None,
-            "values_digest": hashlib.blake2b(blob, digest_size=16).digest()}
+            "values_digest": hashlib.blake2b(blob, digest_size=16).digest(),
+            "value_digests": [hashlib.blake2b(values_format.encode(values[pos]), digest_size=8).digest()
+                              for pos in sorted(values)]}  # to name the leaf two processes disagree on
 
 
 def merge_values(plan: GlobalPlan, statuses: list[dict[str, Any]]) -> dict[int, Any]:
@@ -394,10 +396,14 @@ def merge_values(plan: GlobalPlan, statuses: list[dict[str, Any]]) -> dict[int, 
         rep = statuses[ranks[0]]
         digest_ = rep["values_digest"]
         differ = [r for r in ranks if statuses[r]["values_digest"] != digest_]
+        decoded = values_format.decode(rep["values"])
         if differ:
+            pairs = zip(sorted(decoded), rep["value_digests"], statuses[differ[0]]["value_digests"])
+            pos = next((pos for pos, a, b in pairs if a != b), None)
             raise CoordinationError(f"ranks {ranks[0]} and {differ[0]} save different values under the same keys; "
-                                    "values must be equal on every process that holds them")
-        for pos, value in values_format.decode(rep["values"]).items():
+                                    "values must be equal on every process that holds them",
+                                    leaf=None if pos is None else key_str(plan.keys[plan.positions[g][pos]]))
+        for pos, value in decoded.items():
             i = plan.positions[g][pos]
             if i in out:
                 if values_format.encode(out[i]) != values_format.encode(value):
