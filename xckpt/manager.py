@@ -187,10 +187,6 @@ def list_steps(root: str | os.PathLike[str], *, sizes: bool = True) -> list[Step
 
 # -- the manager -------------------------------------------------------------------------------------
 
-#: What the manager leaves beside the steps while it works: ``.<step>.xckpt-step-<token>`` (a step being
-#: written, moved to ``<step>`` once committed) and ``.<step>.xckpt-deleting-<token>`` (a step being deleted);
-#: which of them are dead is :func:`xckpt.engine.claims.scan_steps`'s rule, shared with ``xckpt gc``.
-MANAGER_LEFTOVER = claims.MANAGER_LEFTOVER
 #: The handler Orbax's ``CheckpointManager`` records for a single item saved with ``StandardSave``.
 ORBAX_HANDLER = orbax_view.HANDLER
 #: Orbax's ``CheckpointManager`` keeps a step's metrics as a JSON item ``metrics/metrics``, written by this handler.

@@ -77,18 +77,19 @@ def read_views(requests: Sequence[ReadRequest], open_view: Callable[[ArrayEntry]
     """Fill each request's output from the entry's TensorStore view, a bounded number of bytes at a time: copied
     into the output chunk by chunk where it can take the view as it is, else read whole and copied."""
     opened: dict[int, Any] = {}
-    pending: deque[tuple[ReadRequest, Any, bool]] = deque()
+    pending: deque[tuple[ReadRequest, Iterator[Any] | None, Any]] = deque()
     held = 0
 
-    def finish(req: ReadRequest, fut: Any, direct: bool) -> None:
+    def finish(req: ReadRequest, writes: Iterator[Any] | None, read: Any) -> None:
+        """Wait for the writes into ``req.out``, or for the ``read`` of the whole region and copy it."""
         try:
-            got = None if direct else np.asarray(fut.result())
-            for piece in fut if direct else ():
-                piece.result()
+            if writes is not None:
+                for w in writes:
+                    w.result()
+                return
+            got = np.asarray(read.result())
         except Exception as exc:  # noqa: BLE001 - translated to a specific xckpt error
             raise translate(exc, req.entry, file(req.entry)) from exc
-        if got is None:
-            return
         if got.dtype != req.out.dtype:
             got = got.view(req.out.dtype)
         np.copyto(req.out, got.reshape(req.out.shape), casting="equiv")
@@ -101,15 +102,13 @@ def read_views(requests: Sequence[ReadRequest], open_view: Callable[[ArrayEntry]
             if key not in opened:
                 opened[key] = open_view(req.entry).result()
             view = opened[key][req.region.slices()]
-            fut = _into(req.out, view)
-            direct = fut is not None
-            if fut is None:
-                fut = view.read()
+            writes = _into(req.out, view)
+            read = view.read() if writes is None else None
         except XckptError:
             raise
         except Exception as exc:  # noqa: BLE001
             raise translate(exc, req.entry, file(req.entry)) from exc
-        pending.append((req, fut, direct))
+        pending.append((req, writes, read))
         held += req.out.nbytes
         while held > MAX_INFLIGHT_BYTES and len(pending) > 1:
             done = pending.popleft()

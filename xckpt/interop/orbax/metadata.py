@@ -121,11 +121,11 @@ def _new_node() -> dict[str, Any]:
 def build_tree(records: list[Record], file: str) -> dict[str, Any]:
     """Nest the records into containers, checking that each path is used one way only.
 
-    Keys are at most :data:`MAX_DEPTH` parts long, so every walk of the tree built here stays shallow.
+    The records come from :func:`read_records`, whose keys are at most :data:`MAX_DEPTH` parts long, so every
+    walk of the tree built here stays shallow.
     """
     root = _new_node()
     for rec in records:
-        _check_depth(rec.key, file)
         node = root
         for depth, part in enumerate(rec.key):
             kind = "list" if isinstance(part, int) else "dict"
