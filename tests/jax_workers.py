@@ -135,6 +135,18 @@ def phase_load(rank: int, workdir: str) -> None:
             check_local(out["opt"][k], exp[k], shardings[k])
         np.testing.assert_array_equal(out["n"], exp["n"])
         assert out["step"] == 1000 and out["name"] == "run-1"
+    # a collective load: process 1's target names a leaf the checkpoint lacks; both processes raise one
+    # CollectiveLoadError naming it, and neither returns
+    like = {"params": {"w": jax.ShapeDtypeStruct(exp["w"].shape, exp["w"].dtype, sharding=shardings["w"])}}
+    if rank == 1:
+        like["params"]["nope"] = np.zeros(3, np.float32)
+    try:
+        xckpt.load(os.path.join(workdir, "sync"), like=like, partial=True)
+    except xckpt.CollectiveLoadError as exc:
+        assert sorted(exc.failures) == [1] and exc.code == "tree.key_mismatch", exc
+        assert "params/nope" in exc.failures[1]["message"], exc
+    else:
+        raise AssertionError(f"a load whose target differs on process 1 returned on process {rank}")
 
 
 def main() -> None:

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import xckpt
 from xckpt.cli import main as cli_main
@@ -230,6 +232,35 @@ def test_pieces_tile_the_array() -> None:
     regions = list(pieces((100, 4), 4, 16 * 30, align=(8, 4)))
     assert {r.sizes[0] for r in regions[:-1]} == {24}  # 30 rows fit; cut at whole chunks of 8
     assert list(pieces((4,), 4, 64)) == [Region((0,), (4,))]
+
+
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=3), st.data(), st.sampled_from(["zstd", "none"]),
+       st.integers(4, 4096))
+@settings(max_examples=150, deadline=None)
+def test_pieces_of_compressed_chunks_decode_each_chunk_once(shape, data, compression, limit) -> None:
+    """A compressed chunk is decoded whole however little of it a piece reads: the pieces of a compressed array
+    (diff's, the safetensors writer's, a conversion's) hold whole chunks, each in exactly one piece; an
+    uncompressed array keeps the bound it is given."""
+    from xckpt.engine.copy import piece_bytes_for
+    from xckpt.format.manifest import ArrayEntry
+    from xckpt.interop.safetensors.writer import pieces as file_pieces
+
+    shape = tuple(shape)
+    chunk = tuple(data.draw(st.integers(1, n)) for n in shape)
+    entry = ArrayEntry(("w",), "w", shape, "float32", "float32", chunk, chunk, compression)
+    size = piece_bytes_for(entry, 4, limit)
+    if compression == "none":
+        assert size == limit
+    for regions in (list(pieces(shape, 4, size, chunk)), list(file_pieces(shape, 4, size))):
+        seen = np.zeros(shape, np.int32)
+        for r in regions:
+            seen[r.slices()] += 1
+        assert (seen == 1).all()
+        if compression == "zstd" and chunk[0] * math.prod(shape[1:]) * 4 > limit:
+            grid = np.zeros(tuple(-(-n // c) for n, c in zip(shape, chunk)), np.int32)  # pieces touching each chunk
+            for r in regions:
+                grid[tuple(slice(o // c, -(-(o + n) // c)) for o, n, c in zip(r.offsets, r.sizes, chunk))] += 1
+            assert (grid == 1).all(), (shape, chunk, limit, regions)
 
 
 def test_compare_pieces_and_values_equal() -> None:

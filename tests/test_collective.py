@@ -145,6 +145,36 @@ def test_a_rank_failing_after_reporting_success_keeps_its_objects(tmp_path, monk
     np.testing.assert_array_equal(xckpt.load(tmp_path / "c")["w"], full)
 
 
+@pytest.mark.parametrize("failing", [{0}, {1}, {0, 1}])
+def test_a_failed_save_async_raises_one_collective_error_on_every_rank(tmp_path, monkeypatch, failing):
+    """As a synchronous save does: whichever ranks' background writes fail, every rank's wait() raises a
+    CollectiveError holding each failing rank's own error, by rank; nothing is committed or left behind."""
+    import numpy as np
+
+    from xckpt.engine import background
+    from xckpt.engine.commit import SaveOptions
+    from xckpt.format.regions import Region
+    from xckpt.registry import ArraySource, Shard
+
+    monkeypatch.setenv("XCKPT_FAILPOINTS", f"before_status@{min(failing)}:raise" if len(failing) == 1
+                       else "before_status:raise")  # a point is named once: without a rank, it fails on every rank
+    full = np.arange(64, dtype=np.float32).reshape(8, 8)
+
+    def body(coord: Any) -> Any:
+        r = coord.rank
+        tree = {"w": ArraySource((8, 8), "float32", [Shard(Region((4 * r, 0), (4, 8)), lambda: full[4 * r:4 * r + 4])])}
+        return background.start(tree, tmp_path / "c", coordinator=coord, options=SaveOptions(), timeout_s=5.0).wait()
+    got = _outcomes(2, body)
+    for g in got:
+        assert isinstance(g, CollectiveError), got
+        assert sorted(g.failures) == sorted(failing), g.failures
+        for r in failing:
+            assert g.failures[r]["message"] == f"failpoint before_status on rank {r}", g.failures
+            assert g.failures[r]["type"] == "OSError", g.failures
+    assert str(got[0]) == str(got[1])
+    assert os.listdir(tmp_path) == []
+
+
 def test_ranks_saving_different_values_under_one_key_name_it(tmp_path):
     """The same trees but for one value (a step that differs between ranks): every rank raises one
     CollectiveError naming that leaf; nothing is committed."""

@@ -107,6 +107,12 @@ def test_strict_load_lists_missing_unexpected_and_mismatched(tmp_path):
     err = info.value
     assert err.missing == ["model/gone"] and err.unexpected == ["model/extra"]
     assert len(err.mismatched) == 1 and err.mismatched[0].startswith("model/b")
+    assert err.leaf is None  # three differences: none is "the" leaf
+    for one, key in (({"b": np.zeros(3), "extra": np.zeros(1), "gone": np.zeros(1)}, "model/gone"),
+                     ({"b": np.zeros(4), "extra": np.zeros(1)}, "model/b"), ({"b": np.zeros(3)}, "model/extra")):
+        with pytest.raises(KeyMismatchError) as info:
+            xckpt.load(tmp_path / "c", like={"model": {"a": np.zeros(2), **one}})
+        assert info.value.leaf == key and f"(leaf '{key}', file " in str(info.value), info.value
     with pytest.warns(xckpt.XckptWarning, match="model/gone"):
         out = xckpt.load(tmp_path / "c", like=like, strict=False)
     np.testing.assert_array_equal(out["model"]["a"], np.ones(2))

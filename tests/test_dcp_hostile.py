@@ -449,6 +449,22 @@ def test_range_beyond_file(ckpt, tmp_path):
     _fails(ckpt, tmp_path / "out", "convert.dcp_metadata")
 
 
+def test_file_cut_short_while_converting(ckpt, tmp_path, monkeypatch):
+    """The data file shrinks after its ranges were checked (another process truncating it): the item, read
+    on demand straight into its tensor, gives chunk.truncated naming the file, not torch's own error."""
+    from xckpt_torch.dcp_metadata import DcpDirectory
+
+    opened = DcpDirectory.item
+
+    def item_then_cut(self, info):
+        f = opened(self, info)
+        os.truncate(self.path(info.relative_path), info.offset + info.length // 2)
+        return f
+    monkeypatch.setattr(DcpDirectory, "item", item_then_cut)
+    err = _fails(ckpt, tmp_path / "out", "chunk.truncated")
+    assert err.file == str(ckpt / "__0_0.distcp"), err
+
+
 @pytest.mark.parametrize("rel", ["../outside.distcp", "/etc/passwd", "sub/__0_0.distcp", "..", ""])
 def test_escaping_relative_path(ckpt, tmp_path, rel):
     probe(tmp_path)  # the watch sees reads here

@@ -503,6 +503,20 @@ def load2(rank: int, world: int, wd: Path, rand_after_save: list[list[float]]) -
     assert (out["step"], out["name"]) == (1000, "run-a")
     assert torch.rand(4).tolist() == rand_after_save[rank], "rank's RNG stream not restored"
 
+    # a collective load: rank 1's target names a key the checkpoint lacks. Both ranks raise one
+    # CollectiveLoadError naming it, before either writes in place (staged, and straight in place)
+    for staging in (256 << 20, 0):
+        probe = fresh("w", [Shard(1)])
+        tgt = {"arrays": {"w": probe}} if rank == 0 else {"arrays": {"w": probe, "nope": torch.zeros(2)}}
+        try:
+            xckpt.load(wd / "main", like=tgt, partial=True, max_staging_bytes=staging)
+        except xckpt.CollectiveLoadError as exc:
+            assert sorted(exc.failures) == [1] and exc.code == "tree.key_mismatch", exc
+            assert "arrays/nope" in exc.failures[1]["message"], exc
+        else:
+            raise AssertionError(f"a load whose target differs on rank 1 returned on rank {rank}")
+        assert (probe.to_local() == -7).all(), "an in-place target changed although the load failed"
+
     # TP + FSDP2 checkpoint (4 ranks, _StridedShard) into a plain FSDP2 model on 2 ranks
     torch.manual_seed(77)
     m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))

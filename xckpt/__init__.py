@@ -17,7 +17,7 @@ from xckpt import convert, mapping  # noqa: F401 - xckpt.convert.convert, xckpt.
 from xckpt import registry
 from xckpt._version import __version__
 from xckpt.engine.collective import Coordinator, LocalCoordinator
-from xckpt.errors import CollectiveError, KeyMismatchError, XckptError, XckptWarning
+from xckpt.errors import CollectiveError, CollectiveLoadError, KeyMismatchError, XckptError, XckptWarning
 from xckpt.format.manifest import Manifest
 from xckpt.format.regions import Region
 from xckpt.format.tree import Default, Value
@@ -30,8 +30,8 @@ from xckpt.save import SaveHandle, release_buffers, save, save_async
 from xckpt.validate import validate
 
 __all__ = ["save", "save_async", "SaveHandle", "release_buffers", "load", "inspect", "validate", "gc", "Value",
-           "Default", "ReadSpec", "Region", "Manifest", "Coordinator", "LocalCoordinator", "XckptError", "CollectiveError",
-           "KeyMismatchError", "XckptWarning", "CheckpointManager", "StepInfo", "list_steps",
+           "Default", "ReadSpec", "Region", "Manifest", "Coordinator", "LocalCoordinator", "XckptError",
+           "CollectiveError", "CollectiveLoadError", "KeyMismatchError", "XckptWarning", "CheckpointManager", "StepInfo", "list_steps",
            "__version__"]
 
 

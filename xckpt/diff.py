@@ -283,7 +283,7 @@ def compare_values(a: Any, b: Any, keys: Sequence[str] | None = None, *, piece_b
     compared (arrays: :func:`compare_pieces`'s counts; values: ``equal`` and both values,
     abbreviated), and one ``{"key", "reason"}`` per leaf not compared (kind or shape changed).
     """
-    from xckpt.engine.copy import read_region
+    from xckpt.engine.copy import piece_bytes_for, read_region
 
     ka, kb = _by_key(a.manifest), _by_key(b.manifest)
     if keys is None:
@@ -315,7 +315,7 @@ def compare_values(a: Any, b: Any, keys: Sequence[str] | None = None, *, piece_b
     for k, ea, eb in arrays:
         st = _Stats()
         size = max(dtypes.itemsize(ea.dtype), dtypes.itemsize(eb.dtype))
-        for region in pieces(ea.shape, size, piece_bytes, ea.inner_chunk_shape):
+        for region in pieces(ea.shape, size, piece_bytes_for(ea, size, piece_bytes), ea.inner_chunk_shape):
             _accumulate(read_region(a, ea, region), read_region(b, eb, region), st)
             done += region.numel * (dtypes.itemsize(ea.dtype) + dtypes.itemsize(eb.dtype))
             if progress is not None:

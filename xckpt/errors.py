@@ -109,17 +109,37 @@ class KeyMismatchError(TreeError):
 
     def __init__(self, message: str, *, missing: list[str] | None = None,
                  unexpected: list[str] | None = None, mismatched: list[str] | None = None,
-                 file: str | None = None) -> None:
+                 file: str | None = None, leaf: str | None = None) -> None:
         self.missing = list(missing or [])
         self.unexpected = list(unexpected or [])
         self.mismatched = list(mismatched or [])
-        super().__init__(message, file=file)
+        super().__init__(message, file=file, leaf=leaf)
 
 
 class SaveError(XckptError):
     """A save failed; the target path is left as it was before the save."""
 
     code = "save.failed"
+
+
+def _failures_text(what: str, failures: dict[int, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The message of a collective step that failed on the ranks of ``failures`` (each rank's error, as
+    :func:`xckpt.engine.collective.describe` gives it), and its code, file and leaf: the failing ranks' code
+    when they all share one, the file and leaf of a single failure."""
+    codes = {f.get("code") for f in failures.values()}
+    first = next(iter(failures.values()), {})
+    parts = []
+    for rank, f in failures.items():
+        where = ", ".join(x for x in (f"leaf {f['leaf']!r}" if f.get("leaf") else "",
+                                      f"file {f['file']}" if f.get("file") else "") if x)
+        if len(failures) == 1:
+            where = ""  # the error's own file and leaf say it
+        parts.append(f"rank {rank}: [{f.get('code')}] {f.get('message')}" + (f" ({where})" if where else ""))
+    ranks = "rank" if len(failures) == 1 else "ranks"
+    return (f"{what} failed on {ranks} {sorted(failures)}: " + "; ".join(parts),
+            {"code": codes.pop() if len(codes) == 1 and None not in codes else None,
+             "file": first.get("file") if len(failures) == 1 else None,
+             "leaf": first.get("leaf") if len(failures) == 1 else None})
 
 
 class CollectiveError(SaveError):
@@ -134,18 +154,24 @@ class CollectiveError(SaveError):
 
     def __init__(self, what: str, failures: dict[int, dict[str, Any]]) -> None:
         self.failures = dict(sorted(failures.items()))
-        codes = {f.get("code") for f in self.failures.values()}
-        first = next(iter(self.failures.values()), {})
-        parts = []
-        for rank, f in self.failures.items():
-            where = ", ".join(x for x in (f"leaf {f['leaf']!r}" if f.get("leaf") else "",
-                                          f"file {f['file']}" if f.get("file") else "") if x)
-            parts.append(f"rank {rank}: [{f.get('code')}] {f.get('message')}" + (f" ({where})" if where else ""))
-        ranks = "rank" if len(self.failures) == 1 else "ranks"
-        super().__init__(f"{what} failed on {ranks} {sorted(self.failures)}: " + "; ".join(parts),
-                         code=codes.pop() if len(codes) == 1 and None not in codes else None,
-                         file=first.get("file") if len(self.failures) == 1 else None,
-                         leaf=first.get("leaf") if len(self.failures) == 1 else None)
+        message, where = _failures_text(what, self.failures)
+        super().__init__(message, **where)
+
+
+class CollectiveLoadError(XckptError):
+    """A collective load failed on one or more processes; ``failures`` holds each one's error by rank.
+
+    Every process raises it, with the same list, and none returns anything: a job never goes on
+    with some processes restored and others not. Its ``code`` is the failing processes' code when
+    they all share one (``tree.key_mismatch`` when each rank's target differs), else ``collective.failed``.
+    """
+
+    code = "collective.failed"
+
+    def __init__(self, what: str, failures: dict[int, dict[str, Any]]) -> None:
+        self.failures = dict(sorted(failures.items()))
+        message, where = _failures_text(what, self.failures)
+        super().__init__(message, **where)
 
 
 class CoordinationError(XckptError):

@@ -7,6 +7,7 @@ state (see :func:`load` for targets loaded in place).
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -14,9 +15,12 @@ from typing import Any, Callable
 import numpy as np
 
 from xckpt import registry
+from xckpt.engine import collective
+from xckpt.engine.collective import Coordinator, LocalCoordinator
 from xckpt.engine.gcpause import paused_gc
 from xckpt.engine.read import ReadRequest, empty, placeholder
-from xckpt.errors import KeyMismatchError, ResourceError, ShapeError, XckptError, XckptWarning
+from xckpt.errors import (CollectiveLoadError, KeyMismatchError, ResourceError, ShapeError, XckptError,
+                          XckptWarning)
 from xckpt.format import dtypes
 from xckpt.format.manifest import ArrayEntry, Entry, ValueEntry
 from xckpt.format.regions import Region
@@ -121,8 +125,9 @@ def _rebuild_dict(like: dict, parts: dict[Any, Callable[[dict[Key, Any]], Any]],
 
 
 def load(path: Any, like: Any = None, *, strict: bool = True, partial: bool = False, max_bytes: int | None = None,
-         mapping: Any = None, max_staging_bytes: int = MAX_STAGING_BYTES) -> Any:
-    """Load a checkpoint (xckpt, or one written by Orbax).
+         mapping: Any = None, max_staging_bytes: int = MAX_STAGING_BYTES,
+         coordinator: Coordinator | None = None) -> Any:
+    """Load a checkpoint (xckpt, or one written by Orbax); in a distributed job every process calls it.
 
     Without ``like``: the whole tree, arrays as numpy. With ``like``: a tree whose
     leaves say what to produce (numpy arrays, :class:`~xckpt.ReadSpec`, framework
@@ -143,55 +148,134 @@ def load(path: Any, like: Any = None, *, strict: bool = True, partial: bool = Fa
     inner chunk can stop them half way (the error names it). ``max_bytes`` bounds the bytes
     a load may bring into memory.
 
+    In a job of several processes (``coordinator``, by default the running ``torch.distributed``
+    or ``jax.distributed`` job's, as for :func:`~xckpt.save`) the load is collective: the
+    processes agree that each one's target matches the checkpoint, that they opened the same one,
+    and that every object each will read is there and well formed (where the source checks ahead:
+    xckpt checkpoints and mapped views of them; Orbax's are checked as they are read) before any
+    writes in place; that every read succeeded before any copies its staged data in; and that every
+    target object restored its own state. A failure anywhere raises one
+    :class:`~xckpt.errors.CollectiveLoadError` on every process, listing each failing rank's error,
+    and none returns. To load on one process of a job alone, pass
+    ``coordinator=xckpt.LocalCoordinator()``.
+
     A load reads one checkpoint: on a file system, every file is opened through the directory
     it opened first, so a save that replaces the checkpoint meanwhile cannot mix two of them;
     when the replacement removed files the load still needed, it starts again on the new
-    checkpoint (up to :data:`REPLACED_RETRIES` times, then ``load.replaced``). A pending
-    :func:`~xckpt.save_async` of this process to the same path is waited for first.
+    checkpoint (every process together; up to :data:`REPLACED_RETRIES` times, then
+    ``load.replaced``). A pending :func:`~xckpt.save_async` of this process to the same path
+    is waited for first.
     """
     registry.autoload()
     wait_pending_for(path)
+    coord = coordinator or registry.default_coordinator() or LocalCoordinator()
+    caller = sys._getframe(1)  # where the load's warnings point
+    planned: list[tuple[list[_Request], Any, Target | None]] = []
+    what = f"load of {path}"
+    with paused_gc():
+        for attempt in range(REPLACED_RETRIES + 1):
+            opened: list[Source] = []
+            loading: list[_Loading] = []
+
+            def begin() -> str | None:
+                if not planned:  # the target is described once, inside the first step: its failure is shared
+                    planned.append(_plan_target(like, mapping))
+                requests, build, target = planned[0]
+                stored = open_checkpoint(path)
+                opened.append(stored)
+                mapped = mapping.apply(stored, target) if mapping is not None else None
+                loading.append(_load(mapped or stored, mapped, like, requests, build, strict, partial, max_bytes,
+                                     max_staging_bytes, coord.world_size > 1, caller))
+                return stored.manifest.generation
+
+            try:
+                if _together(coord, f"{what} (opening it)", begin, opened) and \
+                        _together(coord, f"{what} (reading it)", lambda: loading[0].read(), opened):
+                    if coord.world_size == 1:
+                        return loading[0].finish()
+                    result: list[Any] = []  # restoring runs on every process; only its success is exchanged
+                    collective.all_step(coord, f"{what} (restoring it)", lambda: result.append(loading[0].finish()),
+                                        CollectiveLoadError)
+                    return result[0]
+            finally:
+                for stored in opened:
+                    stored.close()
+                loading.clear()  # a failed load's buffers are not kept alive by the error it raises
+    raise XckptError(f"the checkpoint at {path} was replaced while it was being loaded, {REPLACED_RETRIES + 1} times "
+                     "in a row; nothing was returned", code="load.replaced", file=str(path))
+
+
+def _plan_target(like: Any, mapping: Any) -> tuple[list[_Request], Any, Target | None]:
+    """The target's leaf requests, the function that rebuilds it from results, and (for a mapping) its
+    description."""
     requests: list[_Request] = []
     notes: dict[Key, dict[str, Any]] | None = {} if mapping is not None else None  # only a mapping reads them
     build = _plan_like(like, (), requests, notes=notes) if like is not None else None
     target = _target(requests, notes or {}) if like is not None and mapping is not None else None
-    with paused_gc():
-        for attempt in range(REPLACED_RETRIES + 1):
-            stored: Source | None = None
-            try:
-                stored = open_checkpoint(path)
-                mapped = mapping.apply(stored, target) if mapping is not None else None
-                return _load(mapped or stored, mapped, like, requests, build, strict, partial, max_bytes,
-                             max_staging_bytes)
-            except XckptError as exc:
-                if exc.code != "load.replaced" and (stored is None or not stored.replaced()):
-                    raise
-                if attempt == REPLACED_RETRIES:
-                    raise XckptError(f"the checkpoint at {path} was replaced while it was being loaded, "
-                                     f"{attempt + 1} times in a row; nothing was returned", code="load.replaced",
-                                     file=str(path)) from exc
-            finally:
-                if stored is not None:
-                    stored.close()
-    raise AssertionError("unreachable")
+    return requests, build, target
+
+
+def _warn(caller: Any, message: str) -> None:
+    """Warn at the line that called :func:`load` (however deep in a collective step this runs)."""
+    registry_ = caller.f_globals.setdefault("__warningregistry__", {})
+    warnings.warn_explicit(message, XckptWarning, caller.f_code.co_filename, caller.f_lineno,
+                           module=caller.f_globals.get("__name__"), registry=registry_,
+                           module_globals=caller.f_globals)
+
+
+def _together(coord: Coordinator, what: str, fn: Callable[[], Any], opened: list[Source]) -> bool:
+    """Run ``fn`` (one phase of a load) on every process: True when it succeeded everywhere on the same
+    checkpoint (``fn`` returns its generation); False when a save replaced the checkpoint under any
+    process (all start again). A failure anywhere raises :class:`~xckpt.errors.CollectiveLoadError`
+    on every process (in a job of one process, the error itself)."""
+    def run() -> dict[str, Any]:
+        try:
+            return {"generation": fn()}
+        except XckptError as exc:
+            if exc.code == "load.replaced" or (opened and opened[0].replaced()):
+                return {"replaced": True}
+            raise
+
+    outs = [run()] if coord.world_size == 1 else collective.all_step(coord, what, run, CollectiveLoadError)
+    return not any("replaced" in o for o in outs) and len({o["generation"] for o in outs}) == 1
+
+
+class _Loading:
+    """A load whose target matched and whose values were read, in its two remaining phases: :meth:`read`
+    every region (staged in-place targets untouched), then :meth:`finish` (copy staged data in, build)."""
+
+    def __init__(self, reads: "_Reads", finish: Callable[[dict[int, Any]], Any]) -> None:
+        self._reads, self._finish = reads, finish
+
+    def read(self) -> None:
+        """Read every region."""
+        self._reads.run()
+
+    def finish(self) -> Any:
+        """Copy the staged regions into their in-place targets; the result."""
+        return self._finish(self._reads.finish())
 
 
 def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build: Any, strict: bool, partial: bool,
-          max_bytes: int | None, staging: int) -> Any:
+          max_bytes: int | None, staging: int, collective_load: bool, caller: Any) -> _Loading:
+    """Match the target to the checkpoint, read and convert its values, plan the reads (nothing read into a
+    target yet); ``collective_load``: a load of several processes (which check every object they will read
+    before any process writes in place); ``caller``: the frame warnings point at."""
     m = ckpt.manifest
     if like is None:
         unused_all = mapped.unused_sources(None) if mapped is not None else []
         if unused_all:
-            warnings.warn(f"checkpoint {ckpt.loc}: no mapping rule uses {unused_all[:20]}", XckptWarning,
-                          stacklevel=3)
-        results = _read(ckpt, [(i, full_target(e.shape)) for i, e in enumerate(m.leaves)
-                                if isinstance(e, ArrayEntry)], max_bytes, staging)
+            _warn(caller, f"checkpoint {ckpt.loc}: no mapping rule uses {unused_all[:20]}")
+        reads = _Reads(ckpt, [(i, full_target(e.shape)) for i, e in enumerate(m.leaves) if isinstance(e, ArrayEntry)],
+                       max_bytes, staging, collective_load)
         vals = ckpt.values()
-        return unflatten(m.tree, [results[i] if i in results else vals[i] for i in range(len(m.leaves))])
+        return _Loading(reads, lambda results: unflatten(
+            m.tree, [results[i] if i in results else vals[i] for i in range(len(m.leaves))]))
     by_key = m.by_key()
     kept = mapped.optional if mapped is not None else set()
     index = {e.key: i for i, e in enumerate(m.leaves)}
     missing, mismatched, jobs = [], [], []
+    named: list[str] = []  # the key of each difference (the error names it when it is the only one)
     value_reqs: list[tuple[Key, int, Any]] = []
     for req in requests:
         if req.like is None or req.like is _EMPTY:
@@ -200,6 +284,7 @@ def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build:
         if entry is None:
             if not req.optional and req.key not in kept:
                 missing.append(key_str(req.key))
+                named.append(key_str(req.key))
             continue
         i = index[req.key]
         make = registry.target_for(req.like)
@@ -211,35 +296,55 @@ def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build:
                     continue
                 mismatched.append(f"{key_str(req.key)}: stored array {list(entry.shape)} {entry.dtype}, "
                                   f"target is {type(req.like).__name__}")
+                named.append(key_str(req.key))
                 continue
             target = make(req.like, entry)
             if tuple(target.shape) != tuple(entry.shape):
                 origin = mapped.origin(req.key) if mapped is not None else ""
                 mismatched.append(f"{key_str(req.key)}: stored {list(entry.shape)}"
                                   f"{f' ({origin})' if origin else ''}, target {list(target.shape)}")
+                named.append(key_str(req.key))
                 continue
             jobs.append((i, target))
         else:
             value_reqs.append((req.key, i, make(req.like, _value_entry_as_array(entry)) if make else None))
     unexpected = [] if partial else _unexpected(like, requests, m.leaves)
+    named += unexpected
     if mapped is not None and not partial:
         unused = mapped.unused_sources(set(like) if isinstance(like, dict) else None)
         unexpected += [f"{k} (stored; no mapping rule uses it)" for k in unused]
+        named += [str(k) for k in unused]
     if missing or unexpected or mismatched:
         message = (f"checkpoint {ckpt.loc} and the load target differ: "
                    f"missing {missing[:20]}, unexpected {unexpected[:20]}, mismatched {mismatched[:20]}")
         if strict:
             raise KeyMismatchError(message, missing=missing, unexpected=unexpected, mismatched=mismatched,
-                                   file=str(ckpt.loc))
-        warnings.warn(message, XckptWarning, stacklevel=3)
-    vals = ckpt.values() if value_reqs else {}
-    results_by_leaf = _read(ckpt, jobs, max_bytes, staging)
-    results: dict[Key, Any] = {m.leaves[i].key: r for i, r in results_by_leaf.items()}
-    for key, i, target in value_reqs:
-        v = vals[i]
-        results[key] = target.build([np.asarray(v, dtype=dtypes.numpy_dtype(target.dtype))]) \
-            if target is not None and target.dtype else v
-    return build(results)
+                                   file=str(ckpt.loc), leaf=named[0] if len(named) == 1 else None)
+        _warn(caller, message)
+    reads = _Reads(ckpt, jobs, max_bytes, staging, collective_load)
+    values: dict[Key, Any] = {}
+    if value_reqs:
+        vals = ckpt.values()
+        for key, i, target in value_reqs:
+            values[key] = _value_as(vals[i], target, key, str(ckpt.loc))
+
+    def finish(results_by_leaf: dict[int, Any]) -> Any:
+        results: dict[Key, Any] = {m.leaves[i].key: r for i, r in results_by_leaf.items()}
+        results.update(values)
+        return build(results)
+    return _Loading(reads, finish)
+
+
+def _value_as(v: Any, target: ArrayTarget | None, key: Key, file: str) -> Any:
+    """A stored value as its target asks (a framework scalar array, say); one that cannot be is
+    ``tree.key_mismatch`` naming its leaf."""
+    if target is None or not target.dtype:
+        return v
+    try:
+        return target.build([np.asarray(v, dtype=dtypes.numpy_dtype(target.dtype))])
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise KeyMismatchError(f"the stored value {type(v).__name__} cannot become the target's {target.dtype}: "
+                               f"{exc}", mismatched=[key_str(key)], file=file, leaf=key_str(key)) from exc
 
 
 def _value_entry_as_array(e: ValueEntry) -> ArrayEntry:
@@ -292,70 +397,94 @@ def _logical(raw: np.ndarray, e: ArrayEntry, dtype: str) -> np.ndarray:
     return arr if dtype == e.dtype else arr.astype(dtypes.numpy_dtype(dtype))
 
 
-def _read(ckpt: Source, jobs: list[tuple[int, ArrayTarget]], max_bytes: int | None, staging: int) -> dict[int, Any]:
-    """Read every region of every job, then build each result (see :func:`load` for the guarantees)."""
-    m = ckpt.manifest
-    limit = _memory_limit() if max_bytes is None else max_bytes
-    total = 0
-    parts: dict[int, list[_Part]] = {}
-    for i, t in jobs:
-        e = m.leaves[i]
-        assert isinstance(e, ArrayEntry)
-        dtype = t.dtype or e.dtype
-        for k, r in enumerate(t.regions):
-            if not r.within(e.shape):
-                raise ShapeError(f"requested region {r.offsets}+{r.sizes} lies outside shape {list(e.shape)}",
-                                 leaf=key_str(e.key))
-            out = t.out(k) if t.out is not None else None
-            if out is not None and (tuple(out.shape) != r.sizes or dtypes.logical_name(out.dtype) != dtype):
-                raise ShapeError(f"the target offers {out.shape} {out.dtype} for region {r.offsets}+{r.sizes} "
-                                 f"of {dtype}", leaf=key_str(e.key))
-            total += r.numel * max(dtypes.itemsize(e.dtype), dtypes.itemsize(dtype))
-            parts.setdefault(i, []).append(_Part(i, e, r, dtype, out))
-    if total > limit:
-        raise ResourceError(f"load would read {total} bytes into memory, more than the limit {limit}",
-                            file=str(ckpt.loc))
-    if total > CHECK_AHEAD_BYTES:  # a manifest may declare far more than its objects hold: look before allocating
-        ckpt.check([ReadRequest(p.entry, p.region,
-                                placeholder(p.region.sizes, dtypes.numpy_dtype(p.entry.storage_dtype)))
-                    for ps in parts.values() for p in ps])
-    in_place = sum(p.region.numel * dtypes.itemsize(p.entry.dtype) for ps in parts.values() for p in ps
-                   if p.out is not None)
-    atomic = in_place <= staging
-    results: dict[int, list[np.ndarray]] = {i: [None] * len(t.regions) for i, t in jobs}  # type: ignore[misc]
-    direct: list[ReadRequest] = []
-    later: list[tuple[_Part, int, np.ndarray]] = []  # staged in-place parts: (part, position, raw)
-    casts: list[tuple[_Part, int]] = []
-    for i, ps in parts.items():
-        for k, p in enumerate(ps):
-            same = p.dtype == p.entry.dtype
-            if p.out is None and same:
-                raw = empty(p.region.sizes, dtypes.numpy_dtype(p.entry.storage_dtype))
-                direct.append(ReadRequest(p.entry, p.region, raw))
-                results[i][k] = _logical(raw, p.entry, p.dtype)
-            elif p.out is not None and atomic:
-                raw = np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype))
-                direct.append(ReadRequest(p.entry, p.region, raw))
-                later.append((p, k, raw))
-            elif p.out is not None and same:
-                direct.append(ReadRequest(p.entry, p.region, _storage(p.out, p.entry)))
-                results[i][k] = p.out
-            else:
-                casts.append((p, k))
-    ckpt.read(direct, precheck=not atomic and in_place > 0)
-    for batch in _batches(casts):
-        raws = [np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype)) for p, _ in batch]
-        ckpt.read([ReadRequest(p.entry, p.region, raw) for (p, _), raw in zip(batch, raws)])
-        for (p, k), raw in zip(batch, raws):
-            value = _logical(raw, p.entry, p.dtype)
-            if p.out is not None:
-                np.copyto(p.out, value)
-                value = p.out
-            results[p.leaf][k] = value
-    for p, k, raw in later:  # every read succeeded: now the in-place targets change
-        np.copyto(p.out, _logical(raw, p.entry, p.dtype))
-        results[p.leaf][k] = p.out  # type: ignore[assignment]
-    return {i: t.build(results[i]) for i, t in jobs}
+class _Reads:
+    """The reads of one load (see :func:`load` for the guarantees): planned and checked when made, then
+    :meth:`run` (every read; in-place targets up to the staging bound untouched), :meth:`finish` (staged
+    regions copied in, each job's result built)."""
+
+    def __init__(self, ckpt: Source, jobs: list[tuple[int, ArrayTarget]], max_bytes: int | None, staging: int,
+                 collective_load: bool) -> None:
+        m = ckpt.manifest
+        limit = _memory_limit() if max_bytes is None else max_bytes
+        total = 0
+        parts: dict[int, list[_Part]] = {}
+        for i, t in jobs:
+            e = m.leaves[i]
+            assert isinstance(e, ArrayEntry)
+            dtype = t.dtype or e.dtype
+            for k, r in enumerate(t.regions):
+                if not r.within(e.shape):
+                    raise ShapeError(f"requested region {r.offsets}+{r.sizes} lies outside shape {list(e.shape)}",
+                                     leaf=key_str(e.key))
+                out = t.out(k) if t.out is not None else None
+                if out is not None and (tuple(out.shape) != r.sizes or dtypes.logical_name(out.dtype) != dtype):
+                    raise ShapeError(f"the target offers {out.shape} {out.dtype} for region {r.offsets}+{r.sizes} "
+                                     f"of {dtype}", leaf=key_str(e.key))
+                total += r.numel * max(dtypes.itemsize(e.dtype), dtypes.itemsize(dtype))
+                parts.setdefault(i, []).append(_Part(i, e, r, dtype, out))
+        if total > limit:
+            raise ResourceError(f"load would read {total} bytes into memory, more than the limit {limit}",
+                                file=str(ckpt.loc))
+        in_place = sum(p.region.numel * dtypes.itemsize(p.entry.dtype) for ps in parts.values() for p in ps
+                       if p.out is not None)
+        self.atomic = in_place <= staging
+        self.precheck = not self.atomic and in_place > 0  # check every object before writing in place
+        if total > CHECK_AHEAD_BYTES or (collective_load and parts):
+            # a manifest may declare far more than its objects hold: look before allocating; in a collective
+            # load, look before any process writes in place (every process learns what one found). The reads
+            # then check nothing more ahead: a source checks ahead all it can in check() (the directory is
+            # pinned, the objects stay those checked)
+            ckpt.check([ReadRequest(p.entry, p.region,
+                                    placeholder(p.region.sizes, dtypes.numpy_dtype(p.entry.storage_dtype)))
+                        for ps in parts.values() for p in ps])
+            self.precheck = False
+        self._ckpt, self._jobs, self._parts = ckpt, jobs, parts
+        self._results: dict[int, list[Any]] = {}
+        self._later: list[tuple[_Part, int, np.ndarray]] = []  # staged in-place parts: (part, position, raw)
+
+    def run(self) -> None:
+        """Read every region: into new arrays, staging memory, or (past the staging bound) in place."""
+        ckpt = self._ckpt
+        results: dict[int, list[Any]] = {i: [None] * len(t.regions) for i, t in self._jobs}
+        direct: list[ReadRequest] = []
+        later: list[tuple[_Part, int, np.ndarray]] = []
+        casts: list[tuple[_Part, int]] = []
+        for i, ps in self._parts.items():
+            for k, p in enumerate(ps):
+                same = p.dtype == p.entry.dtype
+                if p.out is None and same:
+                    raw = empty(p.region.sizes, dtypes.numpy_dtype(p.entry.storage_dtype))
+                    direct.append(ReadRequest(p.entry, p.region, raw))
+                    results[i][k] = _logical(raw, p.entry, p.dtype)
+                elif p.out is not None and self.atomic:
+                    raw = np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype))
+                    direct.append(ReadRequest(p.entry, p.region, raw))
+                    later.append((p, k, raw))
+                elif p.out is not None and same:
+                    direct.append(ReadRequest(p.entry, p.region, _storage(p.out, p.entry)))
+                    results[i][k] = p.out
+                else:
+                    casts.append((p, k))
+        ckpt.read(direct, precheck=self.precheck)
+        for batch in _batches(casts):
+            raws = [np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype)) for p, _ in batch]
+            ckpt.read([ReadRequest(p.entry, p.region, raw) for (p, _), raw in zip(batch, raws)])
+            for (p, k), raw in zip(batch, raws):
+                value = _logical(raw, p.entry, p.dtype)
+                if p.out is not None:
+                    np.copyto(p.out, value)
+                    value = p.out
+                results[p.leaf][k] = value
+        self._results, self._later = results, later
+
+    def finish(self) -> dict[int, Any]:
+        """Every read succeeded (on every process): copy the staged regions into their in-place targets;
+        each job's result, by leaf index."""
+        for p, k, raw in self._later:
+            np.copyto(p.out, _logical(raw, p.entry, p.dtype))
+            self._results[p.leaf][k] = p.out
+        self._later = []
+        return {i: t.build(self._results[i]) for i, t in self._jobs}
 
 
 def _batches(casts: list[tuple[_Part, int]], limit: int = 64 << 20) -> list[list[tuple[_Part, int]]]:

@@ -555,7 +555,7 @@ class CheckpointManager:
                 raise NotACheckpointError(f"{self.root} holds no committed step", code="manager.no_step",
                                           file=self.root)
         with self.reading(step):
-            return load(self.step_path(step), like, mapping=mapping, **load_options)
+            return load(self.step_path(step), like, mapping=mapping, coordinator=self.coordinator, **load_options)
 
     @contextlib.contextmanager
     def reading(self, step: int) -> Iterator[str]:

@@ -18,7 +18,6 @@ Neither direction unpickles anything from an xckpt checkpoint.
 
 from __future__ import annotations
 
-import io
 import shutil
 import zipfile
 from typing import Any
@@ -52,39 +51,45 @@ from .staging import to_host
 from .tensors import from_numpy, logical_dtype, torch_dtype
 
 
-def _torch_load(data: bytes, what: str, path: str, code: str) -> Any:
-    """``torch.load(weights_only=True)`` of one stored item, refusing zip members that are not stored
-    uncompressed (``torch.save`` never compresses; a compressed member could expand without bound)."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as z:
-            packed = [i.filename for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED]
-    except (zipfile.BadZipFile, ValueError, OSError) as exc:
-        raise UnsupportedError(f"{what} is not torch.save data ({exc})", code=code, file=path) from None
-    if packed:
-        raise UnsupportedError(f"{what} holds compressed members {packed[:3]}; torch.save writes none",
-                               code=code, file=path)
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - reported as an xckpt error
-        raise UnsupportedError(f"{what} is not plain data (weights_only load failed: {exc})", code=code,
-                               file=path) from exc
+def _torch_load(d: DcpDirectory, info: _StorageInfo, what: str, code: str) -> Any:
+    """``torch.load(weights_only=True)`` of one stored item, read through a file of its bytes (each tensor
+    read straight into its own memory), refusing zip members that are not stored uncompressed
+    (``torch.save`` never compresses; a compressed member could expand without bound)."""
+    with d.item(info) as f:
+        try:
+            with zipfile.ZipFile(f) as z:
+                packed = [i.filename for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED]
+        except (zipfile.BadZipFile, ValueError, OSError) as exc:
+            if f.truncated is not None:
+                raise f.truncated from None
+            raise UnsupportedError(f"{what} is not torch.save data ({exc})", code=code, file=f.path) from None
+        if packed:
+            raise UnsupportedError(f"{what} holds compressed members {packed[:3]}; torch.save writes none",
+                                   code=code, file=f.path)
+        f.seek(0)
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - reported as an xckpt error
+            if f.truncated is not None:
+                raise f.truncated from None
+            raise UnsupportedError(f"{what} is not plain data (weights_only load failed: {exc})", code=code,
+                                   file=f.path) from exc
 
 
 def _read_chunk(d: DcpDirectory, info: _StorageInfo, fqn: str, region: Region, dtype: torch.dtype) -> np.ndarray:
-    path = d.path(info.relative_path)
     what = f"DCP chunk at {region.offsets} of {fqn!r}"
-    t = _torch_load(d.read(info), what, path, "convert.dcp_chunk")
+    t = _torch_load(d, info, what, "convert.dcp_chunk")
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dtype != dtype \
             or tuple(t.shape) != tuple(region.sizes):
         desc = (f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
                 else f"a {type(t).__name__}")
         raise UnsupportedError(f"{what} holds {desc}, not the {dtype} chunk of shape {tuple(region.sizes)} "
-                               "its metadata records", code="convert.dcp_chunk", file=path)
+                               "its metadata records", code="convert.dcp_chunk", file=d.path(info.relative_path))
     return to_host(t.detach().contiguous())
 
 
 def _read_value(d: DcpDirectory, info: _StorageInfo, fqn: str) -> Any:
-    return _torch_load(d.read(info), f"DCP value {fqn!r}", d.path(info.relative_path), "convert.dcp_value")
+    return _torch_load(d, info, f"DCP value {fqn!r}", "convert.dcp_value")
 
 
 def dcp_to_xckpt(src: str, dst: str, *, overwrite: bool = False) -> None:

@@ -520,8 +520,9 @@ class DcpDirectory:
                 sizes[name] = self.size_of(name)
             _check_range(info, sizes[name], self.path(name))
 
-    def read(self, info: _StorageInfo) -> bytes:
-        """Exactly the bytes of one stored item, after checking its range against the file's size."""
+    def item(self, info: _StorageInfo) -> "DcpItem":
+        """One stored item as a read-only file of exactly its bytes (read on demand, never held whole),
+        after checking its range against the file's size; close it (or use it as a context manager)."""
         name = check_storage_name(info.relative_path, file=self.path(str(info.relative_path)))
         path = self.path(name)
         try:
@@ -530,9 +531,63 @@ class DcpDirectory:
             raise DataError("a DCP data file is missing", code="chunk.missing", file=path) from None
         try:
             _check_range(info, size, path)
-            return _pread(fd, info.offset, info.length, path)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        return DcpItem(fd, info.offset, info.length, path)
+
+
+class DcpItem(io.RawIOBase):
+    """The bytes ``[offset, offset + length)`` of an open file as a seekable read-only file of its own.
+
+    ``torch.load`` reads a ``torch.save`` archive through it record by record, each straight into its
+    tensor's memory: converting an item holds it once, not also as bytes. A file that became shorter
+    than the item since its range was checked raises ``chunk.truncated`` (see :attr:`truncated`)."""
+
+    def __init__(self, fd: int, offset: int, length: int, path: str) -> None:
+        super().__init__()
+        self._fd, self._offset, self._length, self.path = fd, offset, length, path
+        self._pos = 0
+        self.truncated: DataError | None = None  # set when a read found the file short (torch may wrap the error)
+
+    def readable(self) -> bool:
+        """True."""
+        return True
+
+    def seekable(self) -> bool:
+        """True."""
+        return True
+
+    def tell(self) -> int:
+        """The position within the item."""
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        """Move within the item (clamped at 0; reads past its end return nothing)."""
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        """Read up to ``len(buf)`` bytes of the item at the current position into ``buf``."""
+        view = memoryview(buf).cast("B")
+        want = max(0, min(len(view), self._length - self._pos))
+        done = 0
+        while done < want:
+            got = os.preadv(self._fd, [view[done:want]], self._offset + self._pos + done)
+            if got == 0:
+                self.truncated = DataError(f"the file ends {want - done} bytes short of a stored DCP item",
+                                           code="chunk.truncated", file=self.path)
+                raise self.truncated
+            done += got
+        self._pos += done
+        return done
+
+    def close(self) -> None:
+        """Close the file."""
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
 
 
 def _check_range(info: _StorageInfo, size: int, path: str) -> None:

@@ -239,15 +239,15 @@ class Pending:
     def _coordinate(self) -> None:
         """Collect every status, commit or discard, publish the outcome, wait for the others to read it."""
         try:
-            statuses = self._collect()
-        except BaseException as exc:  # noqa: BLE001 - a status file that cannot be read, or missing ones
-            statuses = None
-            self._error = self._error or commit_failed(self.p.final, exc)
-        self._commit(statuses)
+            statuses, missing = self._collect()
+        except BaseException as exc:  # noqa: BLE001 - a status file that cannot be read
+            statuses, missing = None, {collective.ROOT: collective.describe(exc)}
+        self._commit(statuses, missing)
+        failures = self._error.failures if isinstance(self._error, CollectiveError) else None
         store = self._status.store(create=True)
         try:
-            store.write("outcome", collective.pack({"error": None if self._error is None else str(self._error)}),
-                        atomic=True)
+            store.write("outcome", collective.pack({"failures": None if failures is None else
+                                                    {str(r): f for r, f in failures.items()}}), atomic=True)
             deadline = time.monotonic() + self._timeout_s
             statuses = _status_names(self.p.coord.world_size)
             others = statuses.keys() - {"rank-0"}
@@ -259,7 +259,9 @@ class Pending:
             store.close()
         _remove_dir(self._status)
 
-    def _collect(self) -> list[dict[str, Any]]:
+    def _collect(self) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
+        """Every process's status, by rank (a rank that reported none within the timeout: an error status),
+        and the account of each rank that reported none (``async.timeout``)."""
         world = self.p.coord.world_size
         store = self._status.store(create=True)
         try:
@@ -275,26 +277,37 @@ class Pending:
                             found[r] = collective.unpack(data)
                 if len(found) < world:
                     if time.monotonic() > deadline:
-                        missing = sorted(set(range(world)) - set(found))
-                        raise CoordinationError(f"ranks {missing[:16]} reported no status within "
-                                                f"{self._timeout_s:g} s (did they die?)", code="async.timeout",
-                                                file=str(self._status))
+                        missing = {r: collective.describe(CoordinationError(
+                            f"reported no status within {self._timeout_s:g} s (did it die?)", code="async.timeout",
+                            file=str(self._status))) for r in range(world) if r not in found}
+                        return [found.get(r) or {"error": missing[r]} for r in range(world)], missing
                     time.sleep(self._poll_s)
-            return [found[r] for r in range(world)]
+            return [found[r] for r in range(world)], {}
         finally:
             store.close()
 
-    def _commit(self, statuses: list[dict[str, Any]] | None) -> None:
+    def _commit(self, statuses: list[dict[str, Any]] | None, missing: dict[int, dict[str, Any]] | None = None) -> None:
+        """Commit when every status is a success; else discard. In a job of several processes, a failure is one
+        :class:`~xckpt.errors.CollectiveError` holding every failing rank's error (as a synchronous save's),
+        which the outcome carries to every process; ``missing``: the ranks that reported nothing."""
         p = self.p
+        failed: dict[int, dict[str, Any]] = dict(missing or {})
         try:
-            if statuses is None:
-                raise self._error or CoordinationError("no status")
-            failed = {r: s["error"] for r, s in enumerate(statuses) if "error" in s}
+            if statuses is not None:
+                failed.update({r: s["error"] for r, s in enumerate(statuses) if "error" in s and r not in failed})
             if failed:
                 raise CollectiveError(p.what, failed)
+            assert statuses is not None
             self.manifest = protocol.finish(p, statuses)
         except BaseException as exc:  # noqa: BLE001 - surfaces from wait(), and through the outcome
-            self._error = self._error or commit_failed(p.final, exc)
+            if p.coord.world_size == 1:
+                self._error = self._error or commit_failed(p.final, exc)
+            else:
+                if isinstance(exc, CollectiveError):
+                    self._error = exc
+                else:
+                    self._error = CollectiveError(p.what, {collective.ROOT: collective.describe(exc)})
+                    self._error.__cause__ = exc
             if not p.committed:
                 p.discard()
             elif p.hold is not None:
@@ -325,8 +338,10 @@ class Pending:
             raise CoordinationError(f"rank 0 did not report the outcome of the commit within {self._timeout_s:g} s "
                                     f"(did it die?); the checkpoint at {p.final} may or may not be committed: load it "
                                     "to find out", code="async.timeout", file=str(self._status))
-        if outcome["error"] is not None:
-            raise CoordinationError(outcome["error"])
+        if outcome.get("failures"):
+            # every process raises the same error (its own failure, if any, is among them)
+            self._error = CollectiveError(p.what, {int(r): f for r, f in outcome["failures"].items()})
+            raise self._error
 
 
 def _status_names(world: int) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""How the processes of one save talk: a :class:`Coordinator`, and one helper per kind of collective step.
+"""How the processes of one save or load talk: a :class:`Coordinator`, and one helper per kind of collective step.
 
 The engine never starts a distributed runtime. Adapters implement :class:`Coordinator`
 with theirs (``torch.distributed``, ``jax.distributed``); everything exchanged is msgpack
@@ -8,9 +8,10 @@ A collective step runs a function on every process and always reaches the exchan
 whatever the function raised: :func:`gather_step` brings every process's result to the
 coordinating process, :func:`decide_step` also lets it decide from them and tells every process the decision,
 :func:`answer_step` sends each process the coordinating process's answer,
-:func:`agree_step` tells every process whether all succeeded. When any process
-failed, every process raises one :class:`~xckpt.errors.CollectiveError` that lists every
-failing rank with its error, so no process waits forever and no failure is hidden.
+:func:`agree_step` tells every process whether all succeeded, :func:`all_step` gives every
+process every result. When any process failed, every process raises one
+:class:`~xckpt.errors.CollectiveError` (a load's: :class:`~xckpt.errors.CollectiveLoadError`)
+that lists every failing rank with its error, so no process waits forever and no failure is hidden.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
 
 import msgpack
 
-from xckpt.errors import CollectiveError, CoordinationError, XckptError
+from xckpt.errors import CollectiveError, CollectiveLoadError, CoordinationError, XckptError
 
 T = TypeVar("T")
 ROOT = 0
@@ -171,7 +172,7 @@ def broadcast(coord: Coordinator, obj: Any, root: int = ROOT) -> Any:
 
 def describe(exc: BaseException) -> dict[str, Any]:
     """A msgpack-able account of an exception: its type, code, message, file and leaf."""
-    if isinstance(exc, CollectiveError):
+    if isinstance(exc, (CollectiveError, CollectiveLoadError)):
         return {"type": type(exc).__name__, "code": exc.code, "message": exc.message, "file": exc.file,
                 "leaf": exc.leaf, "failures": {str(r): f for r, f in exc.failures.items()}}
     if isinstance(exc, XckptError):
@@ -181,12 +182,11 @@ def describe(exc: BaseException) -> dict[str, Any]:
             "file": None, "leaf": None}
 
 
-def _raise(what: str, failures: dict[int, dict[str, Any]], local: BaseException | None, world: int) -> None:
-    if world == 1 and local is not None:
-        if isinstance(local, XckptError):
-            raise local
-        raise CollectiveError(what, failures) from local
-    raise CollectiveError(what, failures) from local
+def _raise(what: str, failures: dict[int, dict[str, Any]], local: BaseException | None, world: int,
+           error: type[CollectiveError | CollectiveLoadError] = CollectiveError) -> None:
+    if world == 1 and isinstance(local, XckptError):
+        raise local
+    raise error(what, failures) from local
 
 
 def _gather(coord: Coordinator, fn: Callable[[], Any]) -> tuple[BaseException | None, list[dict[str, Any]] | None]:
@@ -267,6 +267,19 @@ def decide_step(coord: Coordinator, what: str, fn: Callable[[], Any], decide: Ca
     if "failures" in out:
         _raise(what, {int(r): f for r, f in out["failures"].items()}, local, coord.world_size)
     return out["ok"]
+
+
+def all_step(coord: Coordinator, what: str, fn: Callable[[], T],
+             error: type[CollectiveError | CollectiveLoadError] = CollectiveError) -> list[T]:
+    """Run ``fn`` everywhere; every process gets every result, by rank (one all-gather).
+
+    Raises ``error`` on every process, with every failing rank's error, when ``fn`` failed anywhere."""
+    result, local = _run(fn)
+    items = all_gather(coord, {"ok": result} if local is None else {"error": describe(local)})
+    failures = {r: x["error"] for r, x in enumerate(items) if "error" in x}
+    if failures:
+        _raise(what, failures, local, coord.world_size, error)
+    return [x["ok"] for x in items]
 
 
 def agree_step(coord: Coordinator, what: str, fn: Callable[[], T]) -> T | None:

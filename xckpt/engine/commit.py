@@ -539,7 +539,8 @@ def commit_failed(final: Location, error: BaseException) -> XckptError:
         return error
     code = error.code if isinstance(error, XckptError) else "save.failed"  # e.g. save.exists, save.conflict
     file, leaf = (error.file, error.leaf) if isinstance(error, XckptError) else (None, None)
-    err = SaveError(f"save to {final} failed; nothing was committed: {error}", code=code, file=file or str(final),
+    text = error.message if isinstance(error, XckptError) else str(error)  # its code, file and leaf: said once, below
+    err = SaveError(f"save to {final} failed; nothing was committed: {text}", code=code, file=file or str(final),
                     leaf=leaf)
     err.__cause__ = error
     return err

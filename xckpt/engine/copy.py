@@ -45,6 +45,19 @@ def lazy_array(shape: tuple[int, ...], dtype: str, read: Callable[[Region], np.n
     return LazySource(shape, dtype, shards, sharding)
 
 
+def piece_bytes_for(entry: ArrayEntry, itemsize: int, piece_bytes: int) -> int:
+    """The bytes per piece to read ``entry`` in, cut along its first dimension (``itemsize``: the bytes per
+    element the pieces are sized by): ``piece_bytes``, or, for a compressed array whose read chunks are larger,
+    bands of whole chunk rows. Reading part of a compressed chunk decodes all of it, so pieces smaller than
+    a chunk would decode each chunk once per piece (a 128 MiB zstd chunk read in 16 MiB pieces: 8 times);
+    a band of whole chunks decodes each once, for memory of about one chunk band."""
+    chunk = entry.inner_chunk_shape
+    if entry.compression == "none" or entry.segments is not None or not chunk or len(chunk) != len(entry.shape):
+        return piece_bytes
+    band = min(chunk[0], entry.shape[0]) * math.prod(entry.shape[1:]) * itemsize
+    return max(piece_bytes, band)
+
+
 def read_region(source: Source, entry: ArrayEntry, region: Region) -> np.ndarray:
     """One region of a stored array, in its logical dtype."""
     out = np.empty(region.sizes, dtype=dtypes.numpy_dtype(entry.storage_dtype))
@@ -66,6 +79,7 @@ def copy_checkpoint(ckpt: Source, dst: str, *, overwrite: bool = False) -> Manif
             # the source's own shard layout does not describe the copy's; the mesh description does
             sharding = {k: v for k, v in (e.sharding or {}).items() if k not in ("shard_shape", "num_shards")}
             leaves.append(lazy_array(e.shape, e.dtype, lambda r, e=e: read_region(ckpt, e, r),
+                                     piece_bytes_for(e, dtypes.itemsize(e.dtype), PIECE_BYTES),
                                      sharding=sharding or None))
         else:
             v = vals[i]

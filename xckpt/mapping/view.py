@@ -15,10 +15,11 @@ from typing import Any, Callable, Iterable, Protocol, Sequence, Union, runtime_c
 
 import tensorstore as ts
 
-from xckpt.engine.read import ReadRequest
+from xckpt.engine.read import ReadRequest, placeholder
 from xckpt.engine.views import read_views
 from xckpt.format import dtypes
 from xckpt.format.manifest import ArrayEntry, Entry, Manifest, ValueEntry
+from xckpt.format.regions import Region
 from xckpt.format.tree import Key, Node, key_str
 from xckpt.mapping.errors import MappingError
 from xckpt.mapping.patterns import render
@@ -114,7 +115,12 @@ class MappedCheckpoint:
         return sum(r.out.nbytes for r in requests)
 
     def check(self, requests: Sequence[ReadRequest]) -> None:
-        """Nothing ahead: TensorStore checks what it reads (see :meth:`Source.check`)."""
+        """Check, in the stored checkpoint, every array the requests' views are made of (whole: a transform may
+        read any part of it), as the stored checkpoint checks its own (see :meth:`Source.check`)."""
+        base_leaves = self.base.manifest.leaves
+        used = dict.fromkeys(i for r in requests for i in self._plans[r.entry.key].sources)
+        self.base.check([ReadRequest(e, Region.full(e.shape), placeholder(e.shape, dtypes.numpy_dtype(e.storage_dtype)))
+                         for e in (base_leaves[i] for i in used) if isinstance(e, ArrayEntry)])
 
     def replaced(self) -> bool:
         """Whether the stored checkpoint was replaced since it was opened."""

@@ -37,7 +37,7 @@ import numpy as np
 
 from xckpt.engine import atomic, claims
 from xckpt.engine.commit import Hold, SaveOptions, check_target, publish
-from xckpt.engine.copy import read_region
+from xckpt.engine.copy import piece_bytes_for, read_region
 from xckpt.engine.storage import Location
 from xckpt.errors import SaveError, UnsupportedError, XckptError, XckptWarning
 from xckpt.format import dtypes
@@ -241,7 +241,7 @@ def _write_file(ckpt: Source, path: str, tensors: Sequence[Tensor], piece_bytes:
         for t in tensors:
             size = dtypes.itemsize(t.entry.dtype)
             written = 0
-            for region in pieces(t.entry.shape, size, piece_bytes):
+            for region in pieces(t.entry.shape, size, piece_bytes_for(t.entry, size, piece_bytes)):
                 piece = np.ascontiguousarray(read_region(ckpt, t.entry, region))
                 if sys.byteorder != "little" and size > 1:
                     piece = piece.byteswap()
