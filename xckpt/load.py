@@ -177,7 +177,7 @@ def load(path: Any, like: Any = None, *, strict: bool = True, partial: bool = Fa
             opened: list[Source] = []
             loading: list[_Loading] = []
 
-            def begin() -> str | None:
+            def begin() -> dict[str, Any]:
                 if not planned:  # the target is described once, inside the first step: its failure is shared
                     planned.append(_plan_target(like, mapping))
                 requests, build, target = planned[0]
@@ -185,12 +185,15 @@ def load(path: Any, like: Any = None, *, strict: bool = True, partial: bool = Fa
                 opened.append(stored)
                 mapped = mapping.apply(stored, target) if mapping is not None else None
                 loading.append(_load(mapped or stored, mapped, like, requests, build, strict, partial, max_bytes,
-                                     max_staging_bytes, coord.world_size > 1, caller))
-                return stored.manifest.generation
+                                     max_staging_bytes, caller))
+                return {"generation": stored.manifest.generation, "unstaged": loading[0].unstaged}
 
             try:
-                if _together(coord, f"{what} (opening it)", begin, opened) and \
-                        _together(coord, f"{what} (reading it)", lambda: loading[0].read(), opened):
+                opening = _together(coord, f"{what} (opening it)", begin, opened)
+                # where any process writes in place unstaged, every process first checks every object it will read
+                if opening is not None and coord.world_size > 1 and any(o["unstaged"] for o in opening):
+                    opening = _together(coord, f"{what} (checking it)", lambda: loading[0].check(), opened)
+                if opening is not None and _together(coord, f"{what} (reading it)", lambda: loading[0].read(), opened):
                     if coord.world_size == 1:
                         return loading[0].finish()
                     result: list[Any] = []  # restoring runs on every process; only its success is exchanged
@@ -223,29 +226,39 @@ def _warn(caller: Any, message: str) -> None:
                            module_globals=caller.f_globals)
 
 
-def _together(coord: Coordinator, what: str, fn: Callable[[], Any], opened: list[Source]) -> bool:
-    """Run ``fn`` (one phase of a load) on every process: True when it succeeded everywhere on the same
-    checkpoint (``fn`` returns its generation); False when a save replaced the checkpoint under any
-    process (all start again). A failure anywhere raises :class:`~xckpt.errors.CollectiveLoadError`
-    on every process (in a job of one process, the error itself)."""
+def _together(coord: Coordinator, what: str, fn: Callable[[], dict[str, Any] | None],
+              opened: list[Source]) -> list[dict[str, Any]] | None:
+    """Run ``fn`` (one phase of a load) on every process: every process's report (``fn``'s, or ``{}``),
+    when it succeeded everywhere on the same checkpoint (the ``generation`` each reports); None when a save
+    replaced the checkpoint under any process (all start again). A failure anywhere raises
+    :class:`~xckpt.errors.CollectiveLoadError` on every process (in a job of one process, the error itself)."""
     def run() -> dict[str, Any]:
         try:
-            return {"generation": fn()}
+            return fn() or {}
         except XckptError as exc:
             if exc.code == "load.replaced" or (opened and opened[0].replaced()):
                 return {"replaced": True}
             raise
 
     outs = [run()] if coord.world_size == 1 else collective.all_step(coord, what, run, CollectiveLoadError)
-    return not any("replaced" in o for o in outs) and len({o["generation"] for o in outs}) == 1
+    if any("replaced" in o for o in outs) or len({o.get("generation") for o in outs}) > 1:
+        return None
+    return outs
 
 
 class _Loading:
-    """A load whose target matched and whose values were read, in its two remaining phases: :meth:`read`
-    every region (staged in-place targets untouched), then :meth:`finish` (copy staged data in, build)."""
+    """A load whose target matched and whose values were read, in its remaining phases: :meth:`check`
+    (where needed), :meth:`read` every region (staged in-place targets untouched), :meth:`finish` (copy
+    staged data in, build)."""
 
     def __init__(self, reads: "_Reads", finish: Callable[[dict[int, Any]], Any]) -> None:
         self._reads, self._finish = reads, finish
+        #: Whether it writes in place without staging (see :class:`_Reads`).
+        self.unstaged = reads.unstaged
+
+    def check(self) -> None:
+        """Check every object it will read (:meth:`_Reads.check`)."""
+        self._reads.check()
 
     def read(self) -> None:
         """Read every region."""
@@ -257,17 +270,16 @@ class _Loading:
 
 
 def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build: Any, strict: bool, partial: bool,
-          max_bytes: int | None, staging: int, collective_load: bool, caller: Any) -> _Loading:
+          max_bytes: int | None, staging: int, caller: Any) -> _Loading:
     """Match the target to the checkpoint, read and convert its values, plan the reads (nothing read into a
-    target yet); ``collective_load``: a load of several processes (which check every object they will read
-    before any process writes in place); ``caller``: the frame warnings point at."""
+    target yet); ``caller``: the frame warnings point at."""
     m = ckpt.manifest
     if like is None:
         unused_all = mapped.unused_sources(None) if mapped is not None else []
         if unused_all:
             _warn(caller, f"checkpoint {ckpt.loc}: no mapping rule uses {unused_all[:20]}")
         reads = _Reads(ckpt, [(i, full_target(e.shape)) for i, e in enumerate(m.leaves) if isinstance(e, ArrayEntry)],
-                       max_bytes, staging, collective_load)
+                       max_bytes, staging)
         vals = ckpt.values()
         return _Loading(reads, lambda results: unflatten(
             m.tree, [results[i] if i in results else vals[i] for i in range(len(m.leaves))]))
@@ -321,7 +333,7 @@ def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build:
             raise KeyMismatchError(message, missing=missing, unexpected=unexpected, mismatched=mismatched,
                                    file=str(ckpt.loc), leaf=named[0] if len(named) == 1 else None)
         _warn(caller, message)
-    reads = _Reads(ckpt, jobs, max_bytes, staging, collective_load)
+    reads = _Reads(ckpt, jobs, max_bytes, staging)
     values: dict[Key, Any] = {}
     if value_reqs:
         vals = ckpt.values()
@@ -399,11 +411,11 @@ def _logical(raw: np.ndarray, e: ArrayEntry, dtype: str) -> np.ndarray:
 
 class _Reads:
     """The reads of one load (see :func:`load` for the guarantees): planned and checked when made, then
-    :meth:`run` (every read; in-place targets up to the staging bound untouched), :meth:`finish` (staged
-    regions copied in, each job's result built)."""
+    :meth:`check` where needed, :meth:`run` (every read; in-place targets up to the staging bound untouched),
+    :meth:`finish` (staged regions copied in, each job's result built)."""
 
-    def __init__(self, ckpt: Source, jobs: list[tuple[int, ArrayTarget]], max_bytes: int | None, staging: int,
-                 collective_load: bool) -> None:
+    def __init__(self, ckpt: Source, jobs: list[tuple[int, ArrayTarget]], max_bytes: int | None,
+                 staging: int) -> None:
         m = ckpt.manifest
         limit = _memory_limit() if max_bytes is None else max_bytes
         total = 0
@@ -428,19 +440,23 @@ class _Reads:
         in_place = sum(p.region.numel * dtypes.itemsize(p.entry.dtype) for ps in parts.values() for p in ps
                        if p.out is not None)
         self.atomic = in_place <= staging
-        self.precheck = not self.atomic and in_place > 0  # check every object before writing in place
-        if total > CHECK_AHEAD_BYTES or (collective_load and parts):
-            # a manifest may declare far more than its objects hold: look before allocating; in a collective
-            # load, look before any process writes in place (every process learns what one found). The reads
-            # then check nothing more ahead: a source checks ahead all it can in check() (the directory is
-            # pinned, the objects stay those checked)
-            ckpt.check([ReadRequest(p.entry, p.region,
-                                    placeholder(p.region.sizes, dtypes.numpy_dtype(p.entry.storage_dtype)))
-                        for ps in parts.values() for p in ps])
-            self.precheck = False
+        #: It writes in place without staging: every object is checked before any is read into a target.
+        self.unstaged = not self.atomic and in_place > 0
+        self._checked = False
         self._ckpt, self._jobs, self._parts = ckpt, jobs, parts
         self._results: dict[int, list[Any]] = {}
         self._later: list[tuple[_Part, int, np.ndarray]] = []  # staged in-place parts: (part, position, raw)
+        if total > CHECK_AHEAD_BYTES:  # a manifest may declare far more than its objects hold: look before allocating
+            self.check()
+
+    def check(self) -> None:
+        """Check every object the reads need, as far as the source checks ahead (:meth:`Source.check`), without
+        reading into any target; the reads then check nothing more ahead (the objects stay those checked)."""
+        if not self._checked:
+            self._ckpt.check([ReadRequest(p.entry, p.region,
+                                          placeholder(p.region.sizes, dtypes.numpy_dtype(p.entry.storage_dtype)))
+                              for ps in self._parts.values() for p in ps])
+            self._checked = True
 
     def run(self) -> None:
         """Read every region: into new arrays, staging memory, or (past the staging bound) in place."""
@@ -465,7 +481,7 @@ class _Reads:
                     results[i][k] = p.out
                 else:
                     casts.append((p, k))
-        ckpt.read(direct, precheck=self.precheck)
+        ckpt.read(direct, precheck=self.unstaged and not self._checked)
         for batch in _batches(casts):
             raws = [np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype)) for p, _ in batch]
             ckpt.read([ReadRequest(p.entry, p.region, raw) for (p, _), raw in zip(batch, raws)])
