@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -383,3 +384,91 @@ def test_help_shows_an_example(command: str, capsys: pytest.CaptureFixture[str])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "examples:" in out and f"\n  xckpt {command} " in out
+
+
+# -- failures the command line reports in one line ----------------------------------------------------
+
+
+def test_gc_refuses_a_missing_path_and_a_bad_age(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for args, code in (([str(tmp_path / "no" / "nope")], "io.read"), ([str(tmp_path), "--older-than", "-5"], "gc.option"),
+                       ([str(tmp_path), "--older-than", "nan"], "gc.option")):
+        capsys.readouterr()
+        assert cli_main(["gc", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: [{code}]") and err.count("\n") == 1, err
+
+
+def test_os_errors_are_one_line_and_status_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A link loop where gc lists a directory: one line naming it, no traceback."""
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    capsys.readouterr()
+    assert cli_main(["gc", str(tmp_path / "loop")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(tmp_path / "loop") in err and "Traceback" not in err, err
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="drops root's permission override with setpriv")
+def test_gc_says_what_it_could_not_remove(tmp_path: Path) -> None:
+    """A dead save's temporary directory holding a folder gc may not write: reported as failed, with why, and
+    exit status 2 (it said "removed" before, and left it); the others are still removed."""
+    gen = "0" * 31
+    stuck = tmp_path / f".a.xckpt-tmp-{gen}1"
+    (stuck / "ro").mkdir(parents=True)
+    (stuck / "ro" / "f").write_bytes(b"x")
+    os.chmod(stuck / "ro", 0o500)
+    other = tmp_path / f".b.xckpt-tmp-{gen}2"
+    other.mkdir()
+    try:
+        out = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--", sys.executable,
+                              "-m", "xckpt", "gc", str(tmp_path), "--older-than", "0"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, (out.stdout, out.stderr)
+        assert "failed        tmp    dead" in out.stdout and "Permission denied" in out.stdout, out.stdout
+        assert "1 could not be removed" in out.stdout, out.stdout
+        assert (stuck / "ro" / "f").exists() and not other.exists()
+    finally:
+        os.chmod(stuck / "ro", 0o700)
+
+
+def test_diff_status_survives_a_closed_pipe(tmp_path: Path) -> None:
+    """`xckpt diff A B | head -1`: the output is cut short, the verdict (1: they differ) is not."""
+    xckpt.save({f"k{i}": np.full(3, i, np.float32) for i in range(200)}, tmp_path / "a")
+    xckpt.save({f"k{i}": np.full(3, i + 1, np.float32) for i in range(200)}, tmp_path / "b")
+    out = subprocess.run(f"{sys.executable} -m xckpt diff --values {tmp_path / 'a'} {tmp_path / 'b'} | head -1; "
+                         "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1, (out.stdout, out.stderr)
+
+
+def test_json_output_is_strict_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A NaN metric (or difference) is written as the string "NaN", which every JSON parser reads."""
+    with xckpt.CheckpointManager(tmp_path / "run", async_save=False) as m:
+        m.save(1, {"x": np.zeros(2)}, metrics={"loss": float("nan"), "acc": float("inf")}, force=True)
+    rc, out = _cli(capsys, "ls", "--json", str(tmp_path / "run"))
+    assert rc == 0
+    metrics = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))["steps"][0]["metrics"]
+    assert metrics == {"loss": "NaN", "acc": "Infinity"}
+
+
+def test_diff_compares_int64_and_uint64_exactly() -> None:
+    """No numpy type holds both: they were compared as float64, where 2**53 + 1 equals 2**53."""
+    a = np.array([2**53 + 1, 3, -5], np.int64)
+    b = np.array([2**53, 3, 2**64 - 1], np.uint64)
+    for x, y in ((a, b), (b, a)):
+        got = compare_pieces(x, y)
+        assert got["differing"] == 2 and got["max_abs_diff"] == 2**64 + 4, got
+    assert compare_pieces(np.array([1, 2], np.int32), np.array([1, 2], np.uint64))["equal"]
+
+
+def test_convert_says_which_conversions_exist_and_the_flag_to_overwrite(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    xckpt.save({"w": np.ones(3, np.float32)}, tmp_path / "a")
+    capsys.readouterr()
+    assert cli_main(["convert", "--to", "orbax", str(tmp_path / "a"), str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "does not convert xckpt to orbax" in err and "orbax to xckpt" in err and "dcp to xckpt" in err, err
+    xckpt.save({"w": np.ones(3, np.float32)}, tmp_path / "b")
+    assert cli_main(["convert", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "pass --overwrite to replace it" in err and "overwrite=True" not in err, err

@@ -372,3 +372,45 @@ def test_save_async_keeps_no_reference_to_the_saved_arrays(tmp_path):
     handle.wait()
     np.testing.assert_array_equal(xckpt.load(tmp_path / "c")["w"], np.arange(1 << 20, dtype=np.float32))
     xckpt.release_buffers()
+
+
+def test_metadata_with_non_finite_floats_is_written_as_strict_json(tmp_path):
+    """A diverged run's NaN loss in the metadata: xckpt.json stays JSON every parser reads (NaN is not JSON),
+    holding the string "NaN"; the manager reads its metrics back as the floats."""
+    import json
+    import math
+
+    from xckpt.sources.detect import open_checkpoint
+
+    def refuse(token):
+        raise AssertionError(f"{token} written into xckpt.json")
+
+    xckpt.save({"w": np.ones(2)}, tmp_path / "c", metadata={"loss": float("nan"), "best": [float("-inf"), 1.5]})
+    json.loads((tmp_path / "c" / "xckpt.json").read_text(), parse_constant=refuse)
+    ckpt = open_checkpoint(tmp_path / "c")
+    try:
+        assert ckpt.manifest.metadata == {"loss": "NaN", "best": ["-Infinity", 1.5]}
+    finally:
+        ckpt.close()
+    with xckpt.CheckpointManager(tmp_path / "run", async_save=False) as m:
+        m.save(1, {"x": np.zeros(2)}, metrics={"loss": float("nan"), "acc": float("inf")}, force=True)
+    got = xckpt.list_steps(tmp_path / "run")[0].metrics
+    assert math.isnan(got["loss"]) and got["acc"] == math.inf, got
+
+
+def test_a_nan_metric_an_older_xckpt_wrote_into_metadata_still_loads(tmp_path):
+    """Before the writer wrote strict JSON, a NaN metric went into xckpt.json as the bare token: such a
+    checkpoint (weeks of training) still loads, with a warning; the token anywhere else is manifest.json."""
+    xckpt.save({"w": np.arange(3.0)}, tmp_path / "c", metadata={"loss": 1.0})
+    m = tmp_path / "c" / "xckpt.json"
+    m.write_bytes(m.read_bytes().replace(b'"loss":1.0', b'"loss":NaN', 1))
+    with pytest.warns(xckpt.XckptWarning, match="metadata holds NaN"):
+        np.testing.assert_array_equal(xckpt.load(tmp_path / "c")["w"], np.arange(3.0))
+    report = xckpt.validate(tmp_path / "c", deep=True)
+    assert report.ok and [(f.code, f.severity) for f in report.findings] == [("manifest.json", "warning")]
+    older = m.read_bytes()
+    m.write_bytes(older.replace(b'"producer":{', b'"producer":{"x":NaN,', 1))
+    with pytest.raises(xckpt.XckptError) as info:
+        xckpt.load(tmp_path / "c")
+    assert info.value.code == "manifest.json"
+    m.write_bytes(older)  # (every checkpoint a test leaves must validate)

@@ -24,7 +24,8 @@ _INSPECT_EXAMPLES = """examples:
 """
 
 _VALIDATE_EXAMPLES = """examples:
-  xckpt validate ckpt/step_1000            metadata and shard indexes; exit 0 when it conforms, 1 if not
+  xckpt validate ckpt/step_1000            metadata and shard indexes; exit 0 when it conforms, 1 if not,
+                                           2 when the path cannot be opened (a file, a link loop)
   xckpt validate --deep ckpt/step_1000     also recompute every chunk's crc32c
   xckpt validate --json ckpt/step_1000     the report (findings with their codes) as JSON
 """
@@ -72,7 +73,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from xckpt.inspect import inspect
     info = inspect(args.path)
     if args.json:
-        print(json.dumps(info, indent=1))
+        _print_json(info)
         return 0
     from xckpt import cli_render as r
     out = r.console()
@@ -93,6 +94,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_json(obj: Any) -> None:
+    """Print ``obj`` as strict JSON, which any parser reads (:func:`xckpt.format.jsonobj.finite`; other objects
+    as strings)."""
+    from xckpt.format import jsonobj
+    print(json.dumps(jsonobj.finite(obj), indent=1, default=str, allow_nan=False))
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     """Validate; exit 0 when the checkpoint conforms, 1 otherwise."""
     from xckpt import cli_render as r
@@ -100,8 +108,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     with r.spinner(f"validating {args.path}" + (" (every chunk's crc32c)" if args.deep else ""),
                    enabled=args.deep and r.progress_enabled()):
         report = validate(args.path, deep=args.deep)
+    args.status = 0 if report.ok else 1  # also when the output is cut short (piped into head)
     if args.json:
-        print(json.dumps(report.to_json(), indent=1))
+        _print_json(report.to_json())
     else:
         out = r.console()
         if report.findings:
@@ -113,7 +122,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         r.line(out, f"{state}: {report.path} ({report.arrays} arrays, {report.chunks} chunk objects"
                + (f", {report.bytes_checked} bytes crc-checked" if args.deep else "") + ")",
                style="bold green" if report.ok else "bold red")
-    return 0 if report.ok else 1
+    return args.status
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -123,7 +132,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     given = [flag for flag, v in (("--select", args.select), ("--max-shard-size", args.max_shard_size),
                                   ("--mapping", args.mapping), ("--hf-config", args.hf_config)) if v is not None]
     if given and args.to_format != "safetensors":
-        raise UnsupportedError(f"{' and '.join(given)} apply only to --to safetensors (not --to {args.to_format})",
+        raise UnsupportedError(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} only to --to "
+                               f"safetensors (not --to {args.to_format})",
                                code="convert.option")
     config = None if args.hf_config is None else _hf_config_file(args.hf_config)
     mapped = _mapped_export(args, config)
@@ -221,8 +231,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     steps = list_steps(args.root)
     checkpoints = [] if steps else _list_checkpoints(str(args.root))
     if args.json:
-        print(json.dumps({"root": str(args.root), "steps": [asdict(s) for s in steps], "checkpoints": checkpoints},
-                         indent=1, default=str))
+        _print_json({"root": str(args.root), "steps": [asdict(s) for s in steps], "checkpoints": checkpoints})
         return 0
     from xckpt import cli_render as r
     out = r.console()
@@ -283,9 +292,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from xckpt.diff import diff
     with r.progress_bar("comparing values", enabled=args.values and r.progress_enabled()) as update:
         report = diff(args.a, args.b, values=args.values, progress=update)
+    args.status = 0 if report["identical"] else 1  # also when the output is cut short (piped into head)
     if args.json:
-        print(json.dumps(report, indent=1, default=str))
-        return 0 if report["identical"] else 1
+        _print_json(report)
+        return args.status
     out = r.console()
     for side in ("a", "b"):
         s = report[side]
@@ -333,24 +343,28 @@ def cmd_diff(args: argparse.Namespace) -> int:
                     f"({r.fmt_bytes(vals['bytes_read'])} read)")
     r.line(out, ("identical: " if report["identical"] else "different: ") + summary,
            style="bold green" if report["identical"] else "bold yellow")
-    return 0 if report["identical"] else 1
+    return args.status
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """List the leftovers of dead saves under a path and remove the dead ones."""
     from xckpt.gc import gc
     found = gc(args.path, older_than_s=args.older_than, dry_run=args.dry_run)
+    failed = [c for c in found if c.action == "failed"]
+    args.status = 2 if failed else 0
     if args.json:
-        print(json.dumps([c.to_json() for c in found], indent=1))
-        return 0
+        _print_json([c.to_json() for c in found])
+        return args.status
     for c in found:
         x = c.leftover
         state = "dead" if x.stale else "live"
-        print(f"{c.action:<13} {x.kind:<6} {state}  unrenewed {x.age_s:9.1f} s  {x.path}")
+        print(f"{c.action:<13} {x.kind:<6} {state}  unrenewed {x.age_s:9.1f} s  {x.path}"
+              + (f"  ({c.error})" if c.error else ""))
     removed = sum(c.action in ("removed", "would remove") for c in found)
     verb = "would remove" if args.dry_run else "removed"
-    print(f"{len(found)} leftovers, {verb} {removed}, kept {sum(c.action == 'kept' for c in found)} live")
-    return 0
+    print(f"{len(found)} leftovers, {verb} {removed}, kept {sum(c.action == 'kept' for c in found)} live"
+          + (f", {len(failed)} could not be removed" if failed else ""))
+    return args.status
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -375,9 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("src")
     s.add_argument("dst")
     formats = registry.converter_formats()
-    s.add_argument("--from", dest="from_format", default="xckpt", choices=formats)
-    s.add_argument("--to", dest="to_format", default="xckpt", choices=formats)
-    s.add_argument("--overwrite", action="store_true")
+    s.add_argument("--from", dest="from_format", default="xckpt", choices=formats,
+                   help="the format of SRC (default xckpt)")
+    s.add_argument("--to", dest="to_format", default="xckpt", choices=formats,
+                   help="the format to write DST in (default xckpt; not every pair converts: an unsupported one "
+                        "lists those that do)")
+    s.add_argument("--overwrite", action="store_true", help="replace DST when it is a checkpoint of that format")
     s.add_argument("--select", default=None, metavar="SUBTREE",
                    help="--to safetensors: export only the leaves under this key prefix ('model', 'model/encoder'), "
                         "named without it (default: every array leaf)")
@@ -421,14 +438,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.fn(args))
     except XckptError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        text = str(exc)
+        if hasattr(args, "overwrite"):  # the API's keyword, as the command line spells it
+            text = text.replace("overwrite=True", "--overwrite")
+        print(f"error: {text}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # output piped into e.g. `head`
+    except BrokenPipeError:  # output piped into e.g. `head`: the command's verdict still stands
         sys.stderr.close()
-        return 0
+        return getattr(args, "status", 0)
+    except OSError as exc:  # the file system refused (a link loop, a permission, a file where a folder was asked)
+        print(f"error: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -52,8 +52,8 @@ def convert(src: str, dst: str, *, source: str = "xckpt", target: str = "xckpt",
     """
     fn = registry.converter(source, target)
     if fn is None:
-        raise UnsupportedError(f"no converter from {source} to {target} is installed "
-                               f"(formats known: {', '.join(registry.converter_formats())})",
+        pairs = ", ".join(f"{a} to {b}" for a, b in registry.conversions())
+        raise UnsupportedError(f"xckpt does not convert {source} to {target} (it converts {pairs})",
                                code="convert.unsupported")
     options = {k: v for k, v in options.items() if v is not None}
     if options:

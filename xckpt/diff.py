@@ -199,6 +199,9 @@ def _accumulate(a: np.ndarray, b: np.ndarray, st: _Stats) -> None:
     """Add the comparison of ``a`` and ``b`` (see :func:`compare_pieces`) to the running totals ``st``."""
     if a.shape != b.shape:
         raise ValueError(f"shapes differ: {a.shape} and {b.shape}")
+    if {a.dtype.kind, b.dtype.kind} == {"i", "u"} and np.dtype(np.uint64) in (a.dtype, b.dtype):
+        _accumulate_signed_unsigned(a, b, st)  # no common numpy type holds both exactly
+        return
     work, exact = _common(a.dtype, b.dtype)
     fa, fb = a.reshape(-1), b.reshape(-1)
     st.elements += fa.size
@@ -224,6 +227,32 @@ def _accumulate(a: np.ndarray, b: np.ndarray, st: _Stats) -> None:
                 d = np.abs(x - y).astype(np.float64)
                 den = np.maximum(np.abs(x), np.abs(y)).astype(np.float64)
                 st.add_max(_nanmax(d), _nanmax(d / den))
+
+
+def _accumulate_signed_unsigned(a: np.ndarray, b: np.ndarray, st: _Stats) -> None:
+    """:func:`_accumulate` of a signed integer array and a uint64 one, exactly: a negative element differs from
+    every unsigned one; the others compare as uint64. Differences are exact Python integers."""
+    swap = a.dtype.kind == "u"
+    fs, fu = (b, a) if swap else (a, b)
+    fs, fu = fs.reshape(-1), fu.reshape(-1)
+    st.elements += fs.size
+    for s in range(0, fs.size, _BLOCK):
+        x, y = fs[s:s + _BLOCK].astype(np.int64), fu[s:s + _BLOCK]
+        neg = x < 0
+        ne = neg | (x.astype(np.uint64) != y)
+        n = int(np.count_nonzero(ne))
+        if n == 0:
+            continue
+        st.differing += n
+        pos = ne & ~neg  # both in the uint64 range: the difference is exact in uint64
+        if pos.any():
+            xp, yp = x[pos].astype(np.uint64), y[pos]
+            d = np.maximum(xp, yp) - np.minimum(xp, yp)
+            st.add_max(int(d.max()), _nanmax(d.astype(np.float64) / np.maximum(xp, yp).astype(np.float64)))
+        if neg.any():  # the difference can pass 2**64: Python integers
+            xn, yn = x[neg].astype(object), y[neg].astype(object)
+            d = yn - xn
+            st.add_max(int(d.max()), float((d / np.maximum(-xn, yn)).max()))
 
 
 def _num(x: float | int | None) -> float | int | str | None:

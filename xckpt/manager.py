@@ -30,7 +30,7 @@ from xckpt.engine.collective import Coordinator, LocalCoordinator
 from xckpt.engine.commit import COMMIT_TEXT
 from xckpt.engine.storage import LocalStore, Location
 from xckpt.errors import NotACheckpointError, SaveError, UnsupportedError, XckptError, XckptWarning
-from xckpt.format import names, orbax_view
+from xckpt.format import jsonobj, names, orbax_view
 from xckpt.load import load
 from xckpt.save import save_async
 from xckpt.sources.detect import open_checkpoint
@@ -148,7 +148,7 @@ def _step_info(step: int, path: str, *, sizes: bool = True) -> StepInfo:
     mine = manifest_meta.get("manager") if isinstance(manifest_meta, dict) else None
     orbax_metrics = _json_object(os.path.join(path, METRICS_ITEM, METRICS_ITEM))
     if isinstance(mine, dict) and isinstance(mine.get("metrics"), dict):
-        metrics = dict(mine["metrics"])
+        metrics = _with_non_finite(mine["metrics"])
     elif orbax_metrics is not None:
         metrics = orbax_metrics
     elif isinstance((meta or {}).get("metrics"), dict):
@@ -192,6 +192,16 @@ ORBAX_HANDLER = orbax_view.HANDLER
 #: Orbax's ``CheckpointManager`` keeps a step's metrics as a JSON item ``metrics/metrics``, written by this handler.
 ORBAX_METRICS_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
 _BEST_MODES = ("max", "min")
+
+
+def _with_non_finite(value: Any) -> Any:
+    """Metrics read back from ``xckpt.json``: the strings standing for NaN and the infinities as those floats
+    (a diverged run's NaN loss ranks as a number)."""
+    if isinstance(value, dict):
+        return {k: _with_non_finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_with_non_finite(v) for v in value]
+    return jsonobj.NON_FINITE.get(value, value) if isinstance(value, str) else value
 
 
 def _plain(value: Any) -> Any:

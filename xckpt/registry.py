@@ -189,6 +189,14 @@ def converter(source: str, target: str) -> Callable[..., None] | None:
     return _converters.get((source, target))
 
 
+def conversions() -> list[tuple[str, str]]:
+    """Every ``(source, target)`` pair an installed converter handles (loading every converter entry point)."""
+    for ep in _entry_points("xckpt.converters"):
+        for pair, fn in ep.load().items():
+            _converters.setdefault(pair, fn)
+    return sorted(_converters)
+
+
 def converter_formats() -> list[str]:
     """Every format some installed converter reads or writes."""
     formats = {"xckpt"} | {ep.name for ep in _entry_points("xckpt.converters")}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from xckpt.engine.read import ReadRequest, read_regions
 from xckpt.engine.storage import LocalStore, Location, Store
-from xckpt.errors import XckptError
+from xckpt.errors import XckptError, XckptWarning
 from xckpt.format import names as naming, orbax_view as orbax_files, shard, zarr
 from xckpt.format.manifest import ArrayEntry, Manifest, StoredArray, ValueEntry
 from xckpt.format.regions import Region, chunk_indices
@@ -83,10 +84,15 @@ def validate(path: Any, deep: bool = False) -> Report:
     store = loc.store()
     try:
         try:
-            m = read_manifest(loc, store)
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always", XckptWarning)
+                m = read_manifest(loc, store)
         except XckptError as exc:
             add(Finding(exc.code, exc.message, exc.file, exc.leaf))
             return report
+        for w in said:  # what a reader admits with a warning (NaN in metadata, as older xckpt wrote it)
+            if issubclass(w.category, XckptWarning):
+                add(Finding("manifest.json", str(w.message), str(loc.child(naming.MANIFEST)), severity="warning"))
         if isinstance(store, LocalStore):
             _check_files(store, m, report)
         if not store.exists(naming.COMMIT):
@@ -176,6 +182,7 @@ def _check_leaf(loc: Location, store: Store, e: ArrayEntry, deep: bool, report: 
                 gen: str | None) -> None:
     """A leaf's Zarr nodes: one array, or a group whose segment arrays tile it."""
     if e.segments is not None:
+        _check_group_objects(loc, store, e, report)
         meta = _read_json(loc, store, f"{e.path}/zarr.json", e, report)
         if meta is None:
             return
@@ -185,6 +192,18 @@ def _check_leaf(loc: Location, store: Store, e: ArrayEntry, deep: bool, report: 
             return
     for a in e.arrays():
         _check_array(loc, store, e, a, deep, report, gen)
+
+
+def _check_group_objects(loc: Location, store: Store, e: ArrayEntry, report: Report) -> None:
+    """Under a segmented leaf's directory: its group ``zarr.json`` and its segment arrays, nothing else
+    (each segment's own objects are checked with its array)."""
+    segments = tuple(f"{a.path}/" for a in e.arrays())
+    group_json = f"{e.path}/{zarr.METADATA}"
+    for name in store.list(e.path + "/"):
+        if name != group_json and not name.startswith(segments):
+            report.findings.append(Finding("chunk.unexpected", "object under a segmented leaf is neither its group's "
+                                           "zarr.json nor in one of its segments", str(loc.child(name)),
+                                           key_str(e.key)))
 
 
 def _read_json(loc: Location, store: Store, name: str, e: ArrayEntry, report: Report) -> dict[str, Any] | None:

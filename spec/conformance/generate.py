@@ -525,6 +525,32 @@ def _values_too_deep(p: str) -> None:
     edit_manifest(p, lambda m: m["values"].update(size=len(blob), crc32c=crc32c.crc32c(blob)))
 
 
+def _write_values(p: str, pairs: bytes) -> None:
+    """values.msgpack made of the msgpack array of [index, value] pairs ``pairs`` (the payload of the file's
+    top-level extension type 2), written byte for byte; size and crc32c updated."""
+    blob = msgpack.packb(msgpack.ExtType(xvalues.EXT_DICT, pairs))
+    write(p, naming.VALUES, blob)
+    edit_manifest(p, lambda m: m["values"].update(size=len(blob), crc32c=crc32c.crc32c(blob)))
+
+
+def _values_float32(p: str) -> None:
+    """values.msgpack whose 'opt/1' (0.5) is a msgpack float 32 (0xca), where the rules write float 64."""
+    _write_values(p, msgpack.packb([[2, 3], [3, "run-1"], [4, None], [5, 0.5]], use_single_float=True))
+
+
+def _values_array_leaf(p: str) -> None:
+    """values.msgpack with an extra entry for index 0, the array leaf 'w' (only value leaves have entries)."""
+    _write_values(p, msgpack.packb([[0, "not an array"], [2, 3], [3, "run-1"], [4, None], [5, 0.5]]))
+
+
+def _segment_not_ascii(m: dict[str, Any]) -> None:
+    """'w' recorded as one segment (the whole leaf) whose path is ARABIC-INDIC DIGIT ZERO, a digit to
+    str.isdigit but not one of the ASCII digits the format's segment paths are."""
+    w = leaf(m, ["w"])
+    w["segments"] = [{"path": "\u0660", "offset": [0, 0], "shape": [4, 4], "chunk_shape": w.pop("chunk_shape"),
+                      "inner_chunk_shape": w.pop("inner_chunk_shape")}]
+
+
 # name -> (code, deep, load, description, corruption applied to a copy of the base checkpoint);
 # load: True when loading the whole checkpoint fails with the same code, a code when it fails with
 # another one, False when the defect does not stop a load (it concerns Orbax, or bytes no read touches).
@@ -694,6 +720,36 @@ INVALID: dict[str, Invalid] = {
                         "dict: 65 levels, more than the 64 allowed (size and crc32c updated)", _values_too_deep),
     "generation_missing": ("manifest.schema", False, True, "a format 1.2 manifest without its generation",
                            lambda p: edit_manifest(p, lambda m: m.pop("generation"))),
+    "generation_null": ("manifest.schema", False, True, "a format 1.2 manifest whose generation is null (not a "
+                        "string of 32 hex digits; null is not 'absent', and a reader taking it so would check no "
+                        "place tag)", lambda p: edit_manifest(p, lambda m: m.update(generation=None))),
+    "orbax_path_null": ("manifest.schema", False, True, "value leaf 'step' with orbax_path null (the schema says a "
+                        "non-empty string when present)",
+                        lambda p: edit_manifest(p, lambda m: leaf(m, ["step"]).update(orbax_path=None))),
+    "values_null": ("manifest.schema", False, True, "the values member is null (the schema says an object)",
+                    lambda p: edit_manifest(p, lambda m: m.update(values=None))),
+    "tree_index_2e53": ("manifest.schema", False, True, "a tree leaf index of 2**53, above the schema's maximum "
+                        "(an index, not a shape: not shape.too_large)",
+                        lambda p: edit_manifest(p, lambda m: m["tree"]["items"][0][1].update(index=2**53))),
+    "manifest_nan": ("manifest.json", False, True, "xckpt.json holds NaN and -Infinity in producer (Python's json "
+                     "reads them; they are not JSON)",
+                     lambda p: write(p, naming.MANIFEST, read(p, naming.MANIFEST).replace(
+                         b'"producer":{', b'"producer":{"x":NaN,"y":-Infinity,', 1))),
+    "zarr_json_nan": ("array.metadata_json", False, True, "w/zarr.json holds NaN in its attributes (not JSON)",
+                      lambda p: write(p, "w/zarr.json", read(p, "w/zarr.json").replace(
+                          b'"attributes":{}', b'"attributes":{"a":NaN}', 1))),
+    "zarr_json_fill_float": ("array.metadata_mismatch", False, True, "b/zarr.json (int32) says fill_value 0.0; an "
+                             "integer type's fill value is the integer literal 0",
+                             lambda p: _zarr_json(p, "b", lambda z: z.update(fill_value=0.0))),
+    "zarr_json_dtype_word": ("array.metadata_mismatch", False, True, "w/zarr.json says data_type 'JSON' (valid "
+                             "JSON that differs from the manifest; the word in it does not make it invalid JSON)",
+                             lambda p: _zarr_json(p, "w", lambda z: z.update(data_type="JSON"))),
+    "segment_path_not_ascii": ("path.unsafe", False, True, "a segment path U+0660 (ARABIC-INDIC DIGIT ZERO): "
+                               "segment paths are ASCII decimal numbers", lambda p: edit_manifest(p, _segment_not_ascii)),
+    "values_float32": ("values.invalid", False, True, "values.msgpack stores the float 0.5 as msgpack float 32; "
+                       "the encoding rules write float 64 (size and crc32c updated)", _values_float32),
+    "values_array_leaf": ("values.invalid", False, True, "values.msgpack holds an entry for index 0, the array "
+                          "leaf 'w' (size and crc32c updated)", _values_array_leaf),
     "orbax_checkpoint_metadata_missing": ("orbax.checkpoint_metadata", False, False,
                                           "_CHECKPOINT_METADATA removed (Orbax's CheckpointManager lists steps by it)",
                                           lambda p: os.remove(os.path.join(p, naming.ORBAX_CHECKPOINT_METADATA))),

@@ -29,12 +29,13 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from xckpt.engine import atomic
 from xckpt.engine.storage import ABSENT, Location, open_kvstore
-from xckpt.errors import SaveError
+from xckpt.errors import SaveError, XckptError, XckptWarning
 from xckpt.format import names, safetensors
 
 #: Object that claims an object-store prefix for one save.
@@ -275,6 +276,8 @@ def scan(directory: Location, *, stale_after: float | None = None, name: str | N
         entries = os.listdir(root)
     except (FileNotFoundError, NotADirectoryError):
         return []
+    except OSError as exc:  # a permission, a link loop: say which directory
+        raise XckptError(f"cannot list {root}: {exc.strerror or exc}", code="io.read", file=root) from exc
     found = [(e, m) for e in entries for m in [LEFTOVER.fullmatch(e)] if m and (name is None or m["name"] == name)]
     leases = {(m["name"], m["generation"]): _mtime(os.path.join(root, e)) for e, m in found if m["kind"] == "lease"}
     out = []
@@ -328,6 +331,8 @@ def scan_steps(directory: Location, *, stale_after: float | None = None, name: s
         entries = os.listdir(root)
     except (FileNotFoundError, NotADirectoryError):
         return []
+    except OSError as exc:  # a permission, a link loop: say which directory
+        raise XckptError(f"cannot list {root}: {exc.strerror or exc}", code="io.read", file=root) from exc
     out = []
     for entry in entries:
         m = MANAGER_LEFTOVER.fullmatch(entry)
@@ -373,7 +378,8 @@ def remove(leftover: Leftover) -> None:
 
     A claim is first taken over with a conditional write, and only if it is still the one judged
     dead (same storage generation): a claim renewed, released or taken over since, by a save or
-    another cleaner, is no longer a leftover, and nothing is deleted.
+    another cleaner, is no longer a leftover, and nothing is deleted. What cannot be deleted (a
+    permission) is ``io.write`` naming the leftover.
     """
     if leftover.kind == "claim":
         kv = open_kvstore(Location(leftover.path).kvstore())
@@ -388,21 +394,42 @@ def remove(leftover: Leftover) -> None:
             kv.write(k, None).result()
         kv.write(CLAIM, None, if_equal=mine).result()
         return
+    failed: list[tuple[str, str]] = []
+
+    def note(_fn: Any, path: str, info: Any) -> None:
+        exc = info[1]
+        if not isinstance(exc, FileNotFoundError):  # gone meanwhile is gone
+            failed.append((path, exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)))
+
     if os.path.isdir(leftover.path) and not os.path.islink(leftover.path):
-        shutil.rmtree(leftover.path, ignore_errors=True)
+        shutil.rmtree(leftover.path, onerror=note)
     else:
         try:
             os.unlink(leftover.path)
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            failed.append((leftover.path, exc.strerror or str(exc)))
+    if failed:
+        path, why = failed[0]
+        raise XckptError(f"cannot remove the leftover {leftover.path}: {why} ({path}"
+                         + (f", and {len(failed) - 1} more" if len(failed) > 1 else "") + ")",
+                         code="io.write", file=leftover.path)
 
 
 def remove_stale(directory: Location, *, stale_after: float | None = None,
                  name: str | None = None) -> list[Leftover]:
     """Remove the stale leftovers of ``directory`` (see :func:`scan`); returns them."""
-    gone = [x for x in scan(directory, stale_after=stale_after, name=name) if x.stale]
-    for x in gone:
-        remove(x)
+    gone = []
+    for x in scan(directory, stale_after=stale_after, name=name):
+        if not x.stale:
+            continue
+        try:
+            remove(x)
+        except XckptError as exc:  # not this save's to fail on: say so, and go on
+            warnings.warn(XckptWarning(str(exc)), stacklevel=2)
+            continue
+        gone.append(x)
     return gone
 
 

@@ -165,10 +165,10 @@ def _check_array(store: Store, a: _Array, file: Callable[[str], str]) -> int:
     if raw is None:
         raise DataError("array metadata (zarr.json) is missing", code="array.metadata_missing", file=file(name),
                         leaf=a.leaf)
-    why = None if raw == zarr_format.array_json(*a.expected) else \
-        zarr_format.check_metadata(raw, zarr_format.zarr_metadata(*a.expected))
-    if why is not None:
-        code = "array.metadata_json" if "JSON" in why else "array.metadata_mismatch"
+    defect = None if raw == zarr_format.array_json(*a.expected) else \
+        zarr_format.metadata_defect(raw, zarr_format.zarr_metadata(*a.expected))
+    if defect is not None:  # the code says which check failed (the validator's codes for the same defect)
+        code, why = defect
         raise DataError(why, code=code, file=file(name), leaf=a.leaf)
     return len(raw)
 

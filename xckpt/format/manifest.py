@@ -14,14 +14,14 @@ import json
 import keyword
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NoReturn, Union
 
 from xckpt.format.regions import MAX_INNER, Region, check_tiling, grid_shape
-from xckpt.errors import ManifestError, ShapeError, UnsafePathError, VersionError, XckptError
-from xckpt.format import dtypes, names
-from xckpt.format.jsonobj import unique_members
+from xckpt.errors import ManifestError, ShapeError, UnsafePathError, VersionError, XckptError, XckptWarning
+from xckpt.format import dtypes, jsonobj, names
 from xckpt.format.tree import MAX_DEPTH, Key, Node, iter_nodes, key_str
 from xckpt.format.values import VALUE_TYPES
 
@@ -39,6 +39,8 @@ MAX_ELEMENTS = 2**53
 MAX_CHUNKS = 2**24
 #: Most dimensions an array may have.
 MAX_RANK = 64
+#: A segment path: ASCII decimal digits (the schema's ``^[0-9]+$``).
+_DECIMAL = re.compile(r"[0-9]+")
 #: A JSON escape of a UTF-16 surrogate, the only way a JSON document can hold a lone one.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
@@ -177,14 +179,14 @@ class Manifest:
         if self.values is not None:
             out["values"] = self.values
         if self.metadata:
-            out["metadata"] = self.metadata
+            out["metadata"] = jsonobj.finite(self.metadata)  # strict JSON: a NaN metric as the string "NaN"
         return out
 
     def dumps(self) -> bytes:
         """The manifest file's bytes: compact JSON, one leaf per line."""
         head = self._head()
         leaves = ",\n  ".join(e.json_line for e in self.leaves)
-        body = json.dumps(head, separators=(",", ":"))
+        body = json.dumps(head, separators=(",", ":"), allow_nan=False)
         return (body[:-1] + ',\n "leaves": [\n  ' + leaves + "\n ]\n}\n").encode() if self.leaves else \
             (body[:-1] + ',"leaves":[]}\n').encode()
 
@@ -220,7 +222,7 @@ class _Parser:
 
     def object(self, v: Any, where: str, required: tuple[str, ...], allowed: tuple[str, ...] | None) -> dict:
         if not isinstance(v, dict):
-            self.fail(where, f"expected an object, got {type(v).__name__}")
+            self.fail(where, f"expected an object, got {_json_type(v)}")
         missing = [k for k in required if k not in v]
         if missing:
             self.fail(where, f"{missing[0]!r} is a required property")
@@ -232,7 +234,7 @@ class _Parser:
 
     def string(self, v: Any, where: str, *, nonempty: bool = False) -> str:
         if not isinstance(v, str):
-            self.fail(where, f"expected a string, got {type(v).__name__}")
+            self.fail(where, f"expected a string, got {_json_type(v)}")
         if nonempty and not v:
             self.fail(where, "expected a non-empty string")
         return self.text(v, where)
@@ -243,14 +245,16 @@ class _Parser:
             self.fail(where, "a string holds a lone surrogate (not valid UTF-8)", "manifest.unicode")
         return v
 
-    def count(self, v: Any, where: str, *, minimum: int = 0, maximum: int = MAX_ELEMENTS - 1) -> int:
+    def count(self, v: Any, where: str, *, minimum: int = 0, maximum: int = MAX_ELEMENTS - 1,
+              too_large: str = "manifest.schema") -> int:
+        """A JSON integer in ``[minimum, maximum]``; above ``maximum`` the code is ``too_large`` (only a
+        dimension is a shape: ``shape.too_large``; any other count is a schema violation)."""
         if not isinstance(v, int) or isinstance(v, bool):
             self.fail(where, f"expected an integer, got {json.dumps(v)[:40]}")
         if v < minimum:
             self.fail(where, f"{v} is less than the minimum of {minimum}")
         if v > maximum:
-            self.fail(where, f"{v} is greater than the maximum of {maximum}",
-                      "shape.too_large" if maximum == MAX_ELEMENTS - 1 else "manifest.schema")
+            self.fail(where, f"{v} is greater than the maximum of {maximum}", too_large)
         return v
 
     def shape(self, v: Any, where: str, *, minimum: int = 0) -> tuple[int, ...]:
@@ -260,7 +264,8 @@ class _Parser:
             self.fail(where, f"more than {MAX_RANK} dimensions")
         if all(type(x) is int and minimum <= x < MAX_ELEMENTS for x in v):  # the usual case, in one pass
             return tuple(v)
-        return tuple(self.count(x, f"{where}/{i}", minimum=minimum) for i, x in enumerate(v))
+        return tuple(self.count(x, f"{where}/{i}", minimum=minimum, too_large="shape.too_large")
+                     for i, x in enumerate(v))
 
     def key_part(self, v: Any, where: str) -> str | int:
         if isinstance(v, str):
@@ -322,7 +327,7 @@ class _Parser:
 
     def list_(self, v: Any, where: str) -> list:
         if not isinstance(v, list):
-            self.fail(where, f"expected an array, got {type(v).__name__}")
+            self.fail(where, f"expected an array, got {_json_type(v)}")
         return v
 
     def segment(self, v: Any, where: str) -> StoredArray:
@@ -342,9 +347,9 @@ class _Parser:
             self.object(raw, where, ("type",), ("key", "kind", "type", "orbax_path"))
             if raw["type"] not in VALUE_TYPES:
                 self.fail(f"{where}/type", f"{raw['type']!r} is not one of {list(VALUE_TYPES)}")
-            orbax = raw.get("orbax_path")
-            if orbax is not None:
-                self.string(orbax, f"{where}/orbax_path", nonempty=True)
+            orbax = None
+            if "orbax_path" in raw:  # present: a non-empty string (null is not 'absent')
+                orbax = self.string(raw["orbax_path"], f"{where}/orbax_path", nonempty=True)
             return ValueEntry(key, raw["type"], orbax)
         if raw["kind"] != "array":
             self.fail(f"{where}/kind", f"{raw['kind']!r} is neither 'array' nor 'value'")
@@ -387,6 +392,17 @@ class _Parser:
         return e
 
 
+def _json_type(v: Any) -> str:
+    """The JSON type of a parsed value, for messages (``null``, not Python's ``NoneType``)."""
+    if v is None:
+        return "null"
+    for name, typ in (("a boolean", bool), ("an integer", int), ("a number", float), ("a string", str),
+                      ("an array", list), ("an object", dict)):
+        if isinstance(v, typ):
+            return name
+    return type(v).__name__
+
+
 def is_unicode(text: str) -> bool:
     """Whether ``text`` is valid Unicode: encodable as UTF-8 (JSON's ``\\ud800`` escapes can make a lone
     surrogate, which cannot)."""
@@ -415,13 +431,20 @@ def _check_text(obj: Any, p: "_Parser", where: str) -> None:
 def parse(data: bytes, *, file: str = names.MANIFEST) -> Manifest:
     """Parse and check manifest bytes; raise a specific :class:`~xckpt.errors.XckptError` on any defect."""
     try:
-        obj = json.loads(data.decode("utf-8"), object_pairs_hook=unique_members)
-    except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError, a number beyond 4300 digits, a member twice
+        obj = jsonobj.loads_marking_constants(data.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError, a number beyond 4300 digits, a member twice,
+        # NaN or Infinity (not JSON)
         raise ManifestError(f"manifest is not valid JSON: {exc}", code="manifest.json", file=file) from None
     except RecursionError:
         raise ManifestError("manifest nests too deeply to be parsed", code="manifest.json", file=file) from None
     if not isinstance(obj, dict):
         raise ManifestError("manifest is not a JSON object", code="manifest.schema", file=file)
+    if jsonobj.has_constant({k: v for k, v in obj.items() if k != "metadata"}):
+        raise ManifestError("manifest is not valid JSON: it holds NaN or Infinity (RFC 8259 has neither)",
+                            code="manifest.json", file=file)
+    if jsonobj.has_constant(obj.get("metadata")):  # xckpt before 1.2's strict writer put a NaN metric there
+        warnings.warn(XckptWarning(f"{file}: metadata holds NaN or Infinity, which is not JSON (an older xckpt "
+                                   "wrote it); read as the floats"), stacklevel=2)
     if obj.get("format") != FORMAT:
         raise ManifestError(f"format is {obj.get('format')!r}, expected 'xckpt'", code="manifest.format",
                             file=file)
@@ -439,9 +462,11 @@ def parse(data: bytes, *, file: str = names.MANIFEST) -> Manifest:
     p.object(obj, "<root>", required,
              ("format", "version", "producer", "tree", "leaves", "values", "metadata")
              + (() if version == "1.0" else ("generation",)))
-    generation = obj.get("generation")
-    if generation is not None and (not isinstance(generation, str) or not GENERATION.fullmatch(generation)):
-        p.fail("generation", "expected 32 lowercase hexadecimal digits")
+    generation = None
+    if "generation" in obj:  # present (required in 1.2): a string of 32 hex digits, never null
+        generation = obj["generation"]
+        if not isinstance(generation, str) or not GENERATION.fullmatch(generation):
+            p.fail("generation", f"expected 32 lowercase hexadecimal digits, got {json.dumps(generation)[:60]}")
     producer = p.object(obj["producer"], "producer", ("library", "library_version"), None)
     for k in ("library", "library_version", "framework", "framework_version"):
         if k in producer:
@@ -449,8 +474,9 @@ def parse(data: bytes, *, file: str = names.MANIFEST) -> Manifest:
     p.node(obj["tree"], "tree")
     leaves = [p.entry(raw, f"leaves/{i}", version) for i, raw in enumerate(p.list_(obj["leaves"], "leaves"))]
     p.leaf = None
-    values = obj.get("values")
-    if values is not None:
+    values = None
+    if "values" in obj:  # present: an object (null is not 'absent')
+        values = obj["values"]
         p.object(values, "values", ("path", "size", "crc32c"), ("path", "size", "crc32c"))
         if values["path"] != names.VALUES:
             p.fail("values/path", f"expected {names.VALUES!r}")
@@ -506,7 +532,7 @@ def check_shape(e: ArrayEntry, file: str = names.MANIFEST) -> None:
             raise ShapeError("chunk is too large", code="shape.too_large", file=file, leaf=leaf)
         if e.segments is not None:
             name = a.path[len(e.path) + 1:]
-            if not name.isdigit() or name in seen:
+            if not _DECIMAL.fullmatch(name) or name in seen:  # ASCII digits only (str.isdigit takes '\u0660')
                 raise UnsafePathError(f"segment path {name!r} must be a decimal number, once",
                                       file=file, leaf=leaf)
             seen.add(name)

@@ -16,7 +16,8 @@ code Python                  payload (msgpack)
 Decoding trusts nothing: it never recurses on the C stack (each extension payload is unpacked by
 its own top-level call, from an explicit work list), refuses a document whose containers nest
 deeper than :data:`MAX_DEPTH` (as :func:`encode` does), map keys that are not strings, duplicate
-keys, msgpack's timestamp type and
+keys, msgpack's timestamp type, a float stored as float 32 (the rules write float 64), a dict whose
+keys are all strings stored as extension type 2 (the rules write a map) and
 any payload that :func:`encode` would not have written (a tuple whose payload is not an array, a
 bigint that is not the canonical decimal form of an int outside 64 bits, a complex that is not two
 floats), each as a :class:`~xckpt.errors.ManifestError` with code ``values.invalid``.
@@ -147,12 +148,17 @@ class _Decoder:
         if depth > MAX_DEPTH + 2:
             self.fail(f"extension values nest deeper than {MAX_DEPTH + 2} levels")
         try:
-            return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True, ext_hook=_Ext,
-                                   object_pairs_hook=self.map)
+            out = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True, ext_hook=_Ext,
+                                  object_pairs_hook=self.map)
         except ManifestError:
             raise
         except (ValueError, TypeError) as exc:  # msgpack's errors (ExtraData, FormatError, StackError) included
             self.fail(f"not valid msgpack ({type(exc).__name__}{': ' if str(exc) else ''}{exc})")
+        if _FLOAT32 in data:  # the byte may also be data (a str, an int); only a scan of the document can tell
+            at = _float32_at(data)
+            if at is not None:
+                self.fail(f"a float is stored as msgpack float 32 (byte {at}); the encoding rules write float 64")
+        return out
 
     def map(self, pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
         """A msgpack map: string keys, each once (dicts with other keys are extension type 2)."""
@@ -205,6 +211,9 @@ class _Decoder:
         if ext.code == EXT_DICT:
             if not isinstance(inner, list) or not all(isinstance(p, list) and len(p) == 2 for p in inner):
                 self.fail("a dict's payload is not an array of [key, value] pairs")
+            if all(type(k) is str for k, _ in inner):  # (an empty dict too) the rules write a plain map
+                self.fail("a dict whose keys are all strings is stored as extension type 2; the encoding rules "
+                          "write it as a msgpack map")
             try:
                 out = {self.key(k): v for k, v in inner}
             except TypeError as exc:
@@ -230,6 +239,45 @@ class _Decoder:
         if _depth(key) > MAX_DEPTH:
             self.fail(f"a dict key nests deeper than {MAX_DEPTH} levels")
         return _freeze(key)
+
+
+_FLOAT32 = b"\xca"
+#: Bytes after the type byte of each fixed-size msgpack format (ints, float 64, nil, bool, fixext
+#: with its type byte), by type byte; 0xca (float 32) is the one looked for.
+_FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2, 0xd2: 4,
+          0xd3: 8, 0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}
+#: Length-prefixed formats: (bytes of the length, extra bytes after it: ext's type byte), by type byte.
+_SIZED = {0xc4: (1, 0), 0xc5: (2, 0), 0xc6: (4, 0), 0xd9: (1, 0), 0xda: (2, 0), 0xdb: (4, 0),
+          0xc7: (1, 1), 0xc8: (2, 1), 0xc9: (4, 1)}
+#: Container headers: bytes of the element count, by type byte (array 16/32, map 16/32).
+_HEADER = {0xdc: 2, 0xdd: 4, 0xde: 2, 0xdf: 4}
+
+
+def _float32_at(data: bytes) -> int | None:
+    """Offset of the first msgpack float 32 in one document that msgpack decoded, else None.
+
+    The document is well formed (it was just unpacked), so its objects are walked in order, one type
+    byte after another, without recursion: containers' items follow their header, str, bin and ext
+    payloads (decoded separately, as documents of their own) are skipped whole.
+    """
+    pos, n = 0, len(data)
+    while pos < n:
+        t = data[pos]
+        if t == 0xca:
+            return pos
+        pos += 1
+        if t <= 0x9f or t >= 0xe0:  # fixint, fixmap, fixarray: the type byte is all
+            continue
+        if t <= 0xbf:  # fixstr
+            pos += t & 0x1f
+        elif t in _FIXED:
+            pos += _FIXED[t]
+        elif t in _SIZED:
+            width, extra = _SIZED[t]
+            pos += width + extra + int.from_bytes(data[pos:pos + width], "big")
+        else:
+            pos += _HEADER.get(t, 0)
+    return None
 
 
 def _freeze(key: Any) -> Any:

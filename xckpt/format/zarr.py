@@ -19,7 +19,7 @@ import numpy as np
 
 from xckpt.format import dtypes
 from xckpt.format.codecs import ZSTD_LEVEL
-from xckpt.format.jsonobj import unique_members
+from xckpt.format.jsonobj import loads as json_loads
 from xckpt.format.shard import Geometry
 
 #: Codec names a conforming xckpt writer may use inside ``sharding_indexed``.
@@ -106,11 +106,14 @@ def _geometry(storage_dtype: str, chunk_shape: tuple[int, ...], inner_chunk_shap
 def mismatch(meta: dict[str, Any], expected: dict[str, Any]) -> str | None:
     """Why a ``zarr.json`` disagrees with the metadata the manifest implies (``expected``), or None.
 
-    Numbers compare by JSON type (``2.0`` is not the integer ``2``) except in ``fill_value``;
+    Numbers compare by JSON type (``2.0`` is not the integer ``2``) except in the ``fill_value`` of a floating
+    or complex type (``0`` equals ``0.0`` there, not for an integer type);
     members nested more than :data:`MAX_NESTING` deep never match (and are never walked further).
     """
     for name in ("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "fill_value", "codecs"):
-        numbers = name == "fill_value"
+        # a floating (or complex) fill value of zero may be written 0 or 0.0; an integer type's is the
+        # integer literal 0 (spec 4: integers are integer literals), so 0.0 differs from it
+        numbers = name == "fill_value" and not isinstance(expected[name], int)
         if _normal(meta.get(name), numbers=numbers) != _normal(expected[name], numbers=numbers):
             return f"zarr.json {name} is {_brief(meta.get(name))}, the manifest implies {expected[name]!r}"
     enc = meta.get("chunk_key_encoding")
@@ -206,11 +209,12 @@ def _brief(v: Any, limit: int = 160) -> str:
 
 def parse_metadata(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
     """A ``zarr.json``'s object, or None and why it cannot be read: UTF-8 JSON (no BOM, every number
-    within Python's 4300 digits, nesting within the interpreter's recursion limit), an object, no
-    member twice in one object."""
+    within Python's 4300 digits, nesting within the interpreter's recursion limit, no ``NaN`` or
+    ``Infinity``), an object, no member twice in one object."""
     try:
-        meta = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_members)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        meta = json_loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors, and
+        # so are NaN / Infinity (not JSON) and a member given twice
         return None, f"zarr.json is not valid JSON: {exc}"
     if not isinstance(meta, dict):
         return None, "zarr.json is not a JSON object"
@@ -225,11 +229,26 @@ def array_json(shape: tuple[int, ...], storage_dtype: str, chunk_shape: tuple[in
     return encode_metadata(zarr_metadata(shape, storage_dtype, chunk_shape, inner_chunk_shape, compression))
 
 
-def check_metadata(raw: bytes, expected: dict[str, Any]) -> str | None:
-    """Why stored ``zarr.json`` bytes disagree with ``expected``, or None (exact bytes: no parsing)."""
+#: The code of a ``zarr.json`` that is not a JSON object as the format reads it (:func:`parse_metadata`).
+METADATA_JSON = "array.metadata_json"
+#: The code of a ``zarr.json`` that is one but differs from what the manifest implies (:func:`mismatch`).
+METADATA_MISMATCH = "array.metadata_mismatch"
+
+
+def metadata_defect(raw: bytes, expected: dict[str, Any]) -> tuple[str, str] | None:
+    """``(code, why)`` when stored ``zarr.json`` bytes disagree with ``expected``, else None: the code is
+    :data:`METADATA_JSON` when :func:`parse_metadata` refuses the bytes, :data:`METADATA_MISMATCH` when
+    :func:`mismatch` finds a difference (decided by which check failed, never by the message)."""
     if raw == encode_metadata(expected):
         return None
     meta, why = parse_metadata(raw)
     if meta is None:
-        return why
-    return mismatch(meta, expected)
+        return METADATA_JSON, why or "zarr.json cannot be read"
+    why = mismatch(meta, expected)
+    return None if why is None else (METADATA_MISMATCH, why)
+
+
+def check_metadata(raw: bytes, expected: dict[str, Any]) -> str | None:
+    """Why stored ``zarr.json`` bytes disagree with ``expected``, or None (exact bytes: no parsing)."""
+    defect = metadata_defect(raw, expected)
+    return None if defect is None else defect[1]

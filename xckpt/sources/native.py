@@ -143,6 +143,14 @@ def read_values(loc: Location, store: Store, m: Manifest) -> dict[int, Any]:
     if not isinstance(decoded, dict) or any(type(k) is not int for k in decoded):
         raise ManifestError("values file is not a map from leaf indexes (integers) to values",
                             code="values.invalid", file=file)
+    value_leaves = {i for i, e in enumerate(m.leaves) if isinstance(e, ValueEntry)}
+    stray = sorted(k for k in decoded if k not in value_leaves)
+    if stray:  # the file maps each value leaf's index to its value, nothing else (spec 5)
+        what = "no leaf has it" if stray[0] < 0 or stray[0] >= len(m.leaves) else \
+            f"it is the array leaf {key_str(m.leaves[stray[0]].key)!r}"
+        more = f"; {len(stray) - 1} more such entries" if len(stray) > 1 else ""
+        raise ManifestError(f"values file holds an entry for index {stray[0]} ({what}{more}); only value leaves "
+                            "have entries", code="values.invalid", file=file)
     out: dict[int, Any] = {}
     for i, e in enumerate(m.leaves):
         if isinstance(e, ValueEntry):
