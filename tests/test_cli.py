@@ -472,3 +472,13 @@ def test_convert_says_which_conversions_exist_and_the_flag_to_overwrite(tmp_path
     assert cli_main(["convert", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert "pass --overwrite to replace it" in err and "overwrite=True" not in err, err
+
+
+def test_ls_of_one_checkpoint_lists_it_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its array folders are not checkpoints (they were listed as unreadable ones)."""
+    xckpt.save({"w": np.ones(3, np.float32), "b": np.zeros(2, np.float32), "step": 1}, tmp_path / "c")
+    rc, out = _cli(capsys, "ls", "--json", str(tmp_path / "c"))
+    got = json.loads(out)["checkpoints"]
+    assert rc == 0 and [(c["name"], c["format"], c["leaves"], c["error"]) for c in got] == [("c", "xckpt", 3, None)]
+    rc, out = _cli(capsys, "ls", "--json", str(tmp_path))
+    assert [c["name"] for c in json.loads(out)["checkpoints"]] == ["c"]

@@ -188,39 +188,40 @@ def _mapped_export(args: argparse.Namespace, config: str | None) -> dict[str, An
 
 def _list_checkpoints(root: str) -> list[dict[str, Any]]:
     """Each subdirectory of ``root`` (not a link) as a checkpoint: name, format, leaves, size; unreadable
-    ones with their error."""
-    from xckpt.sources.detect import open_checkpoint
-    try:
-        from xckpt.manager import tree_size
-    except ImportError:  # pragma: no cover - sizes are optional
-        def tree_size(path: str) -> int | None:
-            return None
+    ones with their error. A ``root`` that is itself a checkpoint is listed alone (its array folders are
+    not checkpoints)."""
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except FileNotFoundError:
         raise XckptError(f"{root}: no such directory", code="io.read") from None
     except OSError as exc:
         raise XckptError(f"cannot list {root}: {exc.strerror}", code="io.read") from None
-    found = []
-    for e in entries:
-        if e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
-            continue  # hidden entries are what saves leave beside their destination
-        item: dict[str, Any] = {"name": e.name, "path": e.path, "format": None, "leaves": None,
-                                "size_bytes": tree_size(e.path), "error": None}
+    itself = _describe(root, os.path.basename(os.path.normpath(root)))
+    if itself["error"] is None:
+        return [itself]
+    # hidden entries are what saves leave beside their destination
+    return [_describe(e.path, e.name) for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
+
+
+def _describe(path: str, name: str) -> dict[str, Any]:
+    """One checkpoint's row of ``xckpt ls``: name, format, leaves, size, or the error that stops reading it."""
+    from xckpt.manager import tree_size
+    from xckpt.sources.detect import open_checkpoint
+    item: dict[str, Any] = {"name": name, "path": path, "format": None, "leaves": None,
+                            "size_bytes": tree_size(path), "error": None}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            src = open_checkpoint(path)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                src = open_checkpoint(e.path)
-            try:
-                item["format"], item["leaves"] = src.format, len(src.manifest.leaves)
-            finally:
-                src.close()
-        except XckptError as exc:
-            item["error"] = {"code": exc.code, "message": exc.message}
-        except (OSError, ValueError) as exc:
-            item["error"] = {"code": "io.read", "message": str(exc)}
-        found.append(item)
-    return found
+            item["format"], item["leaves"] = src.format, len(src.manifest.leaves)
+        finally:
+            src.close()
+    except XckptError as exc:
+        item["error"] = {"code": exc.code, "message": exc.message}
+    except (OSError, ValueError) as exc:
+        item["error"] = {"code": "io.read", "message": str(exc)}
+    return item
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
