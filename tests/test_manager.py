@@ -445,3 +445,45 @@ def test_xckpt_reads_and_continues_orbax_run(tmp_path: Path) -> None:
         assert list(om.all_steps()) == [30, 40]
         out = om.restore(40)
         np.testing.assert_array_equal(np.asarray(out["params"]["w"]), _params(40)["w"])
+
+
+def test_a_step_best_fn_cannot_score_does_not_stop_retention(tmp_path: Path) -> None:
+    """A best_fn that raises on one step's metrics (a division by zero, a string where a number was meant):
+    that step is not ranked; the other steps are, and max_to_keep still applies (it kept every step, and
+    warned, at every save after)."""
+    for name, best_fn, first in (("div", lambda m: m["loss"] / m["tokens"], {"loss": 1.0, "tokens": 0}),
+                                 ("str", "loss", {"loss": "n/a", "tokens": 1})):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", xckpt.XckptWarning)  # no "retention failed"
+            with xckpt.CheckpointManager(tmp_path / name, max_to_keep=2, keep_best=1, best_fn=best_fn,
+                                         best_mode="min", async_save=False) as m:
+                for step in range(1, 7):
+                    metrics = first if step == 1 else {"loss": float(7 - step), "tokens": 1}
+                    m.save(step, {"x": np.full(2, step)}, metrics=metrics, force=True)
+        assert [s.step for s in xckpt.list_steps(tmp_path / name)] == [5, 6], name
+
+
+def test_metrics_keep_their_types_through_strict_json(tmp_path: Path) -> None:
+    """A NaN loss comes back a float, a metric that is the string "NaN" stays a string."""
+    import math
+
+    with xckpt.CheckpointManager(tmp_path / "run", async_save=False) as m:
+        m.save(1, {"x": np.zeros(2)}, force=True,
+               metrics={"loss": float("nan"), "note": "NaN", "hist": [1.0, float("-inf")], "opt": "Infinity"})
+    got = xckpt.list_steps(tmp_path / "run")[0].metrics
+    assert math.isnan(got["loss"]) and got["hist"] == [1.0, -math.inf], got
+    assert got["note"] == "NaN" and got["opt"] == "Infinity", got
+
+
+def test_should_save_after_a_save_and_after_a_forced_older_step(tmp_path: Path) -> None:
+    """A step not newer than the last one saved is never saved again: asked after saving it (the answer
+    was cached), or after a forced save of an older step (it lowered the mark)."""
+    with xckpt.CheckpointManager(tmp_path / "run", save_interval_steps=10, async_save=False) as m:
+        assert m.should_save(10)
+        assert m.save(10, {"x": np.zeros(2)})
+        assert not m.should_save(10) and not m.save(10, {"x": np.zeros(2)})
+        assert m.save(20, {"x": np.zeros(2)})
+        assert m.save(5, {"x": np.zeros(2)}, force=True)
+        assert not m.should_save(20) and not m.save(20, {"x": np.zeros(2)})
+        assert m.should_save(30)
+    assert [s.step for s in xckpt.list_steps(tmp_path / "run")] == [5, 10, 20]

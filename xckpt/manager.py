@@ -10,6 +10,7 @@ the top of the step (see the manager for why).
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import json
 import math
@@ -148,7 +149,7 @@ def _step_info(step: int, path: str, *, sizes: bool = True) -> StepInfo:
     mine = manifest_meta.get("manager") if isinstance(manifest_meta, dict) else None
     orbax_metrics = _json_object(os.path.join(path, METRICS_ITEM, METRICS_ITEM))
     if isinstance(mine, dict) and isinstance(mine.get("metrics"), dict):
-        metrics = _with_non_finite(mine["metrics"])
+        metrics = _with_non_finite(mine["metrics"], mine.get("non_finite"))
     elif orbax_metrics is not None:
         metrics = orbax_metrics
     elif isinstance((meta or {}).get("metrics"), dict):
@@ -194,14 +195,34 @@ ORBAX_METRICS_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.
 _BEST_MODES = ("max", "min")
 
 
-def _with_non_finite(value: Any) -> Any:
-    """Metrics read back from ``xckpt.json``: the strings standing for NaN and the infinities as those floats
-    (a diverged run's NaN loss ranks as a number)."""
+def _non_finite_paths(value: Any, path: tuple[Any, ...] = ()) -> list[list[Any]]:
+    """The paths (keys and list positions) of the NaN and infinite floats in plain metrics."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [list(path)]
     if isinstance(value, dict):
-        return {k: _with_non_finite(v) for k, v in value.items()}
+        return [p for k, v in value.items() for p in _non_finite_paths(v, path + (k,))]
     if isinstance(value, list):
-        return [_with_non_finite(v) for v in value]
-    return jsonobj.NON_FINITE.get(value, value) if isinstance(value, str) else value
+        return [p for i, v in enumerate(value) for p in _non_finite_paths(v, path + (i,))]
+    return []
+
+
+def _with_non_finite(metrics: dict[str, Any], paths: Any) -> dict[str, Any]:
+    """Metrics read back from ``xckpt.json``: at each of ``paths`` (what :func:`_non_finite_paths` recorded at
+    save), the string strict JSON wrote for a NaN or infinite float, as that float; a metric that was a
+    string stays one. (A manifest an older xckpt wrote holds the floats themselves.)"""
+    out = copy.deepcopy(metrics)
+    for path in paths if isinstance(paths, list) else []:
+        if not isinstance(path, list) or not path:
+            continue
+        node: Any = out
+        try:
+            for k in path[:-1]:
+                node = node[k]
+            if isinstance(node[path[-1]], str) and node[path[-1]] in jsonobj.NON_FINITE:
+                node[path[-1]] = jsonobj.NON_FINITE[node[path[-1]]]
+        except (KeyError, IndexError, TypeError):
+            continue
+    return out
 
 
 def _plain(value: Any) -> Any:
@@ -330,7 +351,8 @@ class CheckpointManager:
         """Whether to save ``step``, the same answer on every process (collective: every process calls it).
 
         True when a policy says so on any process (see the class documentation); False for a
-        step not newer than the last one saved. Asking again for the same step gives the same answer.
+        step not newer than the last one saved. Asking again for the same step gives the same answer (until
+        it is saved: then False).
         """
         if self._decided is not None and self._decided[0] == step:
             return self._decided[1]
@@ -383,6 +405,9 @@ class CheckpointManager:
         options = dict(self.save_options)
         metadata = dict(options.pop("metadata", None) or {})
         metadata["manager"] = {"step": step, "metrics": plain_metrics}
+        floats = _non_finite_paths(plain_metrics)
+        if floats:  # strict JSON writes them as strings: say which were floats (a metric "NaN" may be a string)
+            metadata["manager"]["non_finite"] = floats
         started_ns = time.time_ns()
         try:
             handle = save_async(state, os.path.join(staging, DEFAULT_ITEM), coordinator=coord, metadata=metadata,
@@ -397,7 +422,8 @@ class CheckpointManager:
                                          name="xckpt-manager-finish", daemon=True)
         with self._lock:
             self._inflight = flight
-        self._last_step = step
+        self._last_step = step if self._last_step is None else max(self._last_step, step)  # (a forced older step)
+        self._decided = None  # a step saved is not newer than the last one saved: asked again, it gives False
         self._last_time = time.monotonic()
         self._requested = False
         flight.thread.start()
@@ -603,12 +629,14 @@ class CheckpointManager:
         if self.keep_best is not None and self.best_fn is not None:
             scored = []
             for s in committed:
-                try:
+                try:  # the user's function on a step's metrics: a step it cannot score is not ranked (and the
+                    # other rules still apply), whatever it raises
                     score = self.best_fn(s.metrics)
-                except (KeyError, TypeError, ValueError, IndexError):
+                    score = None if score is None else float(score)
+                except Exception:  # noqa: BLE001
                     continue
-                if score is not None and not (isinstance(score, float) and math.isnan(score)):
-                    scored.append((float(score), s.step))
+                if score is not None and not math.isnan(score):
+                    scored.append((score, s.step))
             scored.sort(key=lambda x: (-x[0] if self.best_mode == "max" else x[0], -x[1]))
             keep.update(step for _, step in scored[:self.keep_best])
         return [s.step for s in committed if s.step not in keep]
