@@ -122,56 +122,40 @@ class SaveError(XckptError):
     code = "save.failed"
 
 
-def _failures_text(what: str, failures: dict[int, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
-    """The message of a collective step that failed on the ranks of ``failures`` (each rank's error, as
-    :func:`xckpt.engine.collective.describe` gives it), and its code, file and leaf: the failing ranks' code
-    when they all share one, the file and leaf of a single failure."""
-    codes = {f.get("code") for f in failures.values()}
-    first = next(iter(failures.values()), {})
-    parts = []
-    for rank, f in failures.items():
-        where = ", ".join(x for x in (f"leaf {f['leaf']!r}" if f.get("leaf") else "",
-                                      f"file {f['file']}" if f.get("file") else "") if x)
-        if len(failures) == 1:
-            where = ""  # the error's own file and leaf say it
-        parts.append(f"rank {rank}: [{f.get('code')}] {f.get('message')}" + (f" ({where})" if where else ""))
-    ranks = "rank" if len(failures) == 1 else "ranks"
-    return (f"{what} failed on {ranks} {sorted(failures)}: " + "; ".join(parts),
-            {"code": codes.pop() if len(codes) == 1 and None not in codes else None,
-             "file": first.get("file") if len(failures) == 1 else None,
-             "leaf": first.get("leaf") if len(failures) == 1 else None})
+class RankFailures(XckptError):
+    """A collective step failed on one or more processes; ``failures`` holds each one's error by rank
+    (as :func:`xckpt.engine.collective.describe` gives it), and every process raises the same.
 
-
-class CollectiveError(SaveError):
-    """A step of a collective save failed on one or more processes; ``failures`` holds each one's
-    error by rank. Nothing was committed.
-
-    Every process of the step raises it, with the same list. Its ``code`` is the failing
-    processes' code when they all share one, else ``collective.failed``.
+    Its ``code`` is the failing processes' code when they all share one, else ``collective.failed``;
+    its ``file`` and ``leaf`` are those of a single failure. A save raises :class:`CollectiveError`,
+    a load :class:`CollectiveLoadError`.
     """
 
     code = "collective.failed"
 
     def __init__(self, what: str, failures: dict[int, dict[str, Any]]) -> None:
         self.failures = dict(sorted(failures.items()))
-        message, where = _failures_text(what, self.failures)
-        super().__init__(message, **where)
+        one = self.failures[next(iter(self.failures))] if len(self.failures) == 1 else None
+        parts = []
+        for rank, f in self.failures.items():
+            where = "" if one else ", ".join(x for x in (f"leaf {f['leaf']!r}" if f.get("leaf") else "",
+                                                          f"file {f['file']}" if f.get("file") else "") if x)
+            parts.append(f"rank {rank}: [{f.get('code')}] {f.get('message')}" + (f" ({where})" if where else ""))
+        codes = {f.get("code") for f in self.failures.values()}
+        XckptError.__init__(self, f"{what} failed on {'rank' if one else 'ranks'} {sorted(self.failures)}: "
+                            + "; ".join(parts), code=codes.pop() if len(codes) == 1 and None not in codes else None,
+                            file=one.get("file") if one else None, leaf=one.get("leaf") if one else None)
 
 
-class CollectiveLoadError(XckptError):
-    """A collective load failed on one or more processes; ``failures`` holds each one's error by rank.
+class CollectiveError(RankFailures, SaveError):
+    """A step of a collective save failed on one or more processes (see :class:`RankFailures`). Nothing was
+    committed."""
 
-    Every process raises it, with the same list, and none returns anything: a job never goes on
-    with some processes restored and others not. Its ``code`` is the failing processes' code when
-    they all share one (``tree.key_mismatch`` when each rank's target differs), else ``collective.failed``.
-    """
 
-    code = "collective.failed"
-
-    def __init__(self, what: str, failures: dict[int, dict[str, Any]]) -> None:
-        self.failures = dict(sorted(failures.items()))
-        message, where = _failures_text(what, self.failures)
-        super().__init__(message, **where)
+class CollectiveLoadError(RankFailures):
+    """A collective load failed on one or more processes (see :class:`RankFailures`): none returns anything,
+    so a job never goes on with some processes restored and others not (``tree.key_mismatch`` when each
+    rank's target differs)."""
 
 
 class CoordinationError(XckptError):

@@ -253,8 +253,11 @@ class _Loading:
 
     def __init__(self, reads: "_Reads", finish: Callable[[dict[int, Any]], Any]) -> None:
         self._reads, self._finish = reads, finish
-        #: Whether it writes in place without staging (see :class:`_Reads`).
-        self.unstaged = reads.unstaged
+
+    @property
+    def unstaged(self) -> bool:
+        """Whether it writes in place without staging (see :class:`_Reads`)."""
+        return self._reads.unstaged
 
     def check(self) -> None:
         """Check every object it will read (:meth:`_Reads.check`)."""

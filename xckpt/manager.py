@@ -683,9 +683,7 @@ class CheckpointManager:
         claims.remove_stale(root)
         with self._lock:
             mine = self._inflight.staging if self._inflight is not None else None
-        for x in claims.scan_steps(root):
-            if x.stale and x.path != mine:
-                claims.remove(x)
+        claims.remove_all(x for x in claims.scan_steps(root) if x.stale and x.path != mine)
 
 
 def _synced(sync: Callable[[], None], path: str) -> None:

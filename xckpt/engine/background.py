@@ -238,11 +238,12 @@ class Pending:
 
     def _coordinate(self) -> None:
         """Collect every status, commit or discard, publish the outcome, wait for the others to read it."""
+        unread: dict[int, dict[str, Any]] | None = None
         try:
-            statuses, missing = self._collect()
+            statuses: list[dict[str, Any]] | None = self._collect()
         except BaseException as exc:  # noqa: BLE001 - a status file that cannot be read
-            statuses, missing = None, {collective.ROOT: collective.describe(exc)}
-        self._commit(statuses, missing)
+            statuses, unread = None, {collective.ROOT: collective.describe(exc)}
+        self._commit(statuses, unread)
         failures = self._error.failures if isinstance(self._error, CollectiveError) else None
         store = self._status.store(create=True)
         try:
@@ -259,9 +260,9 @@ class Pending:
             store.close()
         _remove_dir(self._status)
 
-    def _collect(self) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
-        """Every process's status, by rank (a rank that reported none within the timeout: an error status),
-        and the account of each rank that reported none (``async.timeout``)."""
+    def _collect(self) -> list[dict[str, Any]]:
+        """Every process's status, by rank (a rank that reported none within the timeout: an ``async.timeout``
+        error status)."""
         world = self.p.coord.world_size
         store = self._status.store(create=True)
         try:
@@ -280,21 +281,20 @@ class Pending:
                         missing = {r: collective.describe(CoordinationError(
                             f"reported no status within {self._timeout_s:g} s (did it die?)", code="async.timeout",
                             file=str(self._status))) for r in range(world) if r not in found}
-                        return [found.get(r) or {"error": missing[r]} for r in range(world)], missing
+                        return [found.get(r) or {"error": missing[r]} for r in range(world)]
                     time.sleep(self._poll_s)
-            return [found[r] for r in range(world)], {}
+            return [found[r] for r in range(world)]
         finally:
             store.close()
 
-    def _commit(self, statuses: list[dict[str, Any]] | None, missing: dict[int, dict[str, Any]] | None = None) -> None:
+    def _commit(self, statuses: list[dict[str, Any]] | None, unread: dict[int, dict[str, Any]] | None = None) -> None:
         """Commit when every status is a success; else discard. In a job of several processes, a failure is one
         :class:`~xckpt.errors.CollectiveError` holding every failing rank's error (as a synchronous save's),
-        which the outcome carries to every process; ``missing``: the ranks that reported nothing."""
+        which the outcome carries to every process; ``unread``: why the statuses could not be read (None)."""
         p = self.p
-        failed: dict[int, dict[str, Any]] = dict(missing or {})
+        failed = (unread or {}) if statuses is None else \
+            {r: s["error"] for r, s in enumerate(statuses) if "error" in s}
         try:
-            if statuses is not None:
-                failed.update({r: s["error"] for r, s in enumerate(statuses) if "error" in s and r not in failed})
             if failed:
                 raise CollectiveError(p.what, failed)
             assert statuses is not None

@@ -31,7 +31,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from xckpt.engine import atomic
 from xckpt.engine.storage import ABSENT, Location, open_kvstore
@@ -259,6 +259,17 @@ def _mtime(path: str) -> float | None:
         return None
 
 
+def _listing(root: str) -> list[str]:
+    """The names in the local directory ``root`` (none when it is missing or not a directory); one it cannot
+    list (a permission, a link loop) is ``io.read`` naming it."""
+    try:
+        return os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        raise XckptError(f"cannot list {root}: {exc.strerror or exc}", code="io.read", file=root) from exc
+
+
 def scan(directory: Location, *, stale_after: float | None = None, name: str | None = None) -> list[Leftover]:
     """Every leftover in ``directory`` (a local directory, or an object-store prefix whose
     sub-prefixes are checkpoints), optionally only those of destination ``name``.
@@ -272,12 +283,7 @@ def scan(directory: Location, *, stale_after: float | None = None, name: str | N
     if not directory.is_local:
         return _scan_claims(directory, limit, now, name)
     root = directory.local_path
-    try:
-        entries = os.listdir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    except OSError as exc:  # a permission, a link loop: say which directory
-        raise XckptError(f"cannot list {root}: {exc.strerror or exc}", code="io.read", file=root) from exc
+    entries = _listing(root)
     found = [(e, m) for e in entries for m in [LEFTOVER.fullmatch(e)] if m and (name is None or m["name"] == name)]
     leases = {(m["name"], m["generation"]): _mtime(os.path.join(root, e)) for e, m in found if m["kind"] == "lease"}
     out = []
@@ -327,12 +333,7 @@ def scan_steps(directory: Location, *, stale_after: float | None = None, name: s
     limit = stale_after_s() if stale_after is None else stale_after
     now = time.time()
     root = directory.local_path
-    try:
-        entries = os.listdir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    except OSError as exc:  # a permission, a link loop: say which directory
-        raise XckptError(f"cannot list {root}: {exc.strerror or exc}", code="io.read", file=root) from exc
+    entries = _listing(root)
     out = []
     for entry in entries:
         m = MANAGER_LEFTOVER.fullmatch(entry)
@@ -420,14 +421,18 @@ def remove(leftover: Leftover) -> None:
 def remove_stale(directory: Location, *, stale_after: float | None = None,
                  name: str | None = None) -> list[Leftover]:
     """Remove the stale leftovers of ``directory`` (see :func:`scan`); returns them."""
+    return remove_all(x for x in scan(directory, stale_after=stale_after, name=name) if x.stale)
+
+
+def remove_all(leftovers: Iterable[Leftover]) -> list[Leftover]:
+    """Remove dead leftovers beside a save that is about to run (:func:`remove`); returns those removed. One
+    that cannot be removed is not that save's to fail on: it is warned about, and the others go on."""
     gone = []
-    for x in scan(directory, stale_after=stale_after, name=name):
-        if not x.stale:
-            continue
+    for x in leftovers:
         try:
             remove(x)
-        except XckptError as exc:  # not this save's to fail on: say so, and go on
-            warnings.warn(XckptWarning(str(exc)), stacklevel=2)
+        except XckptError as exc:
+            warnings.warn(XckptWarning(str(exc)), stacklevel=3)
             continue
         gone.append(x)
     return gone

@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
 
 import msgpack
 
-from xckpt.errors import CollectiveError, CollectiveLoadError, CoordinationError, XckptError
+from xckpt.errors import CollectiveError, CoordinationError, RankFailures, XckptError
 
 T = TypeVar("T")
 ROOT = 0
@@ -172,7 +172,7 @@ def broadcast(coord: Coordinator, obj: Any, root: int = ROOT) -> Any:
 
 def describe(exc: BaseException) -> dict[str, Any]:
     """A msgpack-able account of an exception: its type, code, message, file and leaf."""
-    if isinstance(exc, (CollectiveError, CollectiveLoadError)):
+    if isinstance(exc, RankFailures):
         return {"type": type(exc).__name__, "code": exc.code, "message": exc.message, "file": exc.file,
                 "leaf": exc.leaf, "failures": {str(r): f for r, f in exc.failures.items()}}
     if isinstance(exc, XckptError):
@@ -183,7 +183,7 @@ def describe(exc: BaseException) -> dict[str, Any]:
 
 
 def _raise(what: str, failures: dict[int, dict[str, Any]], local: BaseException | None, world: int,
-           error: type[CollectiveError | CollectiveLoadError] = CollectiveError) -> None:
+           error: type[RankFailures] = CollectiveError) -> None:
     if world == 1 and isinstance(local, XckptError):
         raise local
     raise error(what, failures) from local
@@ -270,7 +270,7 @@ def decide_step(coord: Coordinator, what: str, fn: Callable[[], Any], decide: Ca
 
 
 def all_step(coord: Coordinator, what: str, fn: Callable[[], T],
-             error: type[CollectiveError | CollectiveLoadError] = CollectiveError) -> list[T]:
+             error: type[RankFailures] = CollectiveError) -> list[T]:
     """Run ``fn`` everywhere; every process gets every result, by rank (one all-gather).
 
     Raises ``error`` on every process, with every failing rank's error, when ``fn`` failed anywhere."""

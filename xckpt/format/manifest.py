@@ -439,10 +439,11 @@ def parse(data: bytes, *, file: str = names.MANIFEST) -> Manifest:
         raise ManifestError("manifest nests too deeply to be parsed", code="manifest.json", file=file) from None
     if not isinstance(obj, dict):
         raise ManifestError("manifest is not a JSON object", code="manifest.schema", file=file)
-    if jsonobj.has_constant({k: v for k, v in obj.items() if k != "metadata"}):
+    constants = (b"NaN" in data or b"Infinity" in data) and jsonobj.has_constant(obj)  # (no walk without the words)
+    if constants and jsonobj.has_constant({k: v for k, v in obj.items() if k != "metadata"}):
         raise ManifestError("manifest is not valid JSON: it holds NaN or Infinity (RFC 8259 has neither)",
                             code="manifest.json", file=file)
-    if jsonobj.has_constant(obj.get("metadata")):  # xckpt before 1.2's strict writer put a NaN metric there
+    if constants:  # in metadata only: xckpt before 1.2's strict writer put a NaN metric there
         warnings.warn(XckptWarning(f"{file}: metadata holds NaN or Infinity, which is not JSON (an older xckpt "
                                    "wrote it); read as the floats"), stacklevel=2)
     if obj.get("format") != FORMAT:
