@@ -185,3 +185,38 @@ def test_ranks_saving_different_values_under_one_key_name_it(tmp_path):
     for g in got:
         assert isinstance(g, CollectiveError) and g.code == "coord.mismatch" and g.leaf == "cfg/step", g
     assert os.listdir(tmp_path) == []
+
+
+def test_a_rank_kept_waiting_warns_once_and_goes_on(tmp_path, monkeypatch):
+    """A process whose peers are late (or never come: one rank loading alone in a distributed job)
+    says so after XCKPT_WAIT_WARN_S, naming the step and the way out, and still finishes when they arrive."""
+    import time
+    import warnings
+
+    import numpy as np
+    import xckpt
+
+    monkeypatch.setenv("XCKPT_WAIT_WARN_S", "0.3")
+    path = tmp_path / "c"
+    xckpt.save({"w": np.arange(6.0)}, path)
+
+    def body(coord: Any) -> Any:
+        if coord.rank == 1:
+            time.sleep(1.5)
+        return xckpt.load(path, coordinator=coord)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = run_ranks(2, body)
+    for tree in out:
+        np.testing.assert_array_equal(tree["w"], np.arange(6.0))
+    texts = [str(w.message) for w in seen if issubclass(w.category, xckpt.XckptWarning)]
+    assert len(texts) == 1, texts  # rank 0 waited; rank 1 found rank 0 there
+    assert texts[0].startswith("rank 0 has waited 0.3 s for the other 1 process in load of ") and str(path) in texts[0]
+    assert "coordinator=xckpt.LocalCoordinator()" in texts[0]
+
+    monkeypatch.setenv("XCKPT_WAIT_WARN_S", "0")  # 0: never
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run_ranks(2, body)
+    assert not [w for w in seen if issubclass(w.category, xckpt.XckptWarning)]

@@ -542,6 +542,26 @@ def load2(rank: int, world: int, wd: Path, rand_after_save: list[list[float]]) -
     xckpt.load(wd / "hf", like=hf)
     for n, d in hf.items():
         check_dtensor(d, full(n))
+
+    # rank 1 comes late to a load: rank 0 warns that it waits (naming the load and the way to load
+    # alone), then both finish; rank 1, which found rank 0 there, does not warn
+    import time
+    import warnings
+    os.environ["XCKPT_WAIT_WARN_S"] = "0.5"
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if rank == 1:
+                time.sleep(2.0)
+            late = xckpt.load(wd / "main", like={"plain": torch.zeros(5, 3, dtype=torch.int64)}, partial=True)
+    finally:
+        del os.environ["XCKPT_WAIT_WARN_S"]
+    np.testing.assert_array_equal(late["plain"].numpy(), np.arange(15).reshape(5, 3))
+    waited = [str(w.message) for w in seen if issubclass(w.category, xckpt.XckptWarning)]
+    if rank == 0:
+        assert len(waited) == 1 and waited[0].startswith("rank 0 has waited 0.5 s for the other 1 process in load of "), waited
+    else:
+        assert not waited, waited
     return {"tp_tensors": n_tp}
 
 

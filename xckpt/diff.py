@@ -145,15 +145,12 @@ def pieces(shape: Sequence[int], itemsize: int, piece_bytes: int = PIECE_BYTES,
 
 
 def _common(a: np.dtype, b: np.dtype) -> tuple[np.dtype, bool]:
-    """The dtype two arrays are compared in, and whether it is exact integer arithmetic."""
-    ints = all(t.kind in "biu" for t in (a, b))
-    if ints:
+    """The dtype two arrays are compared in, and whether it is exact integer arithmetic (a signed
+    array and a uint64 one never come here: :func:`_accumulate_signed_unsigned` compares them)."""
+    if all(t.kind in "biu" for t in (a, b)):
         if a == b:
             return (np.dtype(np.uint8) if a.kind == "b" else a), True
-        if np.dtype(np.uint64) not in (a, b):
-            return np.dtype(np.int64), True
-        if a.kind in "bu" and b.kind in "bu":
-            return np.dtype(np.uint64), True
+        return np.dtype(np.uint64 if np.dtype(np.uint64) in (a, b) else np.int64), True
     if a.kind == "c" or b.kind == "c":
         return np.dtype(np.complex128), False
     return np.dtype(np.float64), False

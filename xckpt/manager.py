@@ -325,7 +325,7 @@ class CheckpointManager:
         self._last_time = time.monotonic()
         last = self.latest_step() if self.coordinator.rank == collective.ROOT else None
         if self.coordinator.world_size > 1:  # every process compares steps with the same last one
-            last = collective.broadcast(self.coordinator, last)
+            last = collective.broadcast(self.coordinator, last, what=f"CheckpointManager({self.root!r})")
         self._last_step: int | None = last
         self._closed = False
         self._old_handler: Any = None
@@ -361,7 +361,8 @@ class CheckpointManager:
         want = self._requested or (self.save_interval_steps is not None and step % self.save_interval_steps == 0) or \
             (self.save_interval_s is not None and time.monotonic() - self._last_time >= self.save_interval_s)
         if self.coordinator.world_size > 1:
-            votes = collective.all_gather(self.coordinator, [bool(want), bool(self._signalled)])
+            votes = collective.all_gather(self.coordinator, [bool(want), bool(self._signalled)],
+                                         what=f"CheckpointManager.should_save({step})")
             want = any(v[0] for v in votes)
             self.preempted = self.preempted or any(v[1] for v in votes)
         else:
@@ -397,7 +398,7 @@ class CheckpointManager:
         else:
             plan = None
         if coord.world_size > 1:
-            plan = collective.broadcast(coord, plan)
+            plan = collective.broadcast(coord, plan, what=f"CheckpointManager.save({step})")
         assert plan is not None
         if "error" in plan:
             raise XckptError(plan["error"], code=plan["code"], file=os.path.join(self.root, str(step)))
@@ -586,7 +587,7 @@ class CheckpointManager:
         if step is None:
             step = self.latest_step() if self.coordinator.rank == collective.ROOT else None
             if self.coordinator.world_size > 1:
-                step = collective.broadcast(self.coordinator, step)
+                step = collective.broadcast(self.coordinator, step, what="CheckpointManager.restore")
             if step is None:
                 raise NotACheckpointError(f"{self.root} holds no committed step", code="manager.no_step",
                                           file=self.root)

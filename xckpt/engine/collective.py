@@ -16,15 +16,23 @@ that lists every failing rank with its error, so no process waits forever and no
 
 from __future__ import annotations
 
+import os
 import threading
+import time
+import warnings
 from typing import Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
 
 import msgpack
 
-from xckpt.errors import CollectiveError, CoordinationError, RankFailures, XckptError
+from xckpt.errors import CollectiveError, CoordinationError, RankFailures, XckptError, XckptWarning
 
 T = TypeVar("T")
 ROOT = 0
+
+#: Seconds one exchange waits for the other processes before this process warns that it is
+#: waiting (``XCKPT_WAIT_WARN_S`` overrides it; 0 never warns). The wait itself goes on until the
+#: framework's own timeout: the others may only be slow.
+WAIT_WARN_S = 60.0
 
 
 @runtime_checkable
@@ -148,9 +156,77 @@ def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
-def exchange(fn: Callable[[], T]) -> T:
-    """Run one message exchange of the coordinator; a transport failure (a process died, a timeout of
-    the framework's process group) becomes ``coord.lost``, an :class:`~xckpt.errors.CoordinationError`."""
+def wait_warn_s() -> float:
+    """Seconds an exchange waits before warning: ``XCKPT_WAIT_WARN_S``, else :data:`WAIT_WARN_S`."""
+    return max(0.0, float(os.environ.get("XCKPT_WAIT_WARN_S", WAIT_WARN_S)))
+
+
+def _warn_waiting(coord: Coordinator, what: str, after: float) -> None:
+    others = coord.world_size - 1
+    warnings.warn(XckptWarning(
+        f"rank {coord.rank} has waited {after:g} s for the other {others} process{'es' if others > 1 else ''} in "
+        f"{what or 'a collective step'}; every process of the job must make the same call (one that does not "
+        "keeps the others waiting until the process group's timeout). To save or load in one process alone, pass "
+        "coordinator=xckpt.LocalCoordinator()"), stacklevel=2)
+
+
+class _Watchdog:
+    """One thread per process that runs a callback when an armed deadline passes before it is disarmed
+    (arming costs a dictionary entry, not a thread per exchange)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._armed: dict[int, tuple[float, Callable[[], None]]] = {}
+        self._next = 0
+        self._pid = -1
+
+    def arm(self, after: float, fn: Callable[[], None]) -> int:
+        """Run ``fn`` in ``after`` seconds unless :meth:`disarm` is called first; returns the token."""
+        with self._cond:
+            if self._pid != os.getpid():  # first use, or a forked child: the thread is not there
+                self._pid = os.getpid()
+                self._armed.clear()
+                threading.Thread(target=self._run, name="xckpt-watchdog", daemon=True).start()
+            at = time.monotonic() + after
+            if all(at < other for other, _ in self._armed.values()):
+                self._cond.notify()  # the thread sleeps until a later deadline, or none
+            self._next += 1
+            self._armed[self._next] = (at, fn)
+            return self._next
+
+    def disarm(self, token: int) -> None:
+        """Forget ``token``'s callback (nothing happens when it already ran)."""
+        with self._cond:
+            self._armed.pop(token, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = [t for t, (at, _) in self._armed.items() if at <= now]
+                calls = [self._armed.pop(t)[1] for t in due]
+                if not calls:
+                    soonest = min((at for at, _ in self._armed.values()), default=None)
+                    self._cond.wait(None if soonest is None else soonest - now)
+                    continue
+            for fn in calls:
+                fn()
+
+
+_watchdog = _Watchdog()
+
+
+def exchange(fn: Callable[[], T], coord: Coordinator | None = None, what: str = "") -> T:
+    """Run one message exchange of ``coord``; a transport failure (a process died, a timeout of
+    the framework's process group) becomes ``coord.lost``, an :class:`~xckpt.errors.CoordinationError`.
+
+    When the exchange waits longer than :func:`wait_warn_s` for the other processes, an
+    :class:`~xckpt.errors.XckptWarning` naming ``what`` says so, once, while it goes on waiting.
+    """
+    token: int | None = None
+    after = wait_warn_s() if coord is not None and coord.world_size > 1 else 0.0
+    if after > 0:
+        token = _watchdog.arm(after, lambda: _warn_waiting(coord, what, after))  # type: ignore[arg-type]
     try:
         return fn()
     except XckptError:
@@ -158,16 +234,20 @@ def exchange(fn: Callable[[], T]) -> T:
     except Exception as exc:  # noqa: BLE001 - torch.distributed and XLA raise RuntimeError and others
         raise CoordinationError(f"lost contact with the other processes ({type(exc).__name__}: {exc})",
                                 code="coord.lost") from exc
+    finally:
+        if token is not None:
+            _watchdog.disarm(token)
 
 
-def all_gather(coord: Coordinator, obj: Any) -> list[Any]:
-    """Gather a plain object from every process, on every process."""
-    return [unpack(b) for b in exchange(lambda: coord.all_gather_bytes(pack(obj)))]
+def all_gather(coord: Coordinator, obj: Any, what: str = "") -> list[Any]:
+    """Gather a plain object from every process, on every process (``what``: the step, for :func:`exchange`)."""
+    return [unpack(b) for b in exchange(lambda: coord.all_gather_bytes(pack(obj)), coord, what)]
 
 
-def broadcast(coord: Coordinator, obj: Any, root: int = ROOT) -> Any:
-    """Broadcast a plain object from ``root``."""
-    return unpack(exchange(lambda: coord.broadcast_bytes(pack(obj) if coord.rank == root else None, root)))
+def broadcast(coord: Coordinator, obj: Any, root: int = ROOT, what: str = "") -> Any:
+    """Broadcast a plain object from ``root`` (``what``: the step, for :func:`exchange`)."""
+    return unpack(exchange(lambda: coord.broadcast_bytes(pack(obj) if coord.rank == root else None, root),
+                           coord, what))
 
 
 def describe(exc: BaseException) -> dict[str, Any]:
@@ -189,11 +269,12 @@ def _raise(what: str, failures: dict[int, dict[str, Any]], local: BaseException 
     raise error(what, failures) from local
 
 
-def _gather(coord: Coordinator, fn: Callable[[], Any]) -> tuple[BaseException | None, list[dict[str, Any]] | None]:
+def _gather(coord: Coordinator, what: str,
+            fn: Callable[[], Any]) -> tuple[BaseException | None, list[dict[str, Any]] | None]:
     """Run ``fn`` and gather ``{"ok": result}`` or ``{"error": ...}`` from every process to the coordinating one."""
     result, local = _run(fn)
     got = exchange(lambda: coord.gather_bytes(pack({"ok": result} if local is None else {"error": describe(local)}),
-                                              ROOT))
+                                              ROOT), coord, what)
     return local, None if got is None else [unpack(b) for b in got]
 
 
@@ -209,13 +290,13 @@ def gather_step(coord: Coordinator, what: str, fn: Callable[[], Any]) -> list[An
 
     Raises :class:`~xckpt.errors.CollectiveError` on every process when ``fn`` failed anywhere.
     """
-    local, items = _gather(coord, fn)
+    local, items = _gather(coord, what, fn)
     failures: dict[int, dict[str, Any]] = {}
     results: list[Any] | None = None
     if items is not None:
         failures = {r: x["error"] for r, x in enumerate(items) if "error" in x}
         results = [x.get("ok") for x in items]
-    failures = {int(r): f for r, f in broadcast(coord, {str(r): f for r, f in failures.items()}).items()}
+    failures = {int(r): f for r, f in broadcast(coord, {str(r): f for r, f in failures.items()}, ROOT, what).items()}
     if failures:
         _raise(what, failures, local, coord.world_size)
     return results
@@ -241,7 +322,7 @@ def answer_step(coord: Coordinator, what: str, fn: Callable[[], Sequence[Any]] |
                 items.append(packed[id(a)])
         else:
             items = [pack({"error": describe(local)})] * coord.world_size
-    got = unpack(exchange(lambda: coord.scatter_bytes(items, ROOT)))
+    got = unpack(exchange(lambda: coord.scatter_bytes(items, ROOT), coord, what))
     if "error" in got:
         _raise(what, {ROOT: got["error"]}, local, coord.world_size)
     return got["ok"]
@@ -254,7 +335,7 @@ def decide_step(coord: Coordinator, what: str, fn: Callable[[], Any], decide: Ca
     Raises :class:`~xckpt.errors.CollectiveError` on every process when ``fn`` failed anywhere
     (``decide`` then does not run) or when ``decide`` failed.
     """
-    local, items = _gather(coord, fn)
+    local, items = _gather(coord, what, fn)
     out: dict[str, Any] | None = None
     if items is not None:
         failures = {str(r): x["error"] for r, x in enumerate(items) if "error" in x}
@@ -263,7 +344,7 @@ def decide_step(coord: Coordinator, what: str, fn: Callable[[], Any], decide: Ca
             if local is not None:
                 failures = {str(ROOT): describe(local)}
         out = {"failures": failures} if failures else {"ok": decision}
-    out = broadcast(coord, out, ROOT)
+    out = broadcast(coord, out, ROOT, what)
     if "failures" in out:
         _raise(what, {int(r): f for r, f in out["failures"].items()}, local, coord.world_size)
     return out["ok"]
@@ -275,7 +356,7 @@ def all_step(coord: Coordinator, what: str, fn: Callable[[], T],
 
     Raises ``error`` on every process, with every failing rank's error, when ``fn`` failed anywhere."""
     result, local = _run(fn)
-    items = all_gather(coord, {"ok": result} if local is None else {"error": describe(local)})
+    items = all_gather(coord, {"ok": result} if local is None else {"error": describe(local)}, what)
     failures = {r: x["error"] for r, x in enumerate(items) if "error" in x}
     if failures:
         _raise(what, failures, local, coord.world_size, error)
