@@ -414,3 +414,46 @@ def test_a_nan_metric_an_older_xckpt_wrote_into_metadata_still_loads(tmp_path):
         xckpt.load(tmp_path / "c")
     assert info.value.code == "manifest.json"
     m.write_bytes(older)  # (every checkpoint a test leaves must validate)
+
+
+def test_subclassed_values_are_stored_as_plain_values(tmp_path):
+    """An IntEnum, a str enum, a float subclass come back as the plain int, str and float (as JSON would)."""
+    import enum
+
+    class Color(enum.IntEnum):
+        RED = 3
+
+    class Mode(str, enum.Enum):
+        TRAIN = "train"
+
+    class Loss(float):
+        pass
+
+    tree = {"color": Color.RED, "mode": Mode.TRAIN, "loss": Loss(0.5),
+            "cfg": xckpt.Value({Mode.TRAIN: [Color.RED, (Loss(1.5), b"x")]})}
+    xckpt.save(tree, tmp_path / "c")
+    out = xckpt.load(tmp_path / "c")
+    assert out == {"color": 3, "mode": "train", "loss": 0.5, "cfg": {"train": [3, (1.5, b"x")]}}
+    assert [type(out[k]) for k in ("color", "mode", "loss")] == [int, str, float]
+    assert type(next(iter(out["cfg"]))) is str
+
+
+def test_empty_arrays_with_huge_dimensions_and_arrays_the_format_cannot_record(tmp_path):
+    """An array with no element gets the smallest chunk, whatever its other dimensions (its reader's chunk
+    bound holds); a dimension of 2**53 or more is refused by the save, naming the leaf."""
+    for shape in [(2**52, 0), (3, 2**51, 0), (0,), (4, 0, 7)]:
+        xckpt.save({"x": np.zeros(shape, np.float32)}, tmp_path / f"e{len(shape)}{shape[0]}")
+        got = xckpt.load(tmp_path / f"e{len(shape)}{shape[0]}")["x"]
+        assert got.shape == shape and got.dtype == np.float32
+    with pytest.raises(xckpt.XckptError) as e:
+        xckpt.save({"big": np.zeros((0, 2**53), np.int8)}, tmp_path / "big")
+    assert e.value.code == "shape.too_large" and e.value.leaf == "big"
+    assert not (tmp_path / "big").exists()
+
+
+def test_an_int_key_beyond_64_bits_is_refused_by_leaf(tmp_path):
+    with pytest.raises(xckpt.XckptError) as e:
+        xckpt.save({"opt": {2**70: 1.0}}, tmp_path / "c")
+    assert e.value.code == "tree.invalid" and e.value.leaf == "opt" and "64-bit" in str(e.value)
+    xckpt.save({"opt": {-(2**63): 1.0, 2**63 - 1: 2.0}}, tmp_path / "ok")
+    assert xckpt.load(tmp_path / "ok") == {"opt": {-(2**63): 1.0, 2**63 - 1: 2.0}}

@@ -248,3 +248,32 @@ def test_inner_chunk_shapes_never_exceed_the_format_limit() -> None:
     from xckpt.format.regions import MAX_INNER
     inner = inner_chunk_shape_for((2**22, 64), 4, 16)  # a tiny target would ask for 2**24 inner chunks
     assert math.prod(c // i for c, i in zip((2**22, 64), inner)) <= MAX_INNER
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=st.lists(st.integers(0, 4), min_size=1, max_size=3), data=st.data())
+def test_overlaps_itself_is_true_for_every_array_whose_elements_overlap(shape, data):
+    """load.overlaps_itself against brute force over as_strided views of one buffer: never False where
+    two elements share a byte, and False for any slice or transpose of a plain array."""
+    from numpy.lib.stride_tricks import as_strided
+    from xckpt.load import overlaps_itself
+
+    itemsize = data.draw(st.sampled_from([1, 2, 4]))
+    strides = [data.draw(st.integers(0, 24)) for _ in shape]  # in bytes: any, aligned or not
+    span = sum(s * (n - 1) for s, n in zip(strides, shape) if n) + itemsize
+    buf = np.zeros(span // itemsize + 2, np.dtype(f"u{itemsize}"))
+    arr = as_strided(buf, shape=tuple(shape), strides=tuple(strides), writeable=False)
+    assert arr.itemsize == itemsize
+    starts = [sum(i * s for i, s in zip(idx, strides)) for idx in np.ndindex(*shape)]
+    taken: set[int] = set()
+    overlap = False
+    for s0 in starts:
+        cells = set(range(s0, s0 + itemsize))
+        overlap = overlap or bool(cells & taken)
+        taken |= cells
+    if overlap:
+        assert overlaps_itself(arr)
+    plain = np.zeros(tuple(shape), np.dtype(f"u{itemsize}"))
+    assert not overlaps_itself(plain) and not overlaps_itself(plain.T) and not overlaps_itself(plain[..., ::-1])
+    if plain.ndim >= 1 and plain.shape[0] > 2:
+        assert not overlaps_itself(plain[::2])

@@ -336,3 +336,66 @@ def test_saving_tensors_does_not_import_dcp(tmp_path):
         import xckpt_torch
 
         xckpt_torch.nothing  # noqa: B018
+
+
+def test_stored_values_fill_tensor_targets_in_place_once_the_load_succeeds(tmp_path_factory):
+    """A Python value (an optimizer's step, a learning rate) loads into a CPU tensor target in place;
+    a target of another shape is refused, naming the leaf, and a failed load leaves it untouched."""
+    tmp_path = tmp_path_factory.mktemp("values")  # damaged below: not one for every_checkpoint_validates
+    xckpt.save({"step": 5, "lr": 0.25, "betas": xckpt.Value([0.9, 0.999]), "w": np.arange(4.0)}, tmp_path / "c")
+    step, lr, betas = torch.tensor(0), torch.tensor(0.0, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    out = xckpt.load(tmp_path / "c", like={"step": step, "lr": lr, "betas": betas}, partial=True)
+    assert out["step"] is step and out["lr"] is lr and out["betas"] is betas
+    assert (step.item(), lr.item(), betas.tolist()) == (5, 0.25, [0.9, 0.999])
+    with pytest.raises(xckpt.KeyMismatchError) as e:
+        xckpt.load(tmp_path / "c", like={"step": torch.zeros(3)}, partial=True)
+    assert e.value.leaf == "step" and "shape []" in str(e.value)
+    # a value target is written only after every read succeeded: a missing chunk leaves it as it was
+    for f in (tmp_path / "c").rglob("*"):
+        if f.is_file() and f.parent.name == "c" and f.parent.parent.name == "w":
+            f.unlink()
+    again = torch.tensor(-1)
+    with pytest.raises(xckpt.XckptError):
+        xckpt.load(tmp_path / "c", like={"step": again, "w": torch.zeros(4, dtype=torch.float64)}, partial=True)
+    assert again.item() == -1
+
+
+def test_odd_tensor_targets(tmp_path):
+    """Targets whose memory a load cannot write as a plain array: an expanded tensor is refused before
+    anything is written; tensors with a lazy conjugate or negative bit are filled through torch."""
+    xckpt.save({"x": np.arange(6, dtype=np.float32).reshape(3, 2), "y": np.ones(2, np.float32),
+                "c": np.array([1 + 2j, 3 - 4j], np.complex64)}, tmp_path / "c")
+    y = torch.zeros(2)
+    with pytest.raises(xckpt.XckptError) as e:
+        xckpt.load(tmp_path / "c", like={"x": torch.zeros(2).expand(3, 2), "y": y}, partial=True)
+    assert e.value.code == "shape.mismatch" and e.value.leaf == "x" and "share memory" in str(e.value)
+    assert (y == 0).all()
+    base = torch.zeros(2, dtype=torch.complex64)
+    out = xckpt.load(tmp_path / "c", like={"c": base.conj()}, partial=True)
+    np.testing.assert_array_equal(out["c"].resolve_conj().numpy(), np.array([1 + 2j, 3 - 4j], np.complex64))
+    np.testing.assert_array_equal(base.numpy(), np.array([1 - 2j, 3 + 4j], np.complex64))  # through the view
+    neg_base = torch.zeros(2, dtype=torch.complex64)
+    neg = neg_base.conj().imag  # float32 with the negative bit
+    assert neg.is_neg()
+    out = xckpt.load(tmp_path / "c", like={"y": neg}, partial=True)
+    np.testing.assert_array_equal(out["y"].resolve_neg().numpy(), np.ones(2, np.float32))
+    np.testing.assert_array_equal(neg_base.numpy().imag, -np.ones(2, np.float32))
+    with pytest.raises(xckpt.KeyMismatchError) as e:  # a complex array into a real target would drop its imaginary part
+        xckpt.load(tmp_path / "c", like={"c": torch.zeros(2)}, partial=True)
+    assert e.value.leaf == "c" and "complex64" in str(e.value)
+
+
+def test_impossible_casts_and_scalar_targets_are_refused_by_leaf(tmp_path):
+    """A cast ml_dtypes cannot make is refused before any target is written; a stored NaN cannot become an int."""
+    xckpt.save({"a": np.ones(4, np.float32), "b": np.ones(4, ml_dtypes.float8_e4m3fn), "n": np.float64("nan"),
+                "z": np.complex128(1j)}, tmp_path / "c")
+    a = torch.zeros(4)
+    with pytest.raises(xckpt.KeyMismatchError) as e:
+        xckpt.load(tmp_path / "c", like={"a": a, "b": torch.zeros(4, dtype=torch.float8_e8m0fnu)}, partial=True)
+    assert e.value.leaf == "b" and "float8_e8m0fnu" in str(e.value)
+    assert (a == 0).all()
+    for like, leaf in (({"n": 0}, "n"), ({"z": 0.0}, "z")):
+        with pytest.raises(xckpt.KeyMismatchError) as e:
+            xckpt.load(tmp_path / "c", like=like, partial=True)
+        assert e.value.leaf == leaf
+    assert xckpt.load(tmp_path / "c", like={"z": 0j}, partial=True)["z"] == 1j

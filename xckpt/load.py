@@ -305,9 +305,10 @@ def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build:
         make = registry.target_for(req.like)
         if isinstance(entry, ArrayEntry):
             if make is None:
-                if isinstance(req.like, (bool, int, float, complex)) and entry.shape == ():
+                if isinstance(req.like, (bool, int, float, complex)) and entry.shape == () and \
+                        (np.dtype(dtypes.numpy_dtype(entry.dtype)).kind != "c" or isinstance(req.like, complex)):
                     jobs.append((i, ArrayTarget((), None, [Region.full(())],
-                                                lambda p, t=type(req.like): t(p[0].item()))))
+                                                lambda p, t=type(req.like), k=req.key: _scalar(p[0], t, k))))
                     continue
                 mismatched.append(f"{key_str(req.key)}: stored array {list(entry.shape)} {entry.dtype}, "
                                   f"target is {type(req.like).__name__}")
@@ -337,7 +338,7 @@ def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build:
                                    file=str(ckpt.loc), leaf=named[0] if len(named) == 1 else None)
         _warn(caller, message)
     reads = _Reads(ckpt, jobs, max_bytes, staging)
-    values: dict[Key, Any] = {}
+    values: dict[Key, Callable[[], Any]] = {}
     if value_reqs:
         vals = ckpt.values()
         for key, i, target in value_reqs:
@@ -345,21 +346,76 @@ def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build:
 
     def finish(results_by_leaf: dict[int, Any]) -> Any:
         results: dict[Key, Any] = {m.leaves[i].key: r for i, r in results_by_leaf.items()}
-        results.update(values)
+        results.update((key, fill()) for key, fill in values.items())
         return build(results)
     return _Loading(reads, finish)
 
 
-def _value_as(v: Any, target: ArrayTarget | None, key: Key, file: str) -> Any:
-    """A stored value as its target asks (a framework scalar array, say); one that cannot be is
-    ``tree.key_mismatch`` naming its leaf."""
-    if target is None or not target.dtype:
-        return v
+def _scalar(arr: np.ndarray, kind: type, key: Key) -> Any:
+    """A stored 0-d array as the Python scalar type of its target (``int(nan)`` is ``tree.key_mismatch``)."""
     try:
-        return target.build([np.asarray(v, dtype=dtypes.numpy_dtype(target.dtype))])
+        return kind(arr.item())
     except (TypeError, ValueError, OverflowError) as exc:
-        raise KeyMismatchError(f"the stored value {type(v).__name__} cannot become the target's {target.dtype}: "
-                               f"{exc}", mismatched=[key_str(key)], file=file, leaf=key_str(key)) from exc
+        raise KeyMismatchError(f"the stored {arr.dtype} {arr.item()!r} cannot become a {kind.__name__}: {exc}",
+                               mismatched=[key_str(key)], leaf=key_str(key)) from exc
+
+
+def _value_as(v: Any, target: ArrayTarget | None, key: Key, file: str) -> Callable[[], Any]:
+    """A stored value as its target asks (a framework scalar array, say), converted and checked now and
+    written (into an in-place target) when called, once every read succeeded; a value that cannot become
+    the target is ``tree.key_mismatch`` naming its leaf."""
+    if target is None or not target.dtype:
+        return lambda: v
+
+    def mismatch(why: str) -> KeyMismatchError:
+        return KeyMismatchError(f"the stored value {type(v).__name__} cannot become the target's "
+                                f"{list(target.shape)} {target.dtype}: {why}", mismatched=[key_str(key)], file=file,
+                                leaf=key_str(key))
+    try:
+        arr = np.asarray(v, dtype=dtypes.numpy_dtype(target.dtype))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise mismatch(str(exc)) from exc
+    if arr.shape != tuple(target.shape):
+        raise mismatch(f"it has shape {list(arr.shape)}")
+    parts = [arr[r.slices() + (Ellipsis,)] for r in target.regions]  # (Ellipsis: a 0-d array stays an array)
+    outs = [_in_place(target, k, part, key) for k, part in enumerate(parts)]
+
+    def fill() -> Any:
+        for part, out in zip(parts, outs):
+            if out is not None:
+                np.copyto(out, part)
+        return target.build([part if out is None else out for part, out in zip(parts, outs)])
+    return fill
+
+
+def _in_place(target: ArrayTarget, k: int, region: Any, key: Key) -> np.ndarray | None:
+    """The memory ``target`` offers for its region ``k`` (``region``: an array of that region's shape and the
+    target's dtype, or a :class:`Region`), checked; None when it offers none (the result is a new array)."""
+    out = target.out(k) if target.out is not None else None
+    if out is None:
+        return None
+    sizes = region.sizes if isinstance(region, Region) else region.shape
+    if tuple(out.shape) != tuple(sizes) or dtypes.logical_name(out.dtype) != target.dtype:
+        raise ShapeError(f"the target offers {out.shape} {out.dtype} for a region of shape {list(sizes)} "
+                         f"{target.dtype}", leaf=key_str(key))
+    if overlaps_itself(out):
+        raise ShapeError("the target's elements share memory (an expanded or as_strided tensor): a load cannot "
+                         "write into it; load into a tensor of its own", code="shape.mismatch", leaf=key_str(key))
+    return out
+
+
+def overlaps_itself(arr: np.ndarray) -> bool:
+    """Whether two elements of ``arr`` may share memory (a stride of 0, or strides that interleave): True
+    for every array whose elements do overlap, False for any slice or transpose of one array."""
+    dims = sorted((abs(st), n) for st, n in zip(arr.strides, arr.shape) if n > 1)
+    if any(n == 0 for n in arr.shape):
+        return False
+    reach = arr.itemsize  # bytes spanned by one element, then by the dimensions of smaller stride
+    for stride, n in dims:
+        if stride < reach:
+            return True
+        reach += stride * (n - 1)
+    return False
 
 
 def _value_entry_as_array(e: ValueEntry) -> ArrayEntry:
@@ -427,14 +483,13 @@ class _Reads:
             e = m.leaves[i]
             assert isinstance(e, ArrayEntry)
             dtype = t.dtype or e.dtype
+            if dtype != e.dtype:
+                _check_cast(e.dtype, dtype, e.key)
             for k, r in enumerate(t.regions):
                 if not r.within(e.shape):
                     raise ShapeError(f"requested region {r.offsets}+{r.sizes} lies outside shape {list(e.shape)}",
                                      leaf=key_str(e.key))
-                out = t.out(k) if t.out is not None else None
-                if out is not None and (tuple(out.shape) != r.sizes or dtypes.logical_name(out.dtype) != dtype):
-                    raise ShapeError(f"the target offers {out.shape} {out.dtype} for region {r.offsets}+{r.sizes} "
-                                     f"of {dtype}", leaf=key_str(e.key))
+                out = _in_place(ArrayTarget(t.shape, dtype, t.regions, t.build, t.out), k, r, e.key)
                 total += r.numel * max(dtypes.itemsize(e.dtype), dtypes.itemsize(dtype))
                 parts.setdefault(i, []).append(_Part(i, e, r, dtype, out))
         if total > limit:
@@ -504,6 +559,21 @@ class _Reads:
             self._results[p.leaf][k] = p.out
         self._later = []
         return {i: t.build(self._results[i]) for i, t in self._jobs}
+
+
+def _check_cast(stored: str, wanted: str, key: Key) -> None:
+    """Refuse, before anything is read, a cast numpy (with ml_dtypes) cannot make, and a complex array into a
+    real target (its imaginary part would be dropped)."""
+    src, dst = np.dtype(dtypes.numpy_dtype(stored)), np.dtype(dtypes.numpy_dtype(wanted))
+    why = "its imaginary part would be lost" if src.kind == "c" and dst.kind != "c" else None
+    if why is None:
+        try:
+            np.zeros(1, src).astype(dst)
+        except (TypeError, ValueError) as exc:
+            why = str(exc)
+    if why is not None:
+        raise KeyMismatchError(f"the stored {stored} cannot be cast to the target's {wanted}: {why}",
+                               mismatched=[key_str(key)], leaf=key_str(key))
 
 
 def _batches(casts: list[tuple[_Part, int]], limit: int = 64 << 20) -> list[list[tuple[_Part, int]]]:

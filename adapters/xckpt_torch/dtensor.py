@@ -141,15 +141,22 @@ def _check_device(t: torch.Tensor) -> None:
 def _xckpt_errors(fn: Any) -> Any:
     """Turn torch errors into XckptErrors, which the core reports on every rank (no rank is left waiting)."""
     @functools.wraps(fn)
-    def wrapped(obj: Any) -> Any:
+    def wrapped(obj: Any, *rest: Any) -> Any:
         try:
-            return fn(obj)
+            return fn(obj, *rest)
         except XckptError:
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised as a specific xckpt error
-            raise UnsupportedError(f"cannot describe this {type(obj).__name__}: {type(exc).__name__}: {exc}",
+            doing = "load into" if rest else "describe"  # a target gets the stored entry too
+            raise UnsupportedError(f"cannot {doing} this {type(obj).__name__}: {type(exc).__name__}: {exc}",
                                    code="torch.tensor") from exc
     return wrapped
+
+
+def _host_view(t: torch.Tensor) -> bool:
+    """Whether a load can read straight into ``t``'s memory: a CPU tensor with no lazy conjugate or
+    negative bit (those are filled by torch's ``copy_``, which applies the bits)."""
+    return t.device.type == "cpu" and not t.is_conj() and not t.is_neg()
 
 
 @_xckpt_errors
@@ -172,11 +179,12 @@ def tensor_source(t: torch.Tensor) -> ArraySource:
                        {"framework": "torch", "framework_version": torch.__version__})
 
 
+@_xckpt_errors
 def dtensor_target(like: DTensor, entry: Any) -> ArrayTarget:
     """Load into a DTensor in place: read exactly this rank's boxes, straight into its local tensor
     (on the CPU; other devices get a copy from the host)."""
     _, pieces, local = dtensor_pieces(like)
-    on_host = local.device.type == "cpu"
+    on_host = _host_view(local)
 
     def build(parts: list[np.ndarray]) -> DTensor:
         if not on_host:
@@ -189,12 +197,13 @@ def dtensor_target(like: DTensor, entry: Any) -> ArrayTarget:
                        (lambda k: cpu_view(local[pieces[k][1]])) if on_host else None)
 
 
+@_xckpt_errors
 def tensor_target(like: torch.Tensor, entry: Any) -> ArrayTarget:
     """Load a whole array into a plain tensor in place (straight into it on the CPU; a new CPU
     tensor for a ``meta`` target)."""
     shape = tuple(int(s) for s in like.shape)
     name = logical_dtype(like.dtype)
-    on_host = like.device.type == "cpu"
+    on_host = _host_view(like)
 
     def build(parts: list[np.ndarray]) -> torch.Tensor:
         if like.device.type == "meta":

@@ -345,9 +345,11 @@ def chunk_layout(shape: Sequence[int], boundaries: Sequence[Sequence[int]], n_pi
     along each dimension), whose chunks are exactly the pieces. Every chunk lies inside one piece.
     """
     shape = tuple(int(s) for s in shape)
+    if any(n == 0 for n in shape):  # no element, no object: the smallest chunk (a whole dimension may be huge)
+        return (Segment((0,) * len(shape), shape, (1,) * len(shape)),)
     gcd = _gcd_chunk(shape, boundaries)
     objects = math.prod(_ceil(n, c) for n, c in zip(shape, gcd))
-    if objects <= 2 * max(1, n_pieces) or any(n == 0 for n in shape):
+    if objects <= 2 * max(1, n_pieces):
         return (Segment((0,) * len(shape), shape, gcd),)
     per_dim = [_bands(n, cuts) for n, cuts in zip(shape, boundaries)]
     cells = math.prod(sum(_ceil(size, c) for _, size, c in bands) for bands in per_dim)

@@ -29,6 +29,7 @@ from xckpt.engine.layout import Mesh, MeshLayout, Segment, chunk_layout, mesh_la
     region_boundaries
 from xckpt.errors import CoordinationError, ShapeError
 from xckpt.format import dtypes, names
+from xckpt.format.manifest import MAX_ELEMENTS
 from xckpt.format.zarr import chunk_key
 from xckpt.format.regions import Region, check_tiling, chunks_of, inner_chunk_shape_for, intersect
 from xckpt.format.tree import Key, Node, key_str
@@ -268,6 +269,17 @@ def _balance(items: list[tuple[int, int, Region, _Holders, int]], world: int) ->
     return out
 
 
+def _check_size(shape: tuple[int, ...], itemsize: int, key: Key) -> None:
+    """Refuse an array the format cannot record (spec 2.4): a dimension above 2**53 - 1, or more than 2**53
+    elements or bytes (no chunk is then larger, so the reader's chunk bound holds too)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    if any(n >= MAX_ELEMENTS for n in shape) or numel * itemsize > MAX_ELEMENTS:
+        raise ShapeError(f"shape {list(shape)} is larger than the format allows (dimensions below 2**53, at most "
+                         "2**53 elements and bytes)", code="shape.too_large", leaf=key_str(key))
+
+
 def plan_save(groups: Sequence[tuple[Sequence[int], Descriptors]], world: int, *,
               inner_chunk_bytes: int = INNER_CHUNK_BYTES) -> tuple[GlobalPlan, list[dict[str, Any]]]:
     """Plan a save from each group's descriptors (``groups``: the processes sharing them, and them).
@@ -332,6 +344,7 @@ def plan_save(groups: Sequence[tuple[Sequence[int], Descriptors]], world: int, *
             continue
         kinds.append("array")
         item = dtypes.itemsize(d.dtype)
+        _check_size(d.shape, item, key)
         lay = layouts[i][0] if i in layouts and i not in local_regions else None
         if lay is not None:
             where = (lay.mesh, tuple(held_by[i]))

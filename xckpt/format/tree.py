@@ -56,6 +56,8 @@ def _check_key_component(k: Any, parent: Key) -> None:
     if isinstance(k, bool) or not isinstance(k, (str, int)):
         raise TreeError(f"dict key {k!r} of type {type(k).__name__} is not a str or int",
                         leaf=key_str(parent))
+    if isinstance(k, int) and not -(1 << 63) <= k < (1 << 63):
+        raise TreeError(f"dict key {k} lies outside the signed 64-bit range of integer keys", leaf=key_str(parent))
 
 
 def flatten(tree: Any, view: Callable[[Any], Any] | None = None,

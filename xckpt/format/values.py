@@ -71,9 +71,18 @@ def _default(obj: Any) -> Any:
 
 def _prepare(value: Any) -> Any:
     """Turn containers into forms msgpack's default hook will see."""
-    if isinstance(value, bool) or value is None or isinstance(value, (float, str, bytes)):
+    if isinstance(value, bool) or value is None:
         return value
+    if type(value) in (float, str, bytes):
+        return value
+    if isinstance(value, str):  # a subclass (a str enum, say) is stored as its plain value
+        return str.__str__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, bytes):
+        return bytes(memoryview(value))
     if isinstance(value, int):
+        value = int.__index__(value)  # an IntEnum: its plain int
         return value if _INT_MIN <= value <= _UINT_MAX else _default(value)
     if isinstance(value, complex):
         return _default(value)
@@ -83,7 +92,7 @@ def _prepare(value: Any) -> Any:
         return [_prepare(v) for v in value]
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value):
-            return {k: _prepare(v) for k, v in value.items()}
+            return {_prepare(k): _prepare(v) for k, v in value.items()}
         return msgpack.ExtType(EXT_DICT, _pack([[_prepare(k), _prepare(v)] for k, v in value.items()]))
     return _default(value)
 
@@ -113,7 +122,7 @@ def encode(value: Any) -> bytes:
         raise UnsupportedError(f"a value may nest containers at most {MAX_DEPTH} deep", code="value.unsupported")
     try:
         return _pack(_prepare(value))
-    except ValueError as exc:  # an int too long for its decimal form
+    except (ValueError, TypeError) as exc:  # an int too long for its decimal form; a type msgpack refuses
         raise UnsupportedError(f"cannot store the value: {exc}", code="value.unsupported") from None
 
 
