@@ -211,7 +211,50 @@ def manager_torch(rank: int, world: int, wd: Path) -> dict[str, Any]:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
     assert torch.rand(3).tolist() == after_save, "this rank's RNG stream was not restored"
     assert opt2.param_groups[0]["lr"] == 0.05
+    _metric_and_publish_failures(rank, wd / "run2")
     return {"saved": saved, "steps": steps, "decisions": {str(k): v for k, v in decisions.items()}}
+
+
+def _metric_and_publish_failures(rank: int, root: Path) -> None:
+    """Failures on one rank only keep the ranks in step: rank 1's metrics are not read (only the coordinating
+    process's are kept), rank 0's bad metric is manager.metrics on both; a step that rank 0 alone fails to move
+    into place (it appeared meanwhile) is raised on both, and both may save it again."""
+    import torch
+
+    import xckpt
+
+    state = {"w": torch.full((4,), float(rank))}
+    with xckpt.CheckpointManager(root) as mgr:
+        assert mgr.save(1, state, force=True, metrics={"loss": np.zeros(3) if rank == 1 else 1.0})
+        mgr.wait()
+        try:
+            mgr.save(2, state, force=True, metrics={"loss": np.zeros(3) if rank == 0 else 1.0})
+        except xckpt.XckptError as exc:
+            assert exc.code == "manager.metrics" and "not one number" in str(exc), exc
+        else:
+            raise AssertionError(f"rank {rank}: a bad metric on rank 0 did not fail the save")
+        assert mgr.should_save(2) is False  # no interval set: the ranks agree (a collective vote)
+        publish = xckpt.CheckpointManager._publish
+        if rank == 0:  # the step appears while it is saved: rank 0's publish fails
+            def appearing(self: Any, flight: Any, *args: Any) -> None:
+                os.makedirs(root / "3")
+                publish(self, flight, *args)
+            xckpt.CheckpointManager._publish = appearing
+        assert mgr.save(3, state, force=True)
+        try:
+            mgr.wait()
+        except xckpt.XckptError as exc:
+            assert "manager.step_exists" in str(exc) or exc.code == "manager.step_exists", exc
+        else:
+            raise AssertionError(f"rank {rank}: a step that could not be moved into place did not fail")
+        xckpt.CheckpointManager._publish = publish
+        if rank == 0:
+            os.rmdir(root / "3")
+        mgr.request_save()
+        assert mgr.should_save(3) is True  # on both ranks: step 3 was not saved anywhere
+        assert mgr.save(3, state)
+        mgr.wait()
+        assert [s.step for s in mgr.all_steps()] == [1, 3]
 
 
 

@@ -108,6 +108,30 @@ def test_ls_a_directory_of_checkpoints(tmp_path: Path, capsys: pytest.CaptureFix
     assert "no such directory" in capsys.readouterr().err
 
 
+def test_ls_and_validate_a_checkpoint_a_step_and_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint whose tree is a list (array folders "0", "1") is listed alone, not as a run of steps;
+    validate checks a manager's step through its default/ item, and exits 2 when nothing is at the path;
+    an XCKPT_* variable that is not a number is one line and exit 2."""
+    xckpt.save([np.arange(10.0), np.ones(3)], tmp_path / "list")
+    got = json.loads(_cli(capsys, "ls", "--json", str(tmp_path / "list"))[1])
+    assert got["steps"] == [] and [c["name"] for c in got["checkpoints"]] == ["list"]
+    assert got["checkpoints"][0]["leaves"] == 2
+    with xckpt.CheckpointManager(tmp_path / "run") as m:
+        m.save(4, {"w": np.ones(3)}, force=True)
+    rc, out = _cli(capsys, "validate", str(tmp_path / "run" / "4"))
+    assert rc == 0 and f"OK: {tmp_path / 'run' / '4' / 'default'}" in out
+    assert cli_main(["validate", str(tmp_path / "absent")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert cli_main(["validate", str(tmp_path / "empty")]) == 1  # there, but not a checkpoint
+    capsys.readouterr()
+    monkeypatch.setenv("XCKPT_STALE_AFTER_S", "1h")
+    assert cli_main(["gc", "--dry-run", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "config.env" in err and "XCKPT_STALE_AFTER_S='1h'" in err and "Traceback" not in err
+
+
 # -- diff: structure ------------------------------------------------------------------------------
 
 

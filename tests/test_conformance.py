@@ -188,8 +188,10 @@ def test_cli_validate_exit_codes_and_json(tmp_path: Path) -> None:
     assert _cli("validate", "--json", str(deep_only))[0] == 0
     rc, out = _cli("validate", "--json", "--deep", str(deep_only))
     assert rc == 1 and [f["code"] for f in json.loads(out)["findings"]] == ["chunk.crc32c"]
-    rc, out = _cli("validate", str(tmp_path / "nothing-here"))
+    (tmp_path / "not-a-checkpoint").mkdir()
+    rc, out = _cli("validate", str(tmp_path / "not-a-checkpoint"))
     assert rc == 1 and "manifest.missing" in out and "INVALID" in out
+    assert _cli("validate", str(tmp_path / "nothing-here"))[0] == 2  # nothing to open
 
 
 def test_every_error_code_is_in_the_spec() -> None:

@@ -348,6 +348,49 @@ def _fill(directory: Path, leave_pages: int) -> None:
         os.close(fd)
 
 
+def test_one_managers_failed_step_does_not_fail_anothers(small_fs: Path, tmp_path: Path) -> None:
+    """Two managers in one process (a model's run, an EMA's on another disk): A's step fails in the background
+    (its disk is full); B's save goes on, A.wait() raises A's failure."""
+    a = xckpt.CheckpointManager(small_fs / "a")
+    b = xckpt.CheckpointManager(tmp_path / "b")
+    assert a.save(1, {"w": np.ones(4_000_000)}, force=True)  # 32 MB on a 16 MiB file system
+    assert b.save(1, {"w": np.arange(10.0)}, force=True)
+    b.wait()
+    with pytest.raises(XckptError) as exc:
+        a.wait()
+    assert exc.value.code == "io.write" and "No space left on device" in str(exc.value)
+    a.close()
+    b.close()
+    np.testing.assert_array_equal(xckpt.load(tmp_path / "b" / "1")["w"], np.arange(10.0))
+    assert [s.step for s in xckpt.list_steps(small_fs / "a")] == []
+
+
+def test_a_failed_last_step_is_told_at_exit(small_fs: Path) -> None:
+    """A script that ends without wait() or close(): its last step still commits at exit, and when it
+    fails instead, stderr says so (the exit status cannot)."""
+    script = (f"import numpy as np, xckpt\n"
+              f"m = xckpt.CheckpointManager({str(small_fs / 'run')!r})\n"
+              f"m.save(1, {{'w': np.ones(4_000_000)}}, force=True)\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "could not save step 1, and nothing waited for it" in p.stderr and "io.write" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+    assert [s.step for s in xckpt.list_steps(small_fs / "run")] == []
+
+
+def test_zero_padded_directories_are_not_steps(tmp_path: Path) -> None:
+    """A step's directory is its canonical decimal name: "010" is someone else's directory (listed as no step,
+    never deleted by retention), so step 10 never has two directories."""
+    root = tmp_path / "run"
+    xckpt.save({"w": np.ones(2)}, root / "010")
+    with xckpt.CheckpointManager(root, max_to_keep=1) as m:
+        assert m.latest_step() is None and xckpt.manager.step_of("010") is None and xckpt.manager.step_of("0") == 0
+        for step in (10, 11):
+            m.save(step, {"w": np.full(2, step)}, force=True)
+    assert _entries(root) == ["010", "11"]
+    np.testing.assert_array_equal(xckpt.load(root / "010")["w"], np.ones(2))
+
+
 @pytest.mark.parametrize(("metrics", "leave_pages", "failing"), [
     (None, 0, "_CHECKPOINT_METADATA"),
     (None, 1, "commit_success.txt"),  # _CHECKPOINT_METADATA fits in the one page left

@@ -102,9 +102,13 @@ def _print_json(obj: Any) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """Validate; exit 0 when the checkpoint conforms, 1 otherwise."""
+    """Validate; exit 0 when the checkpoint conforms, 1 otherwise (2: nothing at the path)."""
     from xckpt import cli_render as r
+    from xckpt.engine.storage import Location
     from xckpt.validate import validate
+    loc = Location.of(args.path)
+    if loc.is_local and not os.path.lexists(loc.local_path):
+        raise XckptError(f"{args.path}: no such file or directory", code="io.read", file=str(loc))
     with r.spinner(f"validating {args.path}" + (" (every chunk's crc32c)" if args.deep else ""),
                    enabled=args.deep and r.progress_enabled()):
         report = validate(args.path, deep=args.deep)
@@ -188,17 +192,13 @@ def _mapped_export(args: argparse.Namespace, config: str | None) -> dict[str, An
 
 def _list_checkpoints(root: str) -> list[dict[str, Any]]:
     """Each subdirectory of ``root`` (not a link) as a checkpoint: name, format, leaves, size; unreadable
-    ones with their error. A ``root`` that is itself a checkpoint is listed alone (its array folders are
-    not checkpoints)."""
+    ones with their error."""
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except FileNotFoundError:
         raise XckptError(f"{root}: no such directory", code="io.read") from None
     except OSError as exc:
         raise XckptError(f"cannot list {root}: {exc.strerror}", code="io.read") from None
-    itself = _describe(root, os.path.basename(os.path.normpath(root)))
-    if itself["error"] is None:
-        return [itself]
     # hidden entries are what saves leave beside their destination
     return [_describe(e.path, e.name) for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
 
@@ -229,8 +229,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from xckpt.manager import list_steps
-    steps = list_steps(args.root)
-    checkpoints = [] if steps else _list_checkpoints(str(args.root))
+    itself = _describe(str(args.root), os.path.basename(os.path.normpath(str(args.root))))
+    if itself["error"] is None:  # a checkpoint is listed alone (its array folders, "0" and "1" too, are not steps)
+        steps, checkpoints = [], [itself]
+    else:
+        steps = list_steps(args.root)
+        checkpoints = [] if steps else _list_checkpoints(str(args.root))
     if args.json:
         _print_json({"root": str(args.root), "steps": [asdict(s) for s in steps], "checkpoints": checkpoints})
         return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import functools
 import json
 import math
 import os
@@ -22,6 +23,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -38,8 +40,6 @@ from xckpt.sources.detect import open_checkpoint
 
 __all__ = ["StepInfo", "list_steps", "step_of", "CheckpointManager"]
 
-#: The item an Orbax ``CheckpointManager`` stores a single unnamed checkpoint in.
-DEFAULT_ITEM = "default"
 #: The item (a directory holding one JSON file of the same name) Orbax's ``CheckpointManager`` keeps metrics in.
 METRICS_ITEM = "metrics"
 
@@ -67,8 +67,9 @@ class StepInfo:
 
 
 def step_of(name: str) -> int | None:
-    """The step a directory name stands for (a plain decimal integer, Orbax's default naming), else None."""
-    if name and name.isascii() and name.isdigit():
+    """The step a directory name stands for (the canonical decimal form of an integer, Orbax's default
+    naming: ``10``, not ``010``, whose step would have two directories), else None."""
+    if name and name.isascii() and name.isdigit() and (name == "0" or name[0] != "0"):
         return int(name)
     return None
 
@@ -235,8 +236,24 @@ def _plain(value: Any) -> Any:
         return value
     item = getattr(value, "item", None)
     if callable(item):
-        return item()
+        return _item(value, item)
     raise TypeError(f"metric value {value!r} ({type(value).__name__}) is not a number, string, list or dict")
+
+
+def _unreported(flight: "weakref.ref[_InFlight]", root: str) -> str | None:
+    """What a step that failed in the background, and whose failure nobody was told, says at exit."""
+    f = flight()
+    if f is None or f.reported or f.error is None:
+        return None
+    return f"xckpt: CheckpointManager({root!r}) could not save step {f.step}, and nothing waited for it: {f.error}"
+
+
+def _item(value: Any, item: Callable[[], Any]) -> Any:
+    try:
+        got = item()
+    except (TypeError, ValueError) as exc:  # numpy's "only size-1 arrays", a tensor of several elements
+        raise ValueError(f"metric value of type {type(value).__name__} is not one number ({exc})") from None
+    return _plain(got)
 
 
 @dataclass
@@ -249,6 +266,8 @@ class _InFlight:
     error: BaseException | None = None
     #: The last step saved before this one (what :meth:`CheckpointManager.should_save` compares with if it fails).
     previous: int | None = None
+    #: Its outcome went to the caller (:meth:`CheckpointManager.wait` and the calls that finish it first).
+    reported: bool = False
 
 
 class CheckpointManager:
@@ -388,13 +407,18 @@ class CheckpointManager:
         if not force and not self.should_save(step):
             return False
         self._finish()  # the previous save: its outcome agreed on by every process
-        plain_metrics = _plain(dict(metrics or {}))
-        if self._best_key is not None and self._best_key not in plain_metrics:
-            warnings.warn(f"step {step} is saved without the metric {self._best_key!r} that best_fn ranks steps by: "
-                          "keep_best will not keep it", XckptWarning, stacklevel=2)
         coord = self.coordinator
+        plain_metrics: dict[str, Any] = {}  # the coordinating process's are recorded; the others' are not read
         if coord.rank == collective.ROOT:
-            plan = self._prepare_step(step)
+            try:
+                plain_metrics = _plain(dict(metrics or {}))
+            except (TypeError, ValueError) as exc:
+                plan = {"error": f"step {step}: {exc}", "code": "manager.metrics"}
+            else:
+                plan = self._prepare_step(step)
+            if "error" not in plan and self._best_key is not None and self._best_key not in plain_metrics:
+                warnings.warn(f"step {step} is saved without the metric {self._best_key!r} that best_fn ranks steps "
+                              "by: keep_best will not keep it", XckptWarning, stacklevel=2)
         else:
             plan = None
         if coord.world_size > 1:
@@ -411,7 +435,7 @@ class CheckpointManager:
             metadata["manager"]["non_finite"] = floats
         started_ns = time.time_ns()
         try:
-            handle = save_async(state, os.path.join(staging, DEFAULT_ITEM), coordinator=coord, metadata=metadata,
+            handle = save_async(state, os.path.join(staging, names.DEFAULT_ITEM), coordinator=coord, metadata=metadata,
                                 **options)
         except BaseException:
             if coord.rank == collective.ROOT:
@@ -428,7 +452,8 @@ class CheckpointManager:
         self._last_time = time.monotonic()
         self._requested = False
         flight.thread.start()
-        background.finish_at_exit(flight.thread)  # a script that ends without wait() or close() still publishes
+        # a script that ends without wait() or close() still publishes; a failure is told on stderr then
+        background.finish_at_exit(flight.thread, functools.partial(_unreported, weakref.ref(flight), self.root))
         if not self.async_save:
             self.wait()
         return True
@@ -468,7 +493,7 @@ class CheckpointManager:
         Failures are specific: a file that cannot be written or synced is ``io.write`` (naming it), a step
         directory that appeared meanwhile is ``manager.step_exists`` (it is left as it is). The caller
         removes the staged step."""
-        handlers = {DEFAULT_ITEM: ORBAX_HANDLER}
+        handlers = {names.DEFAULT_ITEM: ORBAX_HANDLER}
         if metrics:
             handlers[METRICS_ITEM] = ORBAX_METRICS_HANDLER
         meta = {"item_handlers": handlers, "metrics": metrics, "performance_metrics": {},
@@ -516,16 +541,24 @@ class CheckpointManager:
         error: BaseException | None = None
         if flight is not None and flight.thread is not None:
             flight.thread.join()
+            flight.reported = agree
             error = flight.error
-            if error is not None and self._last_step == flight.step:
-                self._last_step = flight.previous  # the step was not saved: it may be saved again
-        if not agree:
-            return
-        if self.coordinator.world_size > 1:
-            collective.agree_step(self.coordinator, "checkpoint manager save",
-                                  lambda: _reraise(error))
-        elif error is not None:
-            raise error
+        try:
+            if not agree:
+                if error is not None:
+                    raise error
+                return
+            if self.coordinator.world_size > 1:
+                collective.agree_step(self.coordinator, "checkpoint manager save", lambda: _reraise(error))
+            elif error is not None:
+                raise error
+        except BaseException as exc:
+            if flight is not None and self._last_step == flight.step:
+                self._last_step = flight.previous  # not saved, on any process: every one may save it again
+            if agree:
+                raise
+            warnings.warn(f"{self.root}: step {flight.step if flight else '?'} was not saved: {exc}", XckptWarning,
+                          stacklevel=3)  # closing on an exception of the caller's: it goes on up, this is told
 
     def wait(self) -> None:
         """Wait until the last save is committed and in place (collective); raise its failure on every process."""

@@ -69,12 +69,17 @@ class SaveHandle:
 
 
 def wait_pending() -> None:
-    """Wait for the pending asynchronous save of this process, if any (its error is raised
-    here unless :meth:`SaveHandle.wait` already reported it)."""
+    """Wait for the pending asynchronous save of this process, if any. Its error is raised here unless
+    :meth:`SaveHandle.wait` was called for it (whoever called it reports it: a checkpoint manager's
+    failed step does not fail another manager's save)."""
     global _pending
     with _pending_lock:
         handle, _pending = _pending, None
-    if handle is not None and not handle._pending.waited:
+    if handle is None:
+        return
+    if handle._pending.claimed:
+        handle._pending.thread.join()
+    else:
         handle.wait()
 
 

@@ -77,8 +77,13 @@ class Report:
 
 
 def validate(path: Any, deep: bool = False) -> Report:
-    """Check a checkpoint against the spec; see :class:`Report`."""
+    """Check a checkpoint against the spec; see :class:`Report`. A checkpoint manager's step directory is
+    checked through its ``default/`` item, the xckpt checkpoint it holds (spec 6.8)."""
     loc = Location.of(path)
+    if loc.is_local and not os.path.lexists(os.path.join(loc.local_path, naming.MANIFEST)) \
+            and os.path.isfile(os.path.join(loc.local_path, naming.DEFAULT_ITEM, naming.MANIFEST)) \
+            and not os.path.islink(os.path.join(loc.local_path, naming.DEFAULT_ITEM)):
+        loc = loc.child(naming.DEFAULT_ITEM)
     report = Report(str(loc), deep)
     add = report.findings.append
     store = loc.store()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import atexit
 import copy
 import os
+import sys
 import threading
 import time
 import weakref
@@ -53,7 +54,7 @@ from xckpt.engine.commit import commit_failed, identity
 from xckpt.engine.hostcopy import stream_copy
 from xckpt.engine.protocol import Prepared
 from xckpt.engine.storage import Location
-from xckpt.engine.threads import yield_cpu
+from xckpt.engine.threads import background_nice, yield_cpu
 from xckpt.engine.write import ChunkWriter
 from xckpt.errors import CollectiveError, CoordinationError, SaveError
 from xckpt.format import dtypes, shard
@@ -148,7 +149,7 @@ class Pending:
         self._error: BaseException | None = None
         self._unknown = False  # this process lost the coordinating one: the commit's outcome is unknown
         self.manifest: Any = None
-        self.waited = False
+        self.claimed = False  # a caller of wait() reports the outcome (it may still be waiting)
         self.go = threading.Event()  # set when the caller may go on: the writing starts then
         self.thread = threading.Thread(target=self._run, name="xckpt-save-async", daemon=True)
         with _live_lock:
@@ -161,8 +162,8 @@ class Pending:
     def wait(self) -> Any:
         """Block until the outcome is known (the coordinating process: until it committed); re-raise a
         failure, which every process learns within the timeout. Not a collective."""
+        self.claimed = True
         self.thread.join()
-        self.waited = True
         if self._error is not None:
             raise self._error
         return self.manifest
@@ -359,15 +360,24 @@ def _remove_dir(loc: Location) -> None:
 
 _live_lock = threading.Lock()
 _live: "weakref.WeakSet[Pending]" = weakref.WeakSet()
-_followers: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()  # threads that finish after a save
+#: Threads that finish after a save, each with what it has to report at exit (None: nothing).
+_followers: "weakref.WeakKeyDictionary[threading.Thread, Callable[[], str | None]]" = weakref.WeakKeyDictionary()
 
 
-def finish_at_exit(thread: threading.Thread) -> None:
+def finish_at_exit(thread: threading.Thread, unreported: Callable[[], str | None] = lambda: None) -> None:
     """Have interpreter exit wait for ``thread`` too (a daemon that finishes what a pending save began, such as
     a checkpoint manager moving its step into place), once the pending saves are done: up to
-    :data:`EXIT_GRACE_S` seconds more."""
+    :data:`EXIT_GRACE_S` seconds more; then ``unreported()``, a failure nobody was told of, goes to stderr."""
     with _live_lock:
-        _followers.add(thread)
+        _followers[thread] = unreported
+
+
+def _say(message: str) -> None:
+    try:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # stderr closed or gone at exit
+        pass
 
 
 def _finish_at_exit() -> None:
@@ -379,11 +389,18 @@ def _finish_at_exit() -> None:
     (:mod:`xckpt.engine.threads` imports :mod:`concurrent.futures` first), so it runs before them: a
     pool shut down first would refuse the pending save's writes, and the save would be rolled back."""
     with _live_lock:
-        pending, followers = list(_live), list(_followers)
+        pending, followers = list(_live), list(_followers.items())
     for p in pending:
         p.thread.join(p._timeout_s + EXIT_GRACE_S)
-    for t in followers:
+    for t, _ in followers:
         t.join(EXIT_GRACE_S)
+    for p in pending:  # a failure nobody waited for would otherwise end the script in silence
+        if not p.claimed and not p.thread.is_alive() and p._error is not None:
+            _say(f"xckpt: the asynchronous save to {p.path} failed, and nothing waited for it: {p._error}")
+    for _, unreported in followers:
+        message = unreported()
+        if message:
+            _say(message)
 
 
 try:
@@ -524,6 +541,7 @@ def start(tree: Any, path: Any, *, coordinator: Any, options: Any, timeout_s: fl
     reported through the status files and raised by :meth:`Pending.wait` everywhere.
     """
     started = time.perf_counter()
+    background_nice()  # an invalid XCKPT_BACKGROUND_NICE is config.env here, not in a background thread
     spec = _Speculation()
     try:
         p = protocol.prepare(tree, path, coordinator=coordinator, options=options, speculate=spec)

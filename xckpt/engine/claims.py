@@ -33,7 +33,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from xckpt.engine import atomic
+from xckpt.engine import atomic, env
 from xckpt.engine.storage import ABSENT, Location, open_kvstore
 from xckpt.errors import SaveError, XckptError, XckptWarning
 from xckpt.format import names, safetensors
@@ -57,7 +57,7 @@ def new_generation() -> str:
 
 def stale_after_s() -> float:
     """Seconds after which an unrenewed lease marks a dead save (``XCKPT_STALE_AFTER_S``)."""
-    return float(os.environ.get("XCKPT_STALE_AFTER_S", STALE_AFTER_S))
+    return env.number("XCKPT_STALE_AFTER_S", STALE_AFTER_S)
 
 
 def heartbeat_s(stale_after: float) -> float:

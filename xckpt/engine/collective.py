@@ -24,6 +24,7 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
 
 import msgpack
 
+from xckpt.engine import env
 from xckpt.errors import CollectiveError, CoordinationError, RankFailures, XckptError, XckptWarning
 
 T = TypeVar("T")
@@ -158,7 +159,7 @@ def unpack(data: bytes) -> Any:
 
 def wait_warn_s() -> float:
     """Seconds an exchange waits before warning: ``XCKPT_WAIT_WARN_S``, else :data:`WAIT_WARN_S`."""
-    return max(0.0, float(os.environ.get("XCKPT_WAIT_WARN_S", WAIT_WARN_S)))
+    return env.number("XCKPT_WAIT_WARN_S", WAIT_WARN_S)
 
 
 def _warn_waiting(coord: Coordinator, what: str, after: float) -> None:

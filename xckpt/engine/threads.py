@@ -13,6 +13,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
+from xckpt.engine import env
+
 #: How much lower the CPU priority (nice value) of an asynchronous save's threads is, unless
 #: ``XCKPT_BACKGROUND_NICE`` says otherwise (0 keeps the caller's priority).
 BACKGROUND_NICE = 10
@@ -36,14 +38,18 @@ def usable_cpus() -> int:
 def io_threads() -> int:
     """Threads that encode and write (or read and decode) per process: ``XCKPT_IO_THREADS``, else one per
     usable CPU (:func:`usable_cpus`), up to 4."""
-    env = os.environ.get("XCKPT_IO_THREADS")
-    return max(1, int(env)) if env else min(4, usable_cpus())
+    return int(env.number("XCKPT_IO_THREADS", min(4, usable_cpus()), minimum=1, integer=True))
+
+
+def background_nice() -> int:
+    """How much lower an asynchronous save's threads run: ``XCKPT_BACKGROUND_NICE``, else :data:`BACKGROUND_NICE`."""
+    return int(env.number("XCKPT_BACKGROUND_NICE", BACKGROUND_NICE, integer=True))
 
 
 def yield_cpu() -> None:
-    """Lower the calling thread's CPU priority by ``XCKPT_BACKGROUND_NICE`` or :data:`BACKGROUND_NICE`
-    (Linux: threads have their own nice value; elsewhere nothing happens)."""
-    nice = int(os.environ.get("XCKPT_BACKGROUND_NICE", BACKGROUND_NICE))
+    """Lower the calling thread's CPU priority by :func:`background_nice` (Linux: threads have their own nice
+    value; elsewhere nothing happens)."""
+    nice = background_nice()
     if nice <= 0:
         return
     try:

@@ -22,6 +22,8 @@ ORBAX_SHARDING = "_sharding"
 ORBAX_MARKER_DIR = ".orbax_marker"
 #: The file that makes a directory a committed torch DCP checkpoint (written by ``xckpt convert --to dcp``).
 DCP_METADATA = ".metadata"
+#: The item a checkpoint manager's step directory holds its checkpoint in (Orbax's default item name).
+DEFAULT_ITEM = "default"
 #: What each rank writes instead when DCP saves without collectives (``use_collectives=False``): rank 0's.
 DCP_RANK0_METADATA = "__0.metadata"
 #: File and directory names at the top of a checkpoint that no array may take.
