@@ -378,7 +378,7 @@ def _value_as(v: Any, target: ArrayTarget | None, key: Key, file: str) -> Callab
     if arr.shape != tuple(target.shape):
         raise mismatch(f"it has shape {list(arr.shape)}")
     parts = [arr[r.slices() + (Ellipsis,)] for r in target.regions]  # (Ellipsis: a 0-d array stays an array)
-    outs = [_in_place(target, k, part, key) for k, part in enumerate(parts)]
+    outs = [_in_place(target, k, part.shape, target.dtype, key) for k, part in enumerate(parts)]
 
     def fill() -> Any:
         for part, out in zip(parts, outs):
@@ -388,16 +388,15 @@ def _value_as(v: Any, target: ArrayTarget | None, key: Key, file: str) -> Callab
     return fill
 
 
-def _in_place(target: ArrayTarget, k: int, region: Any, key: Key) -> np.ndarray | None:
-    """The memory ``target`` offers for its region ``k`` (``region``: an array of that region's shape and the
-    target's dtype, or a :class:`Region`), checked; None when it offers none (the result is a new array)."""
+def _in_place(target: ArrayTarget, k: int, sizes: tuple[int, ...], dtype: str, key: Key) -> np.ndarray | None:
+    """The memory ``target`` offers for its region ``k`` (of shape ``sizes``, read as ``dtype``), checked;
+    None when it offers none (the result is a new array)."""
     out = target.out(k) if target.out is not None else None
     if out is None:
         return None
-    sizes = region.sizes if isinstance(region, Region) else region.shape
-    if tuple(out.shape) != tuple(sizes) or dtypes.logical_name(out.dtype) != target.dtype:
+    if tuple(out.shape) != tuple(sizes) or dtypes.logical_name(out.dtype) != dtype:
         raise ShapeError(f"the target offers {out.shape} {out.dtype} for a region of shape {list(sizes)} "
-                         f"{target.dtype}", leaf=key_str(key))
+                         f"{dtype}", leaf=key_str(key))
     if overlaps_itself(out):
         raise ShapeError("the target's elements share memory (an expanded or as_strided tensor): a load cannot "
                          "write into it; load into a tensor of its own", code="shape.mismatch", leaf=key_str(key))
@@ -489,7 +488,7 @@ class _Reads:
                 if not r.within(e.shape):
                     raise ShapeError(f"requested region {r.offsets}+{r.sizes} lies outside shape {list(e.shape)}",
                                      leaf=key_str(e.key))
-                out = _in_place(ArrayTarget(t.shape, dtype, t.regions, t.build, t.out), k, r, e.key)
+                out = _in_place(t, k, r.sizes, dtype, e.key)
                 total += r.numel * max(dtypes.itemsize(e.dtype), dtypes.itemsize(dtype))
                 parts.setdefault(i, []).append(_Part(i, e, r, dtype, out))
         if total > limit:
