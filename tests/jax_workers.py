@@ -135,6 +135,14 @@ def phase_load(rank: int, workdir: str) -> None:
             check_local(out["opt"][k], exp[k], shardings[k])
         np.testing.assert_array_equal(out["n"], exp["n"])
         assert out["step"] == 1000 and out["name"] == "run-1"
+    # a target whose mesh holds process 0's devices only: process 1 gets an array with no shard of its own
+    only0 = NamedSharding(Mesh(np.array([d for d in jax.devices() if d.process_index == 0]), ("p",)), P("p"))
+    got = xckpt.load(os.path.join(workdir, "sync"), partial=True,
+                     like={"params": {"w": jax.ShapeDtypeStruct(exp["w"].shape, exp["w"].dtype, sharding=only0)}})
+    w = got["params"]["w"]
+    assert w.sharding == only0 and w.dtype == exp["w"].dtype and len(w.addressable_shards) == (4 if rank == 0 else 0)
+    for shard in w.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), exp["w"][shard.index])
     # a collective load: process 1's target names a leaf the checkpoint lacks; both processes raise one
     # CollectiveLoadError naming it, and neither returns
     like = {"params": {"w": jax.ShapeDtypeStruct(exp["w"].shape, exp["w"].dtype, sharding=shardings["w"])}}

@@ -457,3 +457,12 @@ def test_an_int_key_beyond_64_bits_is_refused_by_leaf(tmp_path):
     assert e.value.code == "tree.invalid" and e.value.leaf == "opt" and "64-bit" in str(e.value)
     xckpt.save({"opt": {-(2**63): 1.0, 2**63 - 1: 2.0}}, tmp_path / "ok")
     assert xckpt.load(tmp_path / "ok") == {"opt": {-(2**63): 1.0, 2**63 - 1: 2.0}}
+
+
+def test_a_storage_name_too_long_for_a_file_system_is_refused_before_writing(tmp_path):
+    with pytest.raises(xckpt.XckptError) as e:
+        xckpt.save({"other": np.ones(2), "x" * 300: np.ones(2)}, tmp_path / "c")
+    assert e.value.code == "tree.invalid" and e.value.leaf == "x" * 300 and "255" in str(e.value)
+    assert os.listdir(tmp_path) == []  # nothing written, nothing left
+    xckpt.save({"é" * 127: np.ones(2)}, tmp_path / "ok")  # 254 bytes in UTF-8
+    np.testing.assert_array_equal(xckpt.load(tmp_path / "ok")["é" * 127], np.ones(2))

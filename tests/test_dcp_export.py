@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import os
 
 import numpy as np
 import pytest
@@ -50,3 +51,40 @@ def test_tuples_and_namedtuples_reach_dcp_with_their_data(tmp_path):
     same(got["ns"]["mu"], tree["ns"].mu)
     same(got["ns"]["nu"][0], tree["ns"].nu[0])
     same(got["plain"], tree["plain"])
+
+
+def test_overwrite_keeps_what_was_put_into_an_export(tmp_path):
+    """--overwrite replaces a DCP or safetensors export, never files put into it by hand (save.foreign);
+    a safetensors export's config.json given to it (--hf-config) is its own, so it may be replaced."""
+    xckpt.save({"model": {"w": np.ones(3, np.float32)}}, tmp_path / "ck")
+    for to, extra in (("dcp", []), ("safetensors", ["--select", "model"])):
+        out = tmp_path / to
+        assert cli(["convert", "--to", to, *extra, str(tmp_path / "ck"), str(out)]) == 0
+        (out / "NOTES.txt").write_text("mine")
+        assert cli(["convert", "--to", to, *extra, "--overwrite", str(tmp_path / "ck"), str(out)]) == 2
+        assert (out / "NOTES.txt").read_text() == "mine"
+        (out / "NOTES.txt").unlink()
+        assert cli(["convert", "--to", to, *extra, "--overwrite", str(tmp_path / "ck"), str(out)]) == 0
+    from xckpt.interop.safetensors.writer import xckpt_to_safetensors
+    conf = tmp_path / "config.json"
+    conf.write_text('{"model_type": "gpt2"}')
+    (tmp_path / "safetensors" / "config.json").write_text("{}")  # what an earlier --hf-config export wrote
+    xckpt_to_safetensors(str(tmp_path / "ck"), str(tmp_path / "safetensors"), overwrite=True, select="model",
+                         extra_files={"config.json": str(conf)})
+    assert sorted(os.listdir(tmp_path / "safetensors")) == ["config.json", "model.safetensors"]
+    assert (tmp_path / "safetensors" / "config.json").read_text() == '{"model_type": "gpt2"}'
+
+
+def test_storage_reader_gives_dcp_tuples_with_arrays_and_names_what_torch_cannot_hold(tmp_path):
+    """DCP asks for a tuple whole: XckptStorageReader builds it, arrays included; an array of a dtype torch
+    lacks is left out of what DCP sees, with a warning naming it (DCP alone would say 'missing key')."""
+    import ml_dtypes
+    import torch.distributed.checkpoint as dcp
+    from xckpt_torch import XckptStorageReader
+
+    xckpt.save({"pair": (np.arange(3, dtype=np.float32), 7), "e3": np.ones(2, ml_dtypes.float8_e3m4)}, tmp_path / "c")
+    target = {"pair": (torch.zeros(3), 0)}
+    with pytest.warns(xckpt.XckptWarning, match=r"left out of what DCP sees: e3 \(float8_e3m4\)"):
+        dcp.load(target, storage_reader=XckptStorageReader(tmp_path / "c"), no_dist=True)
+    assert isinstance(target["pair"], tuple) and target["pair"][1] == 7
+    np.testing.assert_array_equal(target["pair"][0].numpy(), np.arange(3, dtype=np.float32))

@@ -236,3 +236,21 @@ def test_bad_input_is_a_specific_error(tmp_path, meshes):
     assert "w" in str(info.value)
     with pytest.raises(XckptError):
         xckpt.load(path, like={"v": jax.ShapeDtypeStruct((4, 4), np.float32, sharding=sh)})
+
+
+def test_bare_shardings_memory_kinds_and_mismatched_specs(tmp_path, meshes):
+    """A bare sharding takes the stored dtype, a Python value's too (an int stays an integer); a target in
+    pinned host memory gets its arrays there; a spec of another rank than the stored array names the leaf."""
+    path = tmp_path / "ckpt"
+    xckpt.save({"step": 16777217, "flag": True, "b": np.arange(8, dtype=np.float32)}, path)
+    rep = NamedSharding(meshes["8"], P())
+    out = xckpt.load(path, like={"step": rep, "flag": rep, "b": None})
+    assert out["step"].dtype == np.int32 and int(out["step"]) == 16777217  # int64 without x64: jax's int32
+    assert out["flag"].dtype == np.bool_ and bool(out["flag"]) is True
+    pinned = NamedSharding(meshes["8"], P("d"), memory_kind="pinned_host")
+    got = xckpt.load(path, like={"b": jax.ShapeDtypeStruct((8,), np.float32, sharding=pinned)}, partial=True)["b"]
+    assert got.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(got), np.arange(8, dtype=np.float32))
+    with pytest.raises(XckptError) as exc:
+        xckpt.load(path, like={"b": NamedSharding(meshes["42"], P("x", "y"))}, partial=True)
+    assert exc.value.code == "shape.mismatch" and exc.value.leaf == "b"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import warnings
 from typing import Any, Sequence
@@ -144,10 +143,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", XckptWarning)
         with r.spinner(f"converting {args.src} ({args.from_format}) to {args.dst} ({args.to_format})"):
+            # the config goes beside the weights, so that from_pretrained loads the export as it is
             convert(args.src, args.dst, source=args.from_format, target=args.to_format, overwrite=args.overwrite,
-                    select=args.select, max_shard_size=args.max_shard_size, **mapped)
-    if config is not None:  # beside the weights, so from_pretrained loads the export as it is
-        shutil.copyfile(config, os.path.join(args.dst, "config.json"))
+                    select=args.select, max_shard_size=args.max_shard_size,
+                    extra_files=None if config is None else {"config.json": config}, **mapped)
     for w in caught:
         if issubclass(w.category, XckptWarning):
             print(f"warning: {w.message}", file=sys.stderr)

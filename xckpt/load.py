@@ -314,7 +314,7 @@ def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build:
                                   f"target is {type(req.like).__name__}")
                 named.append(key_str(req.key))
                 continue
-            target = make(req.like, entry)
+            target = _made(make, req.like, entry, req.key)
             if tuple(target.shape) != tuple(entry.shape):
                 origin = mapped.origin(req.key) if mapped is not None else ""
                 mismatched.append(f"{key_str(req.key)}: stored {list(entry.shape)}"
@@ -323,7 +323,8 @@ def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build:
                 continue
             jobs.append((i, target))
         else:
-            value_reqs.append((req.key, i, make(req.like, _value_entry_as_array(entry)) if make else None))
+            made = _made(make, req.like, _value_entry_as_array(entry), req.key) if make else None
+            value_reqs.append((req.key, i, made))
     unexpected = [] if partial else _unexpected(like, requests, m.leaves)
     named += unexpected
     if mapped is not None and not partial:
@@ -349,6 +350,14 @@ def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build:
         results.update((key, fill()) for key, fill in values.items())
         return build(results)
     return _Loading(reads, finish)
+
+
+def _made(make: Callable[[Any, Any], ArrayTarget], like: Any, entry: ArrayEntry, key: Key) -> ArrayTarget:
+    """The adapter's target for ``like``; its refusal names the leaf."""
+    try:
+        return make(like, entry)
+    except XckptError as exc:
+        raise exc.at(leaf=key_str(key)) from None
 
 
 def _scalar(arr: np.ndarray, kind: type, key: Key) -> Any:
@@ -417,8 +426,14 @@ def overlaps_itself(arr: np.ndarray) -> bool:
     return False
 
 
+#: The dtype a stored Python scalar has as an array (a bare sharding target takes the stored dtype).
+_VALUE_DTYPES = {"bool": "bool", "int": "int64", "float": "float64", "complex": "complex128"}
+
+
 def _value_entry_as_array(e: ValueEntry) -> ArrayEntry:
-    return ArrayEntry(e.key, "", (), "float64", "float64", (), (), "none", None)
+    """A stored value described as a 0-d array of its type's dtype, for a target made from the stored entry."""
+    dtype = _VALUE_DTYPES.get(e.type, "float64")
+    return ArrayEntry(e.key, "", (), dtype, dtype, (), (), "none", None)
 
 
 def _unexpected(like: Any, requests: list[_Request], leaves: list[Entry]) -> list[str]:

@@ -139,7 +139,13 @@ def sharded_target(shape: Sequence[int], dtype: Any, sharding: Sharding) -> Arra
     regions: list[Region] = []
     position: dict[Region, int] = {}
     placement: list[tuple[Any, int]] = []
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
+    try:
+        indices = sharding.addressable_devices_indices_map(shape)
+    except (IndexError, ValueError, TypeError) as exc:  # a spec of another rank than the shape, say
+        raise ShapeError(f"the target's sharding {sharding} does not fit the stored shape {list(shape)}: {exc}",
+                         code="shape.mismatch") from None
+    memory_kind = getattr(sharding, "memory_kind", None)
+    for device, index in indices.items():
         region = region_of(index, shape)
         if region not in position:
             position[region] = len(regions)
@@ -148,8 +154,10 @@ def sharded_target(shape: Sequence[int], dtype: Any, sharding: Sharding) -> Arra
 
     def build(parts: list[np.ndarray]) -> jax.Array:
         host = [np.asarray(parts[i]).reshape(regions[i].sizes) for _, i in placement]
-        on_devices = jax.device_put(host, [d for d, _ in placement])
-        return jax.make_array_from_single_device_arrays(shape, sharding, on_devices)
+        # each piece on its device, in the sharding's memory (pinned host memory for offloaded state, say)
+        on_devices = jax.device_put(host, [SingleDeviceSharding(d, memory_kind=memory_kind) for d, _ in placement])
+        # a process holding none of the sharding's devices builds its (empty) part from the dtype alone
+        return jax.make_array_from_single_device_arrays(shape, sharding, on_devices, dtype=canonical)
 
     return ArrayTarget(shape, logical_dtype(canonical), regions, build)
 

@@ -9,6 +9,7 @@ it needs, read through TensorStore's inner chunks; containers of values only
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Iterable
 
 import numpy as np
@@ -27,7 +28,7 @@ from torch.futures import Future
 
 from xckpt.engine.read import ReadRequest
 from xckpt.engine.write import MAX_INFLIGHT_BYTES
-from xckpt.errors import KeyMismatchError, ShapeError, UnsupportedError, XckptError
+from xckpt.errors import KeyMismatchError, ShapeError, UnsupportedError, XckptError, XckptWarning
 from xckpt.format import dtypes as xdtypes
 from xckpt.format.manifest import ArrayEntry, ValueEntry
 from xckpt.format.regions import Region
@@ -37,7 +38,7 @@ from xckpt.sources.detect import open_checkpoint
 
 from .dcp_planners import deliver_value
 from .dcp_tree import fqn_of
-from .tensors import copy_into, cpu_view, logical_dtype, torch_dtype
+from .tensors import copy_into, cpu_view, from_numpy, logical_dtype, torch_dtype
 
 
 class XckptStorageReader(StorageReader):
@@ -78,8 +79,9 @@ class XckptStorageReader(StorageReader):
         for key, node in iter_nodes(m.tree):
             if not key or node["kind"] == "leaf" or fqn_of(key) in fqns:
                 continue
-            if all(isinstance(m.leaves[n["index"]], ValueEntry)
-                   for _, n in iter_nodes(node) if n["kind"] == "leaf"):
+            # DCP asks for a tuple whole (it flattens dicts and lists only), arrays inside it included
+            if node["kind"] in ("tuple", "namedtuple") or all(
+                    isinstance(m.leaves[n["index"]], ValueEntry) for _, n in iter_nodes(node) if n["kind"] == "leaf"):
                 fqns[fqn_of(key)] = ("node", key, node)
         self._fqns = fqns
 
@@ -89,6 +91,7 @@ class XckptStorageReader(StorageReader):
         m = ckpt.manifest
         sdm: dict[str, Any] = {}
         mappings: dict[str, Any] = {}
+        left_out: list[str] = []
         for fqn, what in self._fqns.items():
             if what[0] == "leaf":
                 e = m.leaves[what[1]]
@@ -97,6 +100,7 @@ class XckptStorageReader(StorageReader):
                     try:
                         dt = torch_dtype(e.dtype)
                     except UnsupportedError:
+                        left_out.append(f"{fqn} ({e.dtype})")
                         continue
                     size = torch.Size(e.shape)
                     sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=dt), size,
@@ -107,6 +111,9 @@ class XckptStorageReader(StorageReader):
                 key = what[1]
                 sdm[fqn] = BytesStorageMetadata()
             mappings[fqn] = tuple(key)
+        if left_out:  # DCP would only say "missing key"
+            warnings.warn(XckptWarning(f"{ckpt.loc}: arrays whose dtype torch {torch.__version__} lacks are left out "
+                                       f"of what DCP sees: {', '.join(left_out[:20])}"), stacklevel=2)
         return Metadata(state_dict_metadata=sdm, planner_data=mappings,
                         storage_meta=StorageMeta(checkpoint_id=self.path))
 
@@ -123,10 +130,20 @@ class XckptStorageReader(StorageReader):
         return plans
 
     def _value(self, what: tuple[Any, ...]) -> Any:
-        vals = self._open().values()
+        """A value leaf, or a subtree DCP asks for whole (its arrays read whole, as CPU tensors)."""
+        ckpt = self._open()
+        vals = ckpt.values()
         if what[0] == "leaf":
             return vals[what[1]]
-        return unflatten(what[2], vals)  # type: ignore[arg-type]
+        leaves: dict[int, Any] = dict(vals)
+        for _, n in iter_nodes(what[2]):
+            e = ckpt.manifest.leaves[n["index"]] if n["kind"] == "leaf" else None
+            if isinstance(e, ArrayEntry):
+                out = np.empty(e.shape, dtype=xdtypes.numpy_dtype(e.storage_dtype))
+                ckpt.read([ReadRequest(e, Region.full(e.shape), out)])
+                arr = out.view(xdtypes.numpy_dtype(e.dtype)) if xdtypes.is_raw(e.dtype) else out
+                leaves[n["index"]] = from_numpy(arr, e.dtype)
+        return unflatten(what[2], leaves)  # type: ignore[arg-type]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read exactly the boxes in ``plan`` and copy them into the planner's tensors."""

@@ -30,12 +30,15 @@ def as_leaf(value: Any) -> Any:
 
 
 def insert(tree: dict[Any, Any], key: Key, leaf: Any) -> None:
-    """Put ``leaf`` at ``key`` in a tree of nested dicts."""
+    """Put ``leaf`` at ``key`` in a tree of nested dicts; a key taken already (two names of one flattening
+    path, or a leaf where a subtree is) is a ``tree.invalid`` error, never an overwrite."""
     node = tree
     for part in key[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise TreeError(f"key {list(key)} lies below a leaf", leaf=key_str(key))
+    if key[-1] in node:
+        raise TreeError(f"two entries have the key {list(key)}", leaf=key_str(key))
     node[key[-1]] = leaf
 
 

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -122,13 +123,14 @@ def identity(loc: Location, kind: str = "xckpt") -> str | None:
     return generation if isinstance(generation, str) else hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt") -> Target:
+def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt", writes: Iterable[str] = ()) -> Target:
     """What a save to ``final`` may do, or a specific refusal; first tidies what dead saves left there.
 
     A save creates a new checkpoint, or with ``overwrite`` replaces a committed xckpt
     checkpoint (on a file system only): anything else at the destination is refused, never
     deleted (``save.exists``, ``save.not_checkpoint``, ``save.not_empty``, ``save.in_progress``),
-    files put into the checkpoint's directory included (``save.foreign``).
+    files put into the checkpoint's directory included (``save.foreign``), except the top-level names
+    ``writes`` that the new one writes too (the ``config.json`` an export puts beside its weights).
     """
     if final.is_local:
         path = final.local_path
@@ -149,8 +151,7 @@ def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt") -> Tar
         if held is None:
             raise SaveError(f"{path} is not {KINDS[kind]}; overwrite=True replaces only one, so nothing was written",
                             code="save.not_checkpoint", file=path)
-        if kind == "xckpt":
-            _refuse_foreign(final)
+        _refuse_foreign(final, kind, set(writes))
         return Target(final, replaces=held, kind=kind)
     store = final.store()
     if store.exists(names.MANIFEST):
@@ -175,21 +176,38 @@ def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt") -> Tar
     return Target(final)
 
 
-def _refuse_foreign(final: Location) -> None:
-    """Refuse to replace a committed checkpoint whose directory holds names its manifest does not refer to
-    (a README, a tokenizer folder put there by hand): replacing it would delete them (``save.foreign``). A
-    checkpoint whose manifest cannot be read is replaced as it is (what belongs to it cannot be told)."""
+#: The names a torch DCP directory is made of (its writer's data files, and its metadata).
+_DCP_NAME = re.compile(r"__[0-9]+_[0-9]+\.distcp|\.metadata")
+
+
+def _own_names(final: Location, kind: str) -> set[str] | None:
+    """The top-level names a committed directory of ``kind`` is made of (None: they cannot be told)."""
+    if kind == "dcp":
+        return {n for n in os.listdir(final.local_path) if _DCP_NAME.fullmatch(n)}
     store = final.store()
     try:
+        if kind == "safetensors":
+            raw = store.read(safetensors.INDEX_FILE, limit=safetensors.MAX_INDEX_BYTES)
+            if raw is None:
+                return {safetensors.SINGLE_FILE}
+            files = safetensors.parse_index(raw, file=str(final.child(safetensors.INDEX_FILE))).values()
+            return {safetensors.INDEX_FILE, *files}
         raw = store.read(names.MANIFEST)
-        m = parse_manifest(raw, file=str(final.child(names.MANIFEST))) if raw is not None else None
+        return parse_manifest(raw, file=str(final.child(names.MANIFEST))).top_names() if raw is not None else None
     except XckptError:
-        m = None
+        return None
     finally:
         store.close()
-    if m is None:
+
+
+def _refuse_foreign(final: Location, kind: str, writes: set[str]) -> None:
+    """Refuse to replace a committed directory of ``kind`` that holds names it is not made of (a README, a
+    tokenizer folder or a ``config.json`` put there by hand): replacing it would delete them (``save.foreign``).
+    One whose own names cannot be told (its manifest or index unreadable) is replaced as it is."""
+    own = _own_names(final, kind)
+    if own is None:
         return
-    foreign = sorted(set(os.listdir(final.local_path)) - m.top_names())
+    foreign = sorted(set(os.listdir(final.local_path)) - own - writes)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise SaveError(f"{final} holds {shown}, which no leaf of its manifest refers to; overwrite replaces a "
@@ -358,11 +376,12 @@ def discard(tmp: Location, written: Iterable[str], *, hold: Hold | None = None,
             written, plan = (), None  # judged dead, its prefix emptied and maybe another save's now: delete nothing
         store = tmp.store()
         try:
-            for name in written:
-                store.delete(name)
-            if hold is not None and not tmp.is_local:
-                for name in list(plan_objects(plan)) if plan is not None else []:
+            for name in [*written, *(plan_objects(plan) if plan is not None and hold is not None
+                                     and not tmp.is_local else ())]:
+                try:
                     store.delete(name)
+                except (XckptError, OSError):  # one that cannot go (a name too long) stops none of the others
+                    pass
         finally:
             store.close()
         if hold is not None and tmp.is_local:

@@ -22,6 +22,8 @@ ORBAX_SHARDING = "_sharding"
 ORBAX_MARKER_DIR = ".orbax_marker"
 #: The file that makes a directory a committed torch DCP checkpoint (written by ``xckpt convert --to dcp``).
 DCP_METADATA = ".metadata"
+#: Longest storage name of a stored path, in UTF-8 bytes (a file name on ext4, XFS, tmpfs, APFS, NTFS).
+MAX_NAME_BYTES = 255
 #: The item a checkpoint manager's step directory holds its checkpoint in (Orbax's default item name).
 DEFAULT_ITEM = "default"
 #: What each rank writes instead when DCP saves without collectives (``use_collectives=False``): rank 0's.
@@ -54,6 +56,10 @@ def path_name(key: Key) -> str:
     if ":" in name:
         raise TreeError(f"key {key_str(key)!r} holds ':', which a stored path may not (readers refuse it: a drive or "
                         "a stream on some file systems); rename it", leaf=key_str(key))
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise TreeError(f"the storage name of this key is {len(name.encode('utf-8', 'surrogatepass'))} bytes long, more "
+                        f"than the {MAX_NAME_BYTES} a file name may have on common file systems; shorten it",
+                        leaf=key_str(key))
     return name
 
 

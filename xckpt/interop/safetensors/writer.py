@@ -255,8 +255,12 @@ def _write_file(ckpt: Source, path: str, tensors: Sequence[Tensor], piece_bytes:
 
 
 def _write_index(path: str, plan: ExportPlan) -> None:
-    data = json.dumps({"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map},
-                      indent=2, ensure_ascii=False).encode("utf-8") + b"\n"
+    _write_new(path, json.dumps({"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map},
+                                indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """A new file holding ``data``, synced."""
     with open(path, "xb") as f:
         f.write(data)
         f.flush()
@@ -264,14 +268,20 @@ def _write_index(path: str, plan: ExportPlan) -> None:
 
 
 def write_export(ckpt: Source, dst: str, plan: ExportPlan, *, overwrite: bool = False,
-                 piece_bytes: int = PIECE_BYTES) -> None:
+                 piece_bytes: int = PIECE_BYTES, extra_files: dict[str, str] | None = None) -> None:
     """Write ``plan`` (:func:`plan_export` of ``ckpt``'s manifest) as a safetensors directory at ``dst``:
-    into a temporary sibling, moved into place once every file is synced; on failure nothing is left."""
+    into a temporary sibling, moved into place once every file is synced; on failure nothing is left.
+    ``extra_files`` (name in the export -> a file to copy there: its ``config.json``) go in with the weights."""
     final = Location.of(dst)
     if not final.is_local:
         raise UnsupportedError("safetensors exports are written to local directories only",
                                code="convert.safetensors_remote", file=str(final))
-    target = check_target(final, SaveOptions(overwrite=overwrite), kind="safetensors")
+    extra = dict(extra_files or {})
+    for name in extra:
+        if os.path.basename(name) != name or name in (SINGLE_FILE, INDEX_FILE) or name.startswith("."):
+            raise UnsupportedError(f"an extra file of a safetensors export is a plain name of its own, not {name!r}",
+                                   code="convert.option")
+    target = check_target(final, SaveOptions(overwrite=overwrite), kind="safetensors", writes=extra)
     hold = Hold(target, claims.new_generation(), SaveOptions().stale_after())
     try:
         try:
@@ -280,6 +290,9 @@ def write_export(ckpt: Source, dst: str, plan: ExportPlan, *, overwrite: bool = 
                 _write_file(ckpt, os.path.join(tmp, name), tensors, piece_bytes)
             if len(plan.files) > 1:
                 _write_index(os.path.join(tmp, INDEX_FILE), plan)
+            for name, source in extra.items():
+                with open(source, "rb") as f:
+                    _write_new(os.path.join(tmp, name), f.read())
             atomic.sync_dir(tmp)
             publish(hold.tmp, target, hold.generation)
         except OSError as exc:
@@ -293,7 +306,8 @@ def write_export(ckpt: Source, dst: str, plan: ExportPlan, *, overwrite: bool = 
 
 
 def xckpt_to_safetensors(src: str, dst: str, *, overwrite: bool = False, select: str | None = None,
-                         max_shard_size: int | str | None = None, mapping: Any = None, like: Any = None) -> None:
+                         max_shard_size: int | str | None = None, mapping: Any = None, like: Any = None,
+                         extra_files: dict[str, str] | None = None) -> None:
     """Export the checkpoint at ``src`` (xckpt or Orbax) as Hugging Face safetensors in the directory ``dst``.
 
     ``select``: keep only the leaves under this key prefix (``"model"``, ``"model/encoder"``) and strip
@@ -301,6 +315,7 @@ def xckpt_to_safetensors(src: str, dst: str, *, overwrite: bool = False, select:
     ``mapping`` (and the ``like`` it resolves against) renames and lays out the arrays first: a flax
     checkpoint exported with Hugging Face torch names is ``mapping=M.flax_to_torch(), like={"model":
     model}, select="model"``, where ``model`` may live on the meta device (nothing of it is read).
+    ``extra_files`` (name -> a file to copy: ``{"config.json": ...}``) are written with the weights.
     Everything is checked (names, dtypes) before ``dst`` is touched; non-array leaves are skipped with an
     :class:`~xckpt.errors.XckptWarning`.
     """
@@ -316,6 +331,6 @@ def xckpt_to_safetensors(src: str, dst: str, *, overwrite: bool = False, select:
             shown = ", ".join(plan.skipped[:8]) + (f" and {len(plan.skipped) - 8} more" if len(plan.skipped) > 8 else "")
             warnings.warn(f"safetensors holds only arrays: skipped {len(plan.skipped)} non-array leaves ({shown})",
                           XckptWarning, stacklevel=2)
-        write_export(ckpt, dst, plan, overwrite=overwrite)
+        write_export(ckpt, dst, plan, overwrite=overwrite, extra_files=extra_files)
     finally:
         ckpt.close()
