@@ -217,8 +217,10 @@ def manager_torch(rank: int, world: int, wd: Path) -> dict[str, Any]:
 
 def _metric_and_publish_failures(rank: int, root: Path) -> None:
     """Failures on one rank only keep the ranks in step: rank 1's metrics are not read (only the coordinating
-    process's are kept), rank 0's bad metric is manager.metrics on both; a step that rank 0 alone fails to move
-    into place (it appeared meanwhile) is raised on both, and both may save it again."""
+    process's are kept), rank 0's bad metric (a torch tensor of 3 elements: RuntimeError from item()) is
+    manager.metrics naming it on both, a bad XCKPT_STALE_AFTER_S (read by rank 0 alone) config.env on both; a
+    step that rank 0 alone fails to move into place (it appeared meanwhile) is raised on both, and both may save
+    it again."""
     import torch
 
     import xckpt
@@ -228,11 +230,21 @@ def _metric_and_publish_failures(rank: int, root: Path) -> None:
         assert mgr.save(1, state, force=True, metrics={"loss": np.zeros(3) if rank == 1 else 1.0})
         mgr.wait()
         try:
-            mgr.save(2, state, force=True, metrics={"loss": np.zeros(3) if rank == 0 else 1.0})
+            mgr.save(2, state, force=True, metrics={"loss": torch.zeros(3) if rank == 0 else 1.0})
         except xckpt.XckptError as exc:
-            assert exc.code == "manager.metrics" and "not one number" in str(exc), exc
+            assert exc.code == "manager.metrics" and exc.leaf == "loss" and "metric 'loss'" in str(exc) \
+                and "not one number" in str(exc), exc
         else:
             raise AssertionError(f"rank {rank}: a bad metric on rank 0 did not fail the save")
+        os.environ["XCKPT_STALE_AFTER_S"] = "1h"
+        try:
+            mgr.save(2, state, force=True)
+        except xckpt.XckptError as exc:
+            assert exc.code == "config.env" and "XCKPT_STALE_AFTER_S='1h'" in str(exc), exc
+        else:
+            raise AssertionError(f"rank {rank}: a bad XCKPT_STALE_AFTER_S did not fail the save")
+        finally:
+            del os.environ["XCKPT_STALE_AFTER_S"]
         assert mgr.should_save(2) is False  # no interval set: the ranks agree (a collective vote)
         publish = xckpt.CheckpointManager._publish
         if rank == 0:  # the step appears while it is saved: rank 0's publish fails

@@ -53,8 +53,12 @@ def _run(root: Path) -> None:
     (root / "notes").mkdir()  # not a step
 
 
-def test_ls_steps_text_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_ls_steps_text_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                monkeypatch: pytest.MonkeyPatch) -> None:
     _run(tmp_path)
+    sized: list[str] = []  # what tree_size walked: each step once, never the run as a whole (not a checkpoint)
+    tree_size = xckpt.manager.tree_size
+    monkeypatch.setattr(xckpt.manager, "tree_size", lambda path: sized.append(path) or tree_size(path))
     rc, out = _cli(capsys, "ls", str(tmp_path))
     assert rc == 0
     for header in ("Steps of", "step", "status", "committed at", "size", "leaves", "format"):
@@ -77,6 +81,9 @@ def test_ls_steps_text_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert steps[100]["format"] == "xckpt" and steps[300]["format"] is None
     assert isinstance(steps[200]["commit_time"], float) and steps[300]["commit_time"] is None
     assert steps[100]["size_bytes"] > 64 and steps[100]["path"] == str(tmp_path / "100")
+    assert sized == [str(tmp_path / s) for s in ("100", "200", "300")] * 2  # text, then --json
+    assert [steps[s]["size_bytes"] for s in (100, 200, 300)] == [tree_size(str(tmp_path / str(s)))
+                                                                 for s in (100, 200, 300)]
 
 
 def test_ls_a_directory_of_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

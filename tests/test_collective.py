@@ -220,3 +220,35 @@ def test_a_rank_kept_waiting_warns_once_and_goes_on(tmp_path, monkeypatch):
         warnings.simplefilter("always")
         run_ranks(2, body)
     assert not [w for w in seen if issubclass(w.category, xckpt.XckptWarning)]
+
+
+def test_the_wait_watchdog_outlives_warnings_as_errors_and_huge_thresholds(monkeypatch, capfd):
+    """Under warnings-as-errors the late exchange's warning cannot be given (it goes to stderr instead), and a
+    threshold of 1e12 s overflows no wait: either way the watchdog thread lives on and warns of the next late
+    exchange."""
+    import threading
+    import time
+    import warnings
+
+    from xckpt.engine import collective
+
+    def late(coord: Any) -> Any:
+        if coord.rank == 1:
+            time.sleep(0.6)
+        return collective.all_gather(coord, coord.rank, what="the test's step")
+
+    monkeypatch.setenv("XCKPT_WAIT_WARN_S", "1e12")
+    assert run_ranks(2, late) == [[0, 1], [0, 1]]
+    monkeypatch.setenv("XCKPT_WAIT_WARN_S", "0.2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run_ranks(2, late) == [[0, 1], [0, 1]]
+    time.sleep(0.1)
+    err = capfd.readouterr().err
+    assert "saying so failed: XckptWarning: rank 0 has waited 0.2 s" in err and "the test's step" in err, err
+    assert [t for t in threading.enumerate() if t.name == "xckpt-watchdog" and t.is_alive()]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert run_ranks(2, late) == [[0, 1], [0, 1]]
+    texts = [str(w.message) for w in seen if "has waited" in str(w.message)]
+    assert len(texts) == 1 and texts[0].startswith("rank 0 has waited 0.2 s") and "the test's step" in texts[0], texts

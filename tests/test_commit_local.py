@@ -241,6 +241,22 @@ def test_overwrite_replaces_only_a_committed_checkpoint(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["file", "notes"]
 
 
+def test_overwrite_refuses_a_checkpoint_whose_manifest_cannot_be_read(tmp_path):
+    """A checkpoint whose xckpt.json was cut short: which of its files are its own cannot be told, so overwrite
+    refuses (save.not_checkpoint naming the manifest) rather than delete a file put into it."""
+    path = tmp_path / "ckpt"
+    xckpt.save({"w": np.ones(4)}, path)
+    manifest = path / "xckpt.json"
+    manifest.write_bytes(manifest.read_bytes()[:20])
+    (path / "tokenizer.json").write_text("{}")
+    before = {p.relative_to(path): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    with pytest.raises(xckpt.XckptError) as info:
+        xckpt.save({"w": np.zeros(4)}, path, overwrite=True)
+    assert (info.value.code, info.value.file) == ("save.not_checkpoint", str(manifest)), info.value
+    assert {p.relative_to(path): p.read_bytes() for p in path.rglob("*") if p.is_file()} == before
+    assert hidden(tmp_path) == []
+
+
 @pytest.mark.parametrize("kind", ["save", "save_async"])
 def test_overwrite_never_deletes_files_put_into_a_checkpoint(tmp_path, kind):
     """A README, a tokenizer folder or a stray hidden file put into a committed checkpoint's directory: overwrite

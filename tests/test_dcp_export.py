@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 
 import numpy as np
 import pytest
 
 import xckpt
+import xckpt.convert
 
 torch = pytest.importorskip("torch")
 
@@ -88,3 +90,107 @@ def test_storage_reader_gives_dcp_tuples_with_arrays_and_names_what_torch_cannot
         dcp.load(target, storage_reader=XckptStorageReader(tmp_path / "c"), no_dist=True)
     assert isinstance(target["pair"], tuple) and target["pair"][1] == 7
     np.testing.assert_array_equal(target["pair"][0].numpy(), np.arange(3, dtype=np.float32))
+
+
+@pytest.mark.parametrize("to, extra, which", [
+    ("dcp", [], "which are not DCP's own files"),
+    ("safetensors", ["--select", "model"], "which are not its model.safetensors"),
+    ("safetensors", ["--select", "model", "--max-shard-size", "8"], "which its index does not name")])
+def test_a_refused_overwrite_of_an_export_says_what_names_its_files(tmp_path, to, extra, which):
+    """save.foreign for an export names what tells its files (DCP's own file names, the index, the single
+    file), not a manifest it does not have; a DCP export whose .metadata is cut short is refused the same way,
+    deleting nothing."""
+    xckpt.save({"model": {"w": np.ones(3, np.float32), "v": np.zeros(4, np.float32)}}, tmp_path / "ck")
+    out = tmp_path / "out"
+    assert cli(["convert", "--to", to, *extra, str(tmp_path / "ck"), str(out)]) == 0
+    (out / "tokenizer.json").write_text("{}")
+    if to == "dcp":
+        (out / ".metadata").write_bytes((out / ".metadata").read_bytes()[:10])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    options = {"select": "model", "max_shard_size": 8 if "--max-shard-size" in extra else None} if extra else {}
+    with pytest.raises(xckpt.XckptError) as info:
+        xckpt.convert.convert(str(tmp_path / "ck"), str(out), target=to, overwrite=True, **options)
+    assert (info.value.code, info.value.file) == ("save.foreign", str(out / "tokenizer.json")), info.value
+    assert f"holds tokenizer.json, {which}" in str(info.value) and "manifest" not in str(info.value)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def _map(tree, fn):
+    """``tree`` with ``fn`` applied to each of its leaves, dicts, lists and tuples kept."""
+    if isinstance(tree, dict):
+        return {k: _map(v, fn) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map(v, fn) for v in tree)
+    return fn(tree)
+
+
+def _assert_same(got, want, where="") -> None:
+    """``got`` holds ``want``'s containers and values, tensors compared element by element with their dtypes."""
+    assert type(got) is type(want), where
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), where
+        for k in want:
+            _assert_same(got[k], want[k], f"{where}/{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_same(g, w, f"{where}/{i}")
+    elif isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, where
+        np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=where)
+    else:
+        assert got == want, where
+
+
+def test_storage_reader_offers_exactly_the_names_dcp_flattens_to(tmp_path):
+    """XckptStorageReader names what torch's own DCP save names for the same state (a list is asked for whole
+    when no item is a tensor, dict or list DCP walks into: a list of tuples holding tensors is asked whole), and
+    no name more (one more, such as a dict of values offered whole, makes DCP take the state for a torch 2.3
+    one); DCP's load then fills every target with the stored data."""
+    import torch.distributed.checkpoint as dcp
+    from xckpt_torch import XckptStorageReader
+
+    f = np.arange(6, dtype=np.float32)
+    tree = {"opt": [(f[:3], 1), (f[3:] * 2, 2)],  # a list of tuples holding arrays: asked whole
+            "cfg": {"lr": 0.5, "tags": ["a", "b"]},  # a dict of values: walked into, never asked whole
+            "m": {"pair": (np.arange(4, dtype=np.int64), 7), "mu": [np.ones(2, np.float16)]},
+            "mixed": [f[:2] + 9, (f[2:4], "x"), [1, 2], [[f[4:]]], {"d": np.array([5], np.int32)}],
+            "vals": [1, [2, 3], (4, 5), None],
+            "empty": [], "step": 3}
+    xckpt.save(tree, tmp_path / "x")
+    state = _map(tree, lambda x: torch.from_numpy(x.copy()) if isinstance(x, np.ndarray) else x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ..."
+        dcp.save(state, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+        want = set(dcp.FileSystemReader(str(tmp_path / "plain")).read_metadata().state_dict_metadata)
+        assert {"opt", "cfg.lr", "cfg.tags", "m.pair", "mixed.1", "mixed.3.0.0"} <= want
+        assert set(XckptStorageReader(tmp_path / "x").read_metadata().state_dict_metadata) == want
+        target = _map(state, lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else None)
+        dcp.load(target, storage_reader=XckptStorageReader(tmp_path / "x"), no_dist=True)
+    _assert_same(target, state)
+
+
+def test_storage_reader_refuses_a_tuple_holding_an_array_torch_cannot_hold(tmp_path):
+    """DCP asks for a tuple whole: one holding an array of a dtype torch lacks is dtype.unsupported naming the
+    array's leaf and the checkpoint, before DCP gets anything (the target stays as it was); a load that does
+    not ask for it reads the rest."""
+    import ml_dtypes
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from xckpt_torch import XckptStorageReader
+
+    xckpt.save({"pair": (np.ones(2, ml_dtypes.float8_e3m4), 7), "w": np.arange(3, dtype=np.float32)},
+               tmp_path / "c")
+    t = torch.full((2,), 5.0)
+    target = {"pair": (t, 0), "w": torch.zeros(3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointException) as info:
+            dcp.load(target, storage_reader=XckptStorageReader(tmp_path / "c"), no_dist=True)
+        errors = [e for e, _ in info.value.failures.values()]
+        assert [(e.code, e.leaf, e.file) for e in errors] == [("dtype.unsupported", "pair/0", str(tmp_path / "c"))]
+        assert "float8_e3m4" in str(errors[0])
+        assert target["pair"] == (t, 0) and torch.equal(t, torch.full((2,), 5.0)) and not target["w"].any()
+        rest = {"w": torch.zeros(3)}
+        dcp.load(rest, storage_reader=XckptStorageReader(tmp_path / "c"), no_dist=True)
+    np.testing.assert_array_equal(rest["w"].numpy(), np.arange(3, dtype=np.float32))

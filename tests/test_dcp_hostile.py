@@ -512,11 +512,12 @@ def test_not_a_dcp_checkpoint(tmp_path):
 
 
 def test_two_names_of_one_key_are_refused(ckpt, tmp_path):
-    """Metadata whose flattening paths give two tensors one key would lose one: refused, naming it."""
+    """Metadata whose flattening paths give two tensors one key would lose one: refused, naming it and the
+    checkpoint's .metadata."""
     md = pickle.loads((ckpt / ".metadata").read_bytes())
     names = [n for n in md.state_dict_metadata if n != "f32"]
     md.planner_data = dict(md.planner_data or {})
     md.planner_data[names[0]] = ("f32",)
     _write_md(ckpt, md)
     err = _fails(ckpt, tmp_path / "out", "tree.invalid")
-    assert err.leaf == "f32" and "two entries" in str(err)
+    assert err.leaf == "f32" and "two entries" in str(err) and err.file == str(ckpt / ".metadata")

@@ -112,6 +112,31 @@ def test_a_missing_object_is_found_before_any_rank_writes_in_place(ckpt):
         _untouched(t["a"])
 
 
+def test_a_stored_nan_one_rank_turns_into_an_int_changes_nothing_anywhere(tmp_path):
+    """Rank 1 asks a stored NaN as a Python int: its conversion fails in the read step, so both raise one
+    error naming that leaf, and neither rank's staged in-place target is written."""
+    path = tmp_path / "c"
+    xckpt.save({"a": A, "n": np.float64("nan")}, path, coordinator=xckpt.LocalCoordinator())
+    targets = [{"a": _blank()}, {"a": _blank(), "n": 0}]
+    got = _outcomes(lambda c: xckpt.load(path, like=targets[c.rank], partial=True, coordinator=c))
+    _same_failure(got, [1], "tree.key_mismatch")
+    assert (got[0].failures[1]["leaf"], got[0].failures[1]["file"]) == ("n", str(path))
+    for t in targets:
+        _untouched(t["a"])
+
+
+def test_a_missing_object_of_a_cast_read_is_found_before_anything_is_written_in_place(ckpt):
+    """Without staging, a leaf read with a cast (float32 stored, float64 target) is checked ahead with the
+    others: its missing chunk stops the load before the same-dtype target "a" is written."""
+    os.unlink(ckpt / "b" / "c" / "0" / "0")
+    a, b = _blank(), torch.full((8, 8), -7.0, dtype=torch.float64)
+    with pytest.raises(xckpt.XckptError) as e:
+        xckpt.load(ckpt, like={"a": a, "b": b}, partial=True, max_staging_bytes=0,
+                   coordinator=xckpt.LocalCoordinator())
+    assert e.value.code == "chunk.missing" and e.value.leaf == "b"
+    _untouched(a)
+
+
 def test_ranks_that_opened_two_generations_start_again_together(ckpt, tmp_path, monkeypatch):
     """Rank 1's first open finds another generation than rank 0's (a save replaced the checkpoint between
     the two opens; here rank 1 is handed another save's checkpoint, while the files rank 0 opened stay

@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ import numpy as np
 import pytest
 
 import xckpt
+from xckpt.cli import main as cli_main
 from xckpt.errors import XckptError
 
 import manager_workers as mw
@@ -378,17 +380,112 @@ def test_a_failed_last_step_is_told_at_exit(small_fs: Path) -> None:
     assert [s.step for s in xckpt.list_steps(small_fs / "run")] == []
 
 
-def test_zero_padded_directories_are_not_steps(tmp_path: Path) -> None:
-    """A step's directory is its canonical decimal name: "010" is someone else's directory (listed as no step,
-    never deleted by retention), so step 10 never has two directories."""
+def test_a_step_warned_of_on_leaving_a_with_block_is_not_told_again_at_exit(tmp_path: Path) -> None:
+    """A with block left on an exception warns that its last step was not saved (it failed in the background);
+    the exit hook does not say it again as a failure that nothing waited for."""
+    script = ("import numpy as np, xckpt\n"
+              f"with xckpt.CheckpointManager({str(tmp_path / 'run')!r}) as m:\n"
+              "    m.save(1, {'w': np.ones(10)}, force=True)\n"
+              "    raise SystemExit('training failed')\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, XCKPT_FAILPOINTS="before_status:raise"))
+    assert p.returncode == 1 and "training failed" in p.stderr, p.stderr
+    assert "step 1 was not saved" in p.stderr and "failpoint before_status" in p.stderr, p.stderr
+    assert "nothing waited for it" not in p.stderr, p.stderr
+    assert xckpt.list_steps(tmp_path / "run") == []
+
+
+def test_a_managers_failure_does_not_fail_a_save_made_right_after(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manager's step fails in the background; a plain xckpt.save right after save() returned, before the
+    manager's own thread waited for the step (held back here), saves: the failure is the manager's to raise."""
+    gate = threading.Event()
+
+    def hold(frame: Any, event: str, arg: Any) -> None:  # threading.settrace: runs first in each new thread
+        if threading.current_thread().name == "xckpt-manager-finish":
+            gate.wait(60)
+        sys.settrace(None)
+
+    monkeypatch.setenv("XCKPT_FAILPOINTS", "before_status:raise")  # the asynchronous save fails
+    m = xckpt.CheckpointManager(tmp_path / "a")
+    threading.settrace(hold)
+    try:
+        assert m.save(1, {"w": np.ones(10)}, force=True)
+    finally:
+        threading.settrace(None)  # type: ignore[arg-type]
+    try:
+        xckpt.save({"x": np.arange(3)}, tmp_path / "other")
+    finally:
+        gate.set()
+    np.testing.assert_array_equal(xckpt.load(tmp_path / "other")["x"], np.arange(3))
+    with pytest.raises(XckptError) as exc:
+        m.wait()
+    assert "failpoint before_status" in str(exc.value)
+    m.close()
+    assert xckpt.list_steps(tmp_path / "a") == []
+
+
+def test_a_bad_metric_or_setting_is_named_and_nothing_is_written(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A metric that is not one number (an array, an object) is manager.metrics naming its key path (as the
+    leaf); metrics that are not a dict are manager.metrics; a bad XCKPT_STALE_AFTER_S is config.env."""
+    root = tmp_path / "run"
+    with xckpt.CheckpointManager(root) as m:
+        for metrics, leaf in (({"loss": 1.0, "hist": [0.5, np.zeros(3)]}, "hist/1"),
+                              ({"loss": 1.0, "cfg": {"lr": object()}}, "cfg/lr"), ([("loss", 1.0)], None)):
+            with pytest.raises(XckptError) as exc:
+                m.save(1, {"w": np.ones(2)}, force=True, metrics=metrics)
+            assert exc.value.code == "manager.metrics" and exc.value.leaf == leaf, exc.value
+            assert leaf is None or f"the metric {leaf!r}" in str(exc.value), exc.value
+        monkeypatch.setenv("XCKPT_STALE_AFTER_S", "1h")
+        with pytest.raises(XckptError) as exc:
+            m.save(1, {"w": np.ones(2)}, force=True)
+        assert exc.value.code == "config.env" and "XCKPT_STALE_AFTER_S" in str(exc.value)
+        monkeypatch.delenv("XCKPT_STALE_AFTER_S")
+        assert _entries(root) == []
+        assert m.save(1, {"w": np.ones(2)}, force=True, metrics={"loss": np.float32(0.5)})
+    assert [(s.step, s.metrics) for s in xckpt.list_steps(root)] == [(1, {"loss": 0.5})]
+
+
+def test_zero_padded_directories_beside_canonical_steps_are_not_steps(tmp_path: Path) -> None:
+    """In a run whose step names are canonical ("9"), "010" is someone else's directory (listed as no step, never
+    deleted by retention), so step 10 never has two directories. (A run whose step names are all zero-padded to
+    one length is Orbax's fixed-length naming: see test_step_names.)"""
     root = tmp_path / "run"
     xckpt.save({"w": np.ones(2)}, root / "010")
+    xckpt.save({"w": np.zeros(2)}, root / "9")
+    step_of = xckpt.manager.step_of
+    assert step_of("010") is None and step_of("0") == 0 and step_of("010", 3) == 10 and step_of("10", 3) is None
     with xckpt.CheckpointManager(root, max_to_keep=1) as m:
-        assert m.latest_step() is None and xckpt.manager.step_of("010") is None and xckpt.manager.step_of("0") == 0
-        for step in (10, 11):
-            m.save(step, {"w": np.full(2, step)}, force=True)
+        assert m.latest_step() == 9
+        m.save(10, {"w": np.full(2, 10)}, force=True)
+        m.wait()
+        assert [(s.step, s.path) for s in m.all_steps()] == [(10, str(root / "10"))]  # "010" is not step 10 too
+        m.save(11, {"w": np.full(2, 11)}, force=True)
     assert _entries(root) == ["010", "11"]
     np.testing.assert_array_equal(xckpt.load(root / "010")["w"], np.ones(2))
+
+
+@pytest.mark.parametrize(("dirs", "steps"), [
+    (["0001", "0002", "10000"], [1, 2, 10000]),  # Orbax's step_format_fixed_length=4, past step 9999
+    (["0000", "0010"], [0, 10]),
+    (["010"], [10]),
+    (["0", "7", "12"], [0, 7, 12]),
+    (["010", "10"], [10]),  # two spellings of step 10: canonical names only
+    (["010", "9"], [9]),  # "9" is shorter than the padded length
+    (["0001", "02"], []),  # two padded lengths
+    (["0001", "0002", "x0003", "٣"], [1, 2]),
+])
+def test_step_names(tmp_path: Path, dirs: list[str], steps: list[int]) -> None:
+    """Which directories are steps: canonical decimal names, or in a run whose zero-padded names all have one
+    length N (and no name is shorter), Orbax's step_format_fixed_length=N names; never two names of one step."""
+    for name in dirs:
+        (tmp_path / name).mkdir()
+    (tmp_path / "0003").symlink_to(tmp_path / "0001")  # a link is no step (and not counted as one)
+    (tmp_path / "03").write_text("")  # nor is a file
+    got = xckpt.list_steps(tmp_path, sizes=False)
+    assert [s.step for s in got] == steps
+    assert all(os.path.basename(s.path) in dirs and not s.committed for s in got)
 
 
 @pytest.mark.parametrize(("metrics", "leave_pages", "failing"), [
@@ -459,12 +556,17 @@ def test_orbax_reads_xckpt_run(tmp_path: Path) -> None:
     v1.close()
 
 
-def test_xckpt_reads_and_continues_orbax_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fixed_length", [None, 4])
+def test_xckpt_reads_and_continues_orbax_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             fixed_length: int | None) -> None:
+    """A run Orbax wrote (with step_format_fixed_length too: 0010/): listed, restored, and continued in its
+    naming, so that Orbax reads the continued run."""
     ocp = pytest.importorskip("orbax.checkpoint")
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
     root = tmp_path / "run"
-    opts = ocp.CheckpointManagerOptions(best_fn=lambda mt: mt["loss"], best_mode="min")
+    opts = ocp.CheckpointManagerOptions(best_fn=lambda mt: mt["loss"], best_mode="min",
+                                        step_format_fixed_length=fixed_length)
     with ocp.CheckpointManager(root, options=opts) as om:
         for step in (10, 20, 30):
             tree = {"params": {k: jnp.asarray(v) for k, v in _params(step).items()}, "step": step}
@@ -484,7 +586,13 @@ def test_xckpt_reads_and_continues_orbax_run(tmp_path: Path) -> None:
         m.save(40, {"params": {k: jnp.asarray(v) for k, v in _params(40).items()}, "step": 40}, force=True)
         m.wait()
         assert [s.step for s in m.all_steps()] == [30, 40]  # Orbax's steps are retained like its own
-    with ocp.CheckpointManager(root) as om:  # and Orbax reads the mixed run
+    assert _entries(root) == ([f"{s:0{fixed_length}d}" for s in (30, 40)] if fixed_length else ["30", "40"])
+    assert cli_main(["ls", "--json", str(root)]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(s["step"], s["format"]) for s in listed["steps"]] == [(30, "orbax"), (40, "xckpt")]
+    assert listed["checkpoints"] == []
+    with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(step_format_fixed_length=fixed_length)) \
+            as om:  # and Orbax reads the mixed run
         assert list(om.all_steps()) == [30, 40]
         out = om.restore(40)
         np.testing.assert_array_equal(np.asarray(out["params"]["w"]), _params(40)["w"])

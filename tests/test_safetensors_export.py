@@ -218,6 +218,32 @@ def test_existing_destination_and_overwrite(tmp_path, monkeypatch):
     assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("index", [
+    "truncated", '{"weight_map": {"w": "sub/model-00001-of-00002.safetensors"}}',
+    '{"weight_map": {"w": "model-00001-of-00002.safetensors", "w": "model-00002-of-00002.safetensors"}}'])
+def test_overwrite_refuses_an_export_whose_index_cannot_be_read(tmp_path, index):
+    """An export whose index is cut short, points into a subfolder or names a tensor twice: which of its files
+    are its own cannot be told, so --overwrite refuses (save.not_checkpoint naming the index), deleting
+    nothing (the tokenizer.json put beside the shards included)."""
+    xckpt.save({"model": {"w": np.ones(3, np.float32), "v": np.zeros(4, np.float32)}}, tmp_path / "ck")
+    dst = tmp_path / "hf"
+    args = ["convert", "--to", "safetensors", "--select", "model", "--max-shard-size", "8"]
+    assert cli_main([*args, str(tmp_path / "ck"), str(dst)]) == 0
+    idx = dst / "model.safetensors.index.json"
+    idx.write_text(idx.read_text()[:20] if index == "truncated" else index)
+    (dst / "tokenizer.json").write_text('{"tok": 1}')
+    (dst / "sub").mkdir()
+    (dst / "sub" / "notes.txt").write_text("mine")
+    before = {p.relative_to(dst): p.read_bytes() for p in dst.rglob("*") if p.is_file()}
+    with pytest.raises(XckptError) as info:
+        xckpt.convert.convert(str(tmp_path / "ck"), str(dst), target="safetensors", select="model",
+                              max_shard_size=8, overwrite=True)
+    assert (info.value.code, info.value.file) == ("save.not_checkpoint", str(idx)), info.value
+    assert cli_main([*args, "--overwrite", str(tmp_path / "ck"), str(dst)]) == 2
+    assert {p.relative_to(dst): p.read_bytes() for p in dst.rglob("*") if p.is_file()} == before
+    assert _leftovers(tmp_path) == []
+
+
 def test_a_failed_export_leaves_nothing(tmp_path, monkeypatch):
     xckpt.save({"m": {"a": np.ones(4, np.float32), "z": np.ones(3, np.complex128)}}, tmp_path / "bad")
     with pytest.raises(XckptError) as info:

@@ -383,6 +383,12 @@ def test_odd_tensor_targets(tmp_path):
     with pytest.raises(xckpt.KeyMismatchError) as e:  # a complex array into a real target would drop its imaginary part
         xckpt.load(tmp_path / "c", like={"c": torch.zeros(2)}, partial=True)
     assert e.value.leaf == "c" and "complex64" in str(e.value)
+    # an expanded tensor that torch fills (a lazy conjugate) is refused too, before any other target is written
+    with pytest.raises(xckpt.XckptError) as e:
+        xckpt.load(tmp_path / "c", like={"y": y, "c": torch.zeros(1, dtype=torch.complex64).expand(2).conj()},
+                   partial=True)
+    assert (e.value.code, e.value.leaf, e.value.file) == ("shape.mismatch", "c", str(tmp_path / "c"))
+    assert (y == 0).all()
 
 
 def test_impossible_casts_and_scalar_targets_are_refused_by_leaf(tmp_path):
@@ -394,8 +400,25 @@ def test_impossible_casts_and_scalar_targets_are_refused_by_leaf(tmp_path):
         xckpt.load(tmp_path / "c", like={"a": a, "b": torch.zeros(4, dtype=torch.float8_e8m0fnu)}, partial=True)
     assert e.value.leaf == "b" and "float8_e8m0fnu" in str(e.value)
     assert (a == 0).all()
+    assert e.value.file == str(tmp_path / "c")
     for like, leaf in (({"n": 0}, "n"), ({"z": 0.0}, "z")):
+        # refused by the read step, before an in-place target is written
         with pytest.raises(xckpt.KeyMismatchError) as e:
-            xckpt.load(tmp_path / "c", like=like, partial=True)
-        assert e.value.leaf == leaf
+            xckpt.load(tmp_path / "c", like={"a": a, **like}, partial=True)
+        assert (e.value.leaf, e.value.file) == (leaf, str(tmp_path / "c"))
+        assert (a == 0).all()
     assert xckpt.load(tmp_path / "c", like={"z": 0j}, partial=True)["z"] == 1j
+
+
+@pytest.mark.parametrize("stored, dtype", [(None, torch.float32), (None, torch.bool), ("1.5", torch.float64),
+                                           ("abc", torch.bool), (b"7", torch.int64), (1 + 2j, torch.float64),
+                                           (xckpt.Value([1, None]), torch.float64)])
+def test_stored_values_that_are_no_numbers_never_fill_a_tensor(tmp_path, stored, dtype):
+    """numpy would make None a NaN, '1.5' a 1.5 and 'abc' a True: a stored value of another kind than a number
+    is tree.key_mismatch naming its leaf and the checkpoint, and the target stays as it was."""
+    xckpt.save({"v": stored}, tmp_path / "c")
+    target = torch.zeros((2,) if isinstance(stored, xckpt.Value) else (), dtype=dtype)
+    with pytest.raises(xckpt.KeyMismatchError) as e:
+        xckpt.load(tmp_path / "c", like={"v": target})
+    assert (e.value.code, e.value.leaf, e.value.file) == ("tree.key_mismatch", "v", str(tmp_path / "c"))
+    assert not target.any()

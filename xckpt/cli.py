@@ -202,12 +202,13 @@ def _list_checkpoints(root: str) -> list[dict[str, Any]]:
     return [_describe(e.path, e.name) for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
 
 
-def _describe(path: str, name: str) -> dict[str, Any]:
-    """One checkpoint's row of ``xckpt ls``: name, format, leaves, size, or the error that stops reading it."""
+def _describe(path: str, name: str, *, size_unreadable: bool = True) -> dict[str, Any]:
+    """One checkpoint's row of ``xckpt ls``: name, format, leaves, size, or the error that stops reading it.
+    The files are walked for the size once it opened (or whatever it is, with ``size_unreadable``)."""
     from xckpt.manager import tree_size
     from xckpt.sources.detect import open_checkpoint
-    item: dict[str, Any] = {"name": name, "path": path, "format": None, "leaves": None,
-                            "size_bytes": tree_size(path), "error": None}
+    item: dict[str, Any] = {"name": name, "path": path, "format": None, "leaves": None, "size_bytes": None,
+                            "error": None}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -220,6 +221,8 @@ def _describe(path: str, name: str) -> dict[str, Any]:
         item["error"] = {"code": exc.code, "message": exc.message}
     except (OSError, ValueError) as exc:
         item["error"] = {"code": "io.read", "message": str(exc)}
+    if item["error"] is None or size_unreadable:
+        item["size_bytes"] = tree_size(path)
     return item
 
 
@@ -228,7 +231,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from xckpt.manager import list_steps
-    itself = _describe(str(args.root), os.path.basename(os.path.normpath(str(args.root))))
+    # a run is not walked as one checkpoint before its steps are (each sized once, by list_steps)
+    itself = _describe(str(args.root), os.path.basename(os.path.normpath(str(args.root))), size_unreadable=False)
     if itself["error"] is None:  # a checkpoint is listed alone (its array folders, "0" and "1" too, are not steps)
         steps, checkpoints = [], [itself]
     else:

@@ -6,11 +6,12 @@ state (see :func:`load` for targets loaded in place).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -23,7 +24,7 @@ from xckpt.errors import (CollectiveLoadError, KeyMismatchError, ResourceError, 
                           XckptWarning)
 from xckpt.format import dtypes
 from xckpt.format.manifest import ArrayEntry, Entry, ValueEntry
-from xckpt.format.regions import Region
+from xckpt.format.regions import Region, refuse_overlap
 from xckpt.format.tree import Default, Key, is_namedtuple, key_str, unflatten
 from xckpt.host import full_target
 from xckpt.mapping.target import Target, TargetLeaf, shape_of
@@ -184,8 +185,9 @@ def load(path: Any, like: Any = None, *, strict: bool = True, partial: bool = Fa
                 stored = open_checkpoint(path)
                 opened.append(stored)
                 mapped = mapping.apply(stored, target) if mapping is not None else None
-                loading.append(_load(mapped or stored, mapped, like, requests, build, strict, partial, max_bytes,
-                                     max_staging_bytes, caller))
+                with _naming(str(stored.loc)):
+                    loading.append(_load(mapped or stored, mapped, like, requests, build, strict, partial, max_bytes,
+                                         max_staging_bytes, caller))
                 return {"generation": stored.manifest.generation, "unstaged": loading[0].unstaged}
 
             try:
@@ -265,11 +267,25 @@ class _Loading:
 
     def read(self) -> None:
         """Read every region."""
-        self._reads.run()
+        with _naming(self._reads.file):
+            self._reads.run()
 
     def finish(self) -> Any:
         """Copy the staged regions into their in-place targets; the result."""
-        return self._finish(self._reads.finish())
+        with _naming(self._reads.file):
+            return self._finish(self._reads.finish())
+
+
+@contextlib.contextmanager
+def _naming(file: str) -> Iterator[None]:
+    """Name ``file`` (the checkpoint loaded) in an XckptError that names no file: a target's refusal, say."""
+    try:
+        yield
+    except XckptError as exc:
+        named = exc.at(file=file)
+        if named is exc:
+            raise
+        raise named from exc.__cause__
 
 
 def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build: Any, strict: bool, partial: bool,
@@ -290,6 +306,7 @@ def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build:
     kept = mapped.optional if mapped is not None else set()
     index = {e.key: i for i, e in enumerate(m.leaves)}
     missing, mismatched, jobs = [], [], []
+    early: set[int] = set()  # jobs whose result is made in the read step (a scalar's conversion may fail)
     named: list[str] = []  # the key of each difference (the error names it when it is the only one)
     value_reqs: list[tuple[Key, int, Any]] = []
     for req in requests:
@@ -309,6 +326,7 @@ def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build:
                         (np.dtype(dtypes.numpy_dtype(entry.dtype)).kind != "c" or isinstance(req.like, complex)):
                     jobs.append((i, ArrayTarget((), None, [Region.full(())],
                                                 lambda p, t=type(req.like), k=req.key: _scalar(p[0], t, k))))
+                    early.add(i)
                     continue
                 mismatched.append(f"{key_str(req.key)}: stored array {list(entry.shape)} {entry.dtype}, "
                                   f"target is {type(req.like).__name__}")
@@ -338,7 +356,7 @@ def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build:
             raise KeyMismatchError(message, missing=missing, unexpected=unexpected, mismatched=mismatched,
                                    file=str(ckpt.loc), leaf=named[0] if len(named) == 1 else None)
         _warn(caller, message)
-    reads = _Reads(ckpt, jobs, max_bytes, staging)
+    reads = _Reads(ckpt, jobs, max_bytes, staging, early)
     values: dict[Key, Callable[[], Any]] = {}
     if value_reqs:
         vals = ckpt.values()
@@ -380,8 +398,14 @@ def _value_as(v: Any, target: ArrayTarget | None, key: Key, file: str) -> Callab
         return KeyMismatchError(f"the stored value {type(v).__name__} cannot become the target's "
                                 f"{list(target.shape)} {target.dtype}: {why}", mismatched=[key_str(key)], file=file,
                                 leaf=key_str(key))
+    want = np.dtype(dtypes.numpy_dtype(target.dtype))
     try:
-        arr = np.asarray(v, dtype=dtypes.numpy_dtype(target.dtype))
+        kind = np.asarray(v).dtype.kind  # numpy would make None a NaN, '1.5' a 1.5 and 'abc' a True
+        if kind not in "biufc":
+            raise TypeError("it is not a number (or nested lists of numbers)")
+        if kind == "c" and want.kind != "c":
+            raise TypeError("its imaginary part would be lost")
+        arr = np.asarray(v, dtype=want)
     except (TypeError, ValueError, OverflowError) as exc:
         raise mismatch(str(exc)) from exc
     if arr.shape != tuple(target.shape):
@@ -406,24 +430,8 @@ def _in_place(target: ArrayTarget, k: int, sizes: tuple[int, ...], dtype: str, k
     if tuple(out.shape) != tuple(sizes) or dtypes.logical_name(out.dtype) != dtype:
         raise ShapeError(f"the target offers {out.shape} {out.dtype} for a region of shape {list(sizes)} "
                          f"{dtype}", leaf=key_str(key))
-    if overlaps_itself(out):
-        raise ShapeError("the target's elements share memory (an expanded or as_strided tensor): a load cannot "
-                         "write into it; load into a tensor of its own", code="shape.mismatch", leaf=key_str(key))
+    refuse_overlap(out.shape, out.strides, out.itemsize, key_str(key))
     return out
-
-
-def overlaps_itself(arr: np.ndarray) -> bool:
-    """Whether two elements of ``arr`` may share memory (a stride of 0, or strides that interleave): True
-    for every array whose elements do overlap, False for any slice or transpose of one array."""
-    dims = sorted((abs(st), n) for st, n in zip(arr.strides, arr.shape) if n > 1)
-    if any(n == 0 for n in arr.shape):
-        return False
-    reach = arr.itemsize  # bytes spanned by one element, then by the dimensions of smaller stride
-    for stride, n in dims:
-        if stride < reach:
-            return True
-        reach += stride * (n - 1)
-    return False
 
 
 #: The dtype a stored Python scalar has as an array (a bare sharding target takes the stored dtype).
@@ -488,7 +496,7 @@ class _Reads:
     :meth:`finish` (staged regions copied in, each job's result built)."""
 
     def __init__(self, ckpt: Source, jobs: list[tuple[int, ArrayTarget]], max_bytes: int | None,
-                 staging: int) -> None:
+                 staging: int, early: set[int] | None = None) -> None:
         m = ckpt.manifest
         limit = _memory_limit() if max_bytes is None else max_bytes
         total = 0
@@ -515,8 +523,10 @@ class _Reads:
         #: It writes in place without staging: every object is checked before any is read into a target.
         self.unstaged = not self.atomic and in_place > 0
         self._checked = False
-        self._ckpt, self._jobs, self._parts = ckpt, jobs, parts
+        self._ckpt, self._jobs, self._parts, self._early = ckpt, jobs, parts, early or set()
+        self.file = str(ckpt.loc)
         self._results: dict[int, list[Any]] = {}
+        self._built: dict[int, Any] = {}  # the results of the ``early`` jobs, made by the read step
         self._later: list[tuple[_Part, int, np.ndarray]] = []  # staged in-place parts: (part, position, raw)
         if total > CHECK_AHEAD_BYTES:  # a manifest may declare far more than its objects hold: look before allocating
             self.check()
@@ -553,6 +563,8 @@ class _Reads:
                     results[i][k] = p.out
                 else:
                     casts.append((p, k))
+        if self.unstaged and casts:  # cast reads are not checked by the direct reads' own pass
+            self.check()
         ckpt.read(direct, precheck=self.unstaged and not self._checked)
         for batch in _batches(casts):
             raws = [np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype)) for p, _ in batch]
@@ -564,6 +576,9 @@ class _Reads:
                     value = p.out
                 results[p.leaf][k] = value
         self._results, self._later = results, later
+        # results that need no target of the caller's are made now, so that a failure among them (a stored NaN
+        # for an int) is a failure of the read step, which every process learns before any copies data in
+        self._built = {i: t.build(results[i]) for i, t in self._jobs if i in self._early}
 
     def finish(self) -> dict[int, Any]:
         """Every read succeeded (on every process): copy the staged regions into their in-place targets;
@@ -572,7 +587,7 @@ class _Reads:
             np.copyto(p.out, _logical(raw, p.entry, p.dtype))
             self._results[p.leaf][k] = p.out
         self._later = []
-        return {i: t.build(self._results[i]) for i, t in self._jobs}
+        return {i: self._built[i] if i in self._built else t.build(self._results[i]) for i, t in self._jobs}
 
 
 def _check_cast(stored: str, wanted: str, key: Key) -> None:

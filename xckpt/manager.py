@@ -1,8 +1,9 @@
 """A run's checkpoints, one per step: :func:`list_steps` and :class:`CheckpointManager`.
 
 A *run* is a root directory holding one subdirectory per step, named by the step as a decimal
-integer (``<root>/<step>/``, Orbax's default step naming). The manager writes each step as an
-Orbax ``CheckpointManager`` step: the xckpt checkpoint is the step's ``default`` item
+integer (``<root>/<step>/``, Orbax's default step naming; or, in a run Orbax wrote with
+``step_format_fixed_length``, zero-padded to that length: ``<root>/0010/``). The manager writes
+each step as an Orbax ``CheckpointManager`` step: the xckpt checkpoint is the step's ``default`` item
 (``<root>/<step>/default/``), and ``_CHECKPOINT_METADATA`` and ``commit_success.txt`` sit at
 the top of the step (see the manager for why).
 """
@@ -24,6 +25,7 @@ import time
 import uuid
 import warnings
 import weakref
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -34,6 +36,7 @@ from xckpt.engine.commit import COMMIT_TEXT
 from xckpt.engine.storage import LocalStore, Location
 from xckpt.errors import NotACheckpointError, SaveError, UnsupportedError, XckptError, XckptWarning
 from xckpt.format import jsonobj, names, orbax_view
+from xckpt.format.tree import key_str
 from xckpt.load import load
 from xckpt.save import save_async
 from xckpt.sources.detect import open_checkpoint
@@ -66,12 +69,32 @@ class StepInfo:
     format: str | None = None
 
 
-def step_of(name: str) -> int | None:
-    """The step a directory name stands for (the canonical decimal form of an integer, Orbax's default
-    naming: ``10``, not ``010``, whose step would have two directories), else None."""
-    if name and name.isascii() and name.isdigit() and (name == "0" or name[0] != "0"):
-        return int(name)
-    return None
+def step_of(name: str, width: int | None = None) -> int | None:
+    """The step a directory name stands for, else None: the canonical decimal form of an integer (Orbax's
+    default naming: ``10``, not ``010``, whose step would have two directories), or with ``width`` Orbax's
+    ``step_format_fixed_length=width`` naming (``0010``; a step of more digits has no leading zero)."""
+    if not (name and name.isascii() and name.isdigit()):
+        return None
+    step = int(name)
+    return step if name == _step_name(step, width) else None
+
+
+def _step_name(step: int, width: int | None) -> str:
+    """The directory name of ``step`` in a run whose step names have ``width`` digits at least (None: canonical)."""
+    return f"{step:0{width}d}" if width else str(step)
+
+
+def _run_width(names: Iterable[str]) -> int | None:
+    """The fixed length of a run's step names when they are Orbax's ``step_format_fixed_length`` naming: some
+    name is zero-padded, every zero-padded one has the same length, and every step-like name is its step's
+    name at that length (so no step has two spellings). None otherwise: canonical names, and a zero-padded
+    directory beside them (``010`` beside ``10``) is no step."""
+    digits = [n for n in names if n and n.isascii() and n.isdigit()]
+    padded = {len(n) for n in digits if len(n) > 1 and n[0] == "0"}
+    if len(padded) != 1:
+        return None
+    width = padded.pop()
+    return width if all(step_of(n, width) is not None for n in digits) else None
 
 
 def _json_object(path: str) -> dict[str, Any] | None:
@@ -159,23 +182,25 @@ def _step_info(step: int, path: str, *, sizes: bool = True) -> StepInfo:
                     leaves if committed else None, metrics if committed else {}, fmt if committed else None)
 
 
-def _step_dirs(root: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every directory (not a link) under ``root`` named by a step, sorted by step."""
+def _step_dirs(root: str) -> tuple[int | None, list[tuple[int, str]]]:
+    """The run's step name width (:func:`_run_width`), and ``(step, path)`` of every directory (not a link)
+    under ``root`` named by a step, sorted by step."""
     try:
         with os.scandir(root) as it:
-            entries = [(step_of(e.name), e) for e in it]
+            dirs = [(e.name, e.path) for e in it if e.name[:1].isdigit() and e.is_dir(follow_symlinks=False)]
     except FileNotFoundError:
-        return []
+        return None, []
     except OSError as exc:
         raise XckptError(f"cannot list {root}: {exc.strerror}", code="io.read", file=root) from None
-    out = [(s, e.path) for s, e in entries if s is not None and e.is_dir(follow_symlinks=False)]
-    return sorted(out)
+    width = _run_width(name for name, _ in dirs)
+    return width, sorted((s, path) for name, path in dirs if (s := step_of(name, width)) is not None)
 
 
 def list_steps(root: str | os.PathLike[str], *, sizes: bool = True) -> list[StepInfo]:
     """Every step of the run at ``root``, sorted by step, incomplete ones included (``committed=False``).
 
-    A step is a subdirectory (not a link) named by a decimal integer; it is committed when it
+    A step is a subdirectory (not a link) named by a decimal integer (:func:`step_of`: canonical, or all
+    zero-padded to one length as Orbax's ``step_format_fixed_length`` writes them); it is committed when it
     holds a checkpoint xckpt opens (xckpt's own, at the top or as the ``default`` item, or an
     Orbax ``CheckpointManager`` step). What a save leaves beside its destination
     (``.<step>.xckpt-tmp-*``) is not a step. ``sizes=False`` skips walking the files
@@ -184,7 +209,7 @@ def list_steps(root: str | os.PathLike[str], *, sizes: bool = True) -> list[Step
     loc = Location.of(root)
     if not loc.is_local:
         raise UnsupportedError(f"{loc}: listing the steps of a run needs a local directory")
-    return [_step_info(step, path, sizes=sizes) for step, path in _step_dirs(loc.local_path)]
+    return [_step_info(step, path, sizes=sizes) for step, path in _step_dirs(loc.local_path)[1]]
 
 
 # -- the manager -------------------------------------------------------------------------------------
@@ -226,18 +251,26 @@ def _with_non_finite(metrics: dict[str, Any], paths: Any) -> dict[str, Any]:
     return out
 
 
-def _plain(value: Any) -> Any:
-    """A JSON-able copy of a metrics value (numpy and framework scalars become Python numbers)."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+def _plain(value: Any, key: tuple[Any, ...] = ()) -> Any:
+    """A JSON-able copy of a metrics value (numpy and framework scalars become Python numbers); a value that
+    is none of these is ``manager.metrics`` naming its key path (``hist/1``) as the leaf."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, key + (k,)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [_plain(v, key + (i,)) for i, v in enumerate(value)]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     item = getattr(value, "item", None)
-    if callable(item):
-        return _item(value, item)
-    raise TypeError(f"metric value {value!r} ({type(value).__name__}) is not a number, string, list or dict")
+    what = f"the metric {key_str(key)!r}"
+    if not callable(item):
+        raise XckptError(f"{what} ({type(value).__name__}) is not a number, string, list or dict",
+                         code="manager.metrics", leaf=key_str(key))
+    try:
+        got = item()
+    except Exception as exc:  # noqa: BLE001 - numpy's ValueError, torch's RuntimeError for several elements, ...
+        raise XckptError(f"{what} ({type(value).__name__}) is not one number ({exc})", code="manager.metrics",
+                         leaf=key_str(key)) from None
+    return _plain(got, key)
 
 
 def _unreported(flight: "weakref.ref[_InFlight]", root: str) -> str | None:
@@ -246,14 +279,6 @@ def _unreported(flight: "weakref.ref[_InFlight]", root: str) -> str | None:
     if f is None or f.reported or f.error is None:
         return None
     return f"xckpt: CheckpointManager({root!r}) could not save step {f.step}, and nothing waited for it: {f.error}"
-
-
-def _item(value: Any, item: Callable[[], Any]) -> Any:
-    try:
-        got = item()
-    except (TypeError, ValueError) as exc:  # numpy's "only size-1 arrays", a tensor of several elements
-        raise ValueError(f"metric value of type {type(value).__name__} is not one number ({exc})") from None
-    return _plain(got)
 
 
 @dataclass
@@ -266,7 +291,8 @@ class _InFlight:
     error: BaseException | None = None
     #: The last step saved before this one (what :meth:`CheckpointManager.should_save` compares with if it fails).
     previous: int | None = None
-    #: Its outcome went to the caller (:meth:`CheckpointManager.wait` and the calls that finish it first).
+    #: Its outcome went to the caller (:meth:`CheckpointManager.wait` and the calls that finish it first), or
+    #: was warned of (leaving a ``with`` block on an exception).
     reported: bool = False
 
 
@@ -409,24 +435,18 @@ class CheckpointManager:
         self._finish()  # the previous save: its outcome agreed on by every process
         coord = self.coordinator
         plain_metrics: dict[str, Any] = {}  # the coordinating process's are recorded; the others' are not read
-        if coord.rank == collective.ROOT:
-            try:
-                plain_metrics = _plain(dict(metrics or {}))
-            except (TypeError, ValueError) as exc:
-                plan = {"error": f"step {step}: {exc}", "code": "manager.metrics"}
-            else:
-                plan = self._prepare_step(step)
-            if "error" not in plan and self._best_key is not None and self._best_key not in plain_metrics:
-                warnings.warn(f"step {step} is saved without the metric {self._best_key!r} that best_fn ranks steps "
-                              "by: keep_best will not keep it", XckptWarning, stacklevel=2)
-        else:
-            plan = None
-        if coord.world_size > 1:
-            plan = collective.broadcast(coord, plan, what=f"CheckpointManager.save({step})")
-        assert plan is not None
-        if "error" in plan:
-            raise XckptError(plan["error"], code=plan["code"], file=os.path.join(self.root, str(step)))
-        staging = os.path.join(self.root, f".{step}.xckpt-step-{plan['token']}")
+
+        def plan() -> list[str]:  # on the coordinating process; whatever it raises is raised on every process
+            nonlocal plain_metrics
+            plain_metrics, token = self._plan(step, metrics)
+            return [token] * coord.world_size
+
+        token = collective.answer_step(coord, f"CheckpointManager.save({step})",
+                                       plan if coord.rank == collective.ROOT else None)
+        if coord.rank == collective.ROOT and self._best_key is not None and self._best_key not in plain_metrics:
+            warnings.warn(f"step {step} is saved without the metric {self._best_key!r} that best_fn ranks steps "
+                          "by: keep_best will not keep it", XckptWarning, stacklevel=2)
+        staging = os.path.join(self.root, f".{step}.xckpt-step-{token}")
         options = dict(self.save_options)
         metadata = dict(options.pop("metadata", None) or {})
         metadata["manager"] = {"step": step, "metrics": plain_metrics}
@@ -441,6 +461,9 @@ class CheckpointManager:
             if coord.rank == collective.ROOT:
                 shutil.rmtree(staging, ignore_errors=True)
             raise
+        # its outcome is the manager's to report (wait()): claimed now, before the thread that waits for it
+        # runs, so that an unrelated xckpt.save meanwhile does not raise this step's failure
+        handle.claim()
         flight = _InFlight(step, staging, previous=self._last_step)
         flight.thread = threading.Thread(target=self._finish_in_background,
                                          args=(flight, handle, plain_metrics, started_ns),
@@ -458,17 +481,30 @@ class CheckpointManager:
             self.wait()
         return True
 
-    def _prepare_step(self, step: int) -> dict[str, Any]:
-        """The coordinating process, before a save: remove dead leftovers, check the step is new, make the root."""
-        final = os.path.join(self.root, str(step))
+    def _plan(self, step: int, metrics: Any) -> tuple[dict[str, Any], str]:
+        """The coordinating process, before a save: the metrics as JSON-able values (a bad one is
+        ``manager.metrics``, naming it), then :meth:`_prepare_step`; returns them and the staging token."""
+        if metrics is not None and not isinstance(metrics, Mapping):
+            raise XckptError(f"metrics are a dict, not {type(metrics).__name__}", code="manager.metrics",
+                             file=self.step_path(step))
+        try:
+            plain = _plain(metrics or {})
+        except XckptError as exc:
+            raise exc.at(file=self.step_path(step)) from None
+        return plain, self._prepare_step(step)
+
+    def _prepare_step(self, step: int) -> str:
+        """The coordinating process, before a save: make the root, remove dead leftovers, check the step is new;
+        returns the staging token."""
         try:
             os.makedirs(self.root, exist_ok=True)
             self._remove_leftovers()
         except OSError as exc:
-            return {"error": f"cannot prepare {self.root}: {exc}", "code": "io.write"}
+            raise XckptError(f"cannot prepare {self.root}: {exc}", code="io.write", file=self.root) from exc
+        final = self.step_path(step)
         if os.path.lexists(final):
-            return {"error": f"step {step} is already in {self.root}", "code": "manager.step_exists"}
-        return {"token": uuid.uuid4().hex}
+            raise XckptError(f"step {step} is already in {self.root}", code="manager.step_exists", file=final)
+        return uuid.uuid4().hex
 
     def _finish_in_background(self, flight: _InFlight, handle: Any, metrics: dict[str, Any], started_ns: int) -> None:
         """Wait for the commit; on the coordinating process, move the step into place, then apply retention."""
@@ -517,7 +553,7 @@ class CheckpointManager:
         finally:
             store.close()
         _synced(lambda: atomic.sync_dir(flight.staging), flight.staging)
-        final = os.path.join(self.root, str(flight.step))
+        final = self.step_path(flight.step)
         try:
             atomic.move_new(flight.staging, final)
         except OSError as exc:  # FileExistsError; ENOTEMPTY: without renameat2, it appeared after the check
@@ -541,7 +577,7 @@ class CheckpointManager:
         error: BaseException | None = None
         if flight is not None and flight.thread is not None:
             flight.thread.join()
-            flight.reported = agree
+            flight.reported = True  # its failure is raised below, or warned of when leaving on another error
             error = flight.error
         try:
             if not agree:
@@ -606,8 +642,13 @@ class CheckpointManager:
         return steps[-1].step if steps else None
 
     def step_path(self, step: int) -> str:
-        """The directory of ``step``."""
-        return os.path.join(self.root, str(step))
+        """The directory of ``step``: ``root/<step>``, in the run's step naming (zero-padded in a run Orbax wrote
+        with ``step_format_fixed_length``, see :func:`step_of`)."""
+        try:
+            width = _step_dirs(self.root)[0]
+        except XckptError:  # a root it cannot list: the canonical name (what reads or writes it says the error)
+            width = None
+        return os.path.join(self.root, _step_name(step, width))
 
     def restore(self, step: int | None = None, like: Any = None, *, mapping: Any = None, **load_options: Any) -> Any:
         """Load ``step`` (None: the newest committed one, as the coordinating process sees it) with
@@ -624,8 +665,8 @@ class CheckpointManager:
             if step is None:
                 raise NotACheckpointError(f"{self.root} holds no committed step", code="manager.no_step",
                                           file=self.root)
-        with self.reading(step):
-            return load(self.step_path(step), like, mapping=mapping, coordinator=self.coordinator, **load_options)
+        with self.reading(step) as path:
+            return load(path, like, mapping=mapping, coordinator=self.coordinator, **load_options)
 
     @contextlib.contextmanager
     def reading(self, step: int) -> Iterator[str]:

@@ -59,6 +59,11 @@ class SaveHandle:
         """Whether this process's background work is over (on the coordinating process: the commit)."""
         return self._pending.done()
 
+    def claim(self) -> None:
+        """Make the caller the one who reports this save's outcome (through :meth:`wait`): a later save of this
+        process then only waits for it, and does not raise its failure."""
+        self._pending.claimed = True
+
     def wait(self) -> Manifest | None:
         """Block until the checkpoint is committed; re-raise a background error on every process.
 

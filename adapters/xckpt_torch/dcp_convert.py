@@ -124,7 +124,7 @@ def dcp_to_xckpt(src: str, dst: str, *, overwrite: bool = False) -> None:
                 leaf = as_leaf(_read_value(d, storage[MetadataIndex(fqn)], fqn))
             else:  # check_metadata admits no other kind
                 raise UnsupportedError(f"unknown DCP storage metadata {type(smd).__name__}", leaf=fqn)
-            insert(tree, key_of(fqn, mappings), leaf)
+            insert(tree, key_of(fqn, mappings), leaf, file=d.metadata_file)
         save(listify(tree), dst, coordinator=LocalCoordinator(),
              options=SaveOptions(overwrite=overwrite, metadata={"converted_from": "torch.distributed.checkpoint"}))
 

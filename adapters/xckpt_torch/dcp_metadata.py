@@ -408,6 +408,8 @@ class DcpDirectory:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(root))
+        #: The metadata file :meth:`read_metadata` read (rank 0's of per-rank ones), for messages.
+        self.metadata_file: str | None = None
         try:
             self._fd: int | None = os.open(self.root, _DIR_FLAGS)
         except (FileNotFoundError, NotADirectoryError):
@@ -465,7 +467,9 @@ class DcpDirectory:
         (``resource.too_large``), unpickled and checked (:func:`load_metadata`)."""
         budget = [MAX_METADATA_BYTES]
         try:
-            return self._read_one(METADATA_NAME, budget)
+            md = self._read_one(METADATA_NAME, budget)
+            self.metadata_file = self.path(METADATA_NAME)
+            return md
         except FileNotFoundError:
             pass
         assert self._fd is not None, "DcpDirectory is closed"
@@ -485,7 +489,9 @@ class DcpDirectory:
             except FileNotFoundError:  # removed since it was listed
                 raise DataError("a per-rank DCP metadata file is gone", code="convert.dcp_metadata",
                                 file=self.path(rank_metadata_name(r))) from None
-        return merge_rank_metadata(parts)
+        md = merge_rank_metadata(parts)
+        self.metadata_file = parts[0][0]
+        return md
 
     def _read_one(self, name: str, budget: list[int]) -> Metadata:
         """One metadata file, counted against ``budget[0]`` bytes; ``FileNotFoundError`` when missing."""

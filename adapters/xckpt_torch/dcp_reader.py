@@ -2,8 +2,9 @@
 
 The DCP metadata is built from the JSON manifest. Each array is offered as one
 chunk covering the whole tensor, so each rank's read items are exactly the boxes
-it needs, read through TensorStore's inner chunks; containers of values only
-(``params`` lists, ``betas`` tuples) are also offered whole, as DCP asks for them.
+it needs, read through TensorStore's inner chunks. What DCP asks for whole (tuples
+such as ``betas``, and lists holding no tensor, dict or list it walks into, such as
+``params``) is offered whole, exactly the names DCP's own flattening gives.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ from xckpt.engine.read import ReadRequest
 from xckpt.engine.write import MAX_INFLIGHT_BYTES
 from xckpt.errors import KeyMismatchError, ShapeError, UnsupportedError, XckptError, XckptWarning
 from xckpt.format import dtypes as xdtypes
-from xckpt.format.manifest import ArrayEntry, ValueEntry
+from xckpt.format.manifest import ArrayEntry
 from xckpt.format.regions import Region
 from xckpt.format.tree import iter_nodes, key_str, unflatten
 from xckpt.sources.base import Source
 from xckpt.sources.detect import open_checkpoint
 
 from .dcp_planners import deliver_value
-from .dcp_tree import fqn_of
+from .dcp_tree import dcp_names, fqn_of
 from .tensors import copy_into, cpu_view, from_numpy, logical_dtype, torch_dtype
 
 
@@ -71,18 +72,13 @@ class XckptStorageReader(StorageReader):
         return self._ckpt
 
     def _index(self) -> None:
+        """The names DCP's flattening of the checkpoint's tree gives (arrays as tensors), exactly: a name
+        more could make DCP take the state dict for a torch 2.3 one and flatten it the old way."""
         assert self._ckpt is not None
         m = self._ckpt.manifest
         fqns: dict[str, tuple[Any, ...]] = {}
-        for i, e in enumerate(m.leaves):
-            fqns[fqn_of(e.key)] = ("leaf", i)
-        for key, node in iter_nodes(m.tree):
-            if not key or node["kind"] == "leaf" or fqn_of(key) in fqns:
-                continue
-            # DCP asks for a tuple whole (it flattens dicts and lists only), arrays inside it included
-            if node["kind"] in ("tuple", "namedtuple") or all(
-                    isinstance(m.leaves[n["index"]], ValueEntry) for _, n in iter_nodes(node) if n["kind"] == "leaf"):
-                fqns[fqn_of(key)] = ("node", key, node)
+        for key, node in dcp_names(m.tree, lambda i: isinstance(m.leaves[i], ArrayEntry)):
+            fqns.setdefault(fqn_of(key), ("leaf", node["index"]) if node["kind"] == "leaf" else ("node", key, node))
         self._fqns = fqns
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -122,8 +118,28 @@ class XckptStorageReader(StorageReader):
         self._open()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """Nothing to add."""
+        """Refuse, before anything is read, a subtree asked for whole that holds an array torch cannot hold."""
+        for item in plan.items:
+            what = self._fqns.get(item.storage_index.fqn)
+            if item.type == LoadItemType.BYTE_IO and what is not None:
+                self._check_whole(what)
         return plan
+
+    def _check_whole(self, what: tuple[Any, ...]) -> None:
+        """``dtype.unsupported`` naming the first array in a subtree DCP asks for whole whose dtype torch lacks
+        (an array of its own is left out of what DCP sees instead, with a warning)."""
+        if what[0] != "node":
+            return
+        ckpt = self._open()
+        for _, n in iter_nodes(what[2]):
+            e = ckpt.manifest.leaves[n["index"]] if n["kind"] == "leaf" else None
+            if isinstance(e, ArrayEntry):
+                try:
+                    torch_dtype(e.dtype)
+                except UnsupportedError as exc:
+                    raise UnsupportedError(f"DCP asks for {fqn_of(what[1])!r} whole, and it holds an array of "
+                                           f"dtype {e.dtype}: {exc.message}", code="dtype.unsupported",
+                                           leaf=key_str(e.key), file=str(ckpt.loc)) from None
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Nothing to add."""
@@ -135,6 +151,7 @@ class XckptStorageReader(StorageReader):
         vals = ckpt.values()
         if what[0] == "leaf":
             return vals[what[1]]
+        self._check_whole(what)
         leaves: dict[int, Any] = dict(vals)
         for _, n in iter_nodes(what[2]):
             e = ckpt.manifest.leaves[n["index"]] if n["kind"] == "leaf" else None

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from xckpt.errors import TreeError, XckptError
-from xckpt.format.tree import Key, Value, flatten, key_str
+from xckpt.format.tree import Key, Node, Value, flatten, key_str
 
 
 def key_of(fqn: str, mappings: dict[str, Any] | None) -> Key:
@@ -29,17 +29,49 @@ def as_leaf(value: Any) -> Any:
     return value
 
 
-def insert(tree: dict[Any, Any], key: Key, leaf: Any) -> None:
+def insert(tree: dict[Any, Any], key: Key, leaf: Any, *, file: str | None = None) -> None:
     """Put ``leaf`` at ``key`` in a tree of nested dicts; a key taken already (two names of one flattening
-    path, or a leaf where a subtree is) is a ``tree.invalid`` error, never an overwrite."""
+    path, or a leaf where a subtree is) is a ``tree.invalid`` error naming ``file`` (the DCP metadata the
+    names come from, where there is one), never an overwrite."""
     node = tree
     for part in key[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise TreeError(f"key {list(key)} lies below a leaf", leaf=key_str(key))
+            raise TreeError(f"key {list(key)} lies below a leaf", leaf=key_str(key), file=file)
     if key[-1] in node:
-        raise TreeError(f"two entries have the key {list(key)}", leaf=key_str(key))
+        raise TreeError(f"two entries have the key {list(key)}", leaf=key_str(key), file=file)
     node[key[-1]] = leaf
+
+
+def _children(node: Node) -> list[tuple[Any, Node]]:
+    """A structure node's children with their key components (none for a leaf)."""
+    if node["kind"] == "dict":
+        return [(k, child) for k, child in node["items"]]
+    items = node.get("items", [])
+    return list(zip(node.get("fields") or range(len(items)), items))
+
+
+def dcp_names(root: Node, is_tensor: Callable[[int], bool]) -> Iterator[tuple[Key, Node]]:
+    """The nodes that DCP's flattening of a state dict shaped like ``root`` names, with their keys, as
+    torch's ``traverse_state_dict`` draws them (``is_tensor``: whether the leaf of an index is a tensor).
+
+    A dict is walked into, never named. A list is named whole unless one of its items is a tensor, a dict,
+    or a list walked into itself; then it is walked into. Anything else is named whole: a leaf, and a tuple
+    or namedtuple whatever it holds (tensors included). The root is always walked into.
+    """
+    def whole(node: Node) -> bool:
+        if node["kind"] != "list":
+            return node["kind"] != "dict"
+        return all(whole(c) and not (c["kind"] == "leaf" and is_tensor(c["index"])) for c in node["items"])
+
+    def walk(node: Node, key: Key) -> Iterator[tuple[Key, Node]]:
+        if key and whole(node):
+            yield key, node
+            return
+        for k, child in _children(node):
+            yield from walk(child, key + (k,))
+
+    return walk(root, ())
 
 
 def listify(node: Any) -> Any:

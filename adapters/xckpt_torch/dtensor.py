@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from xckpt.engine.layout import Mesh, MeshLayout, mesh, mesh_layout
 from xckpt.errors import UnsupportedError, XckptError
-from xckpt.format.regions import Region
+from xckpt.format.regions import Region, refuse_overlap
 from xckpt.registry import ArraySource, ArrayTarget
 
 from .staging import tensor_shard
@@ -159,6 +159,11 @@ def _host_view(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not t.is_conj() and not t.is_neg()
 
 
+def _refuse_overlap(t: torch.Tensor) -> None:
+    """Refuse a target tensor whose elements share memory (an expanded one), before anything is written."""
+    refuse_overlap(tuple(t.shape), [st * t.element_size() for st in t.stride()], t.element_size(), None)
+
+
 @_xckpt_errors
 def dtensor_source(d: DTensor) -> ArraySource:
     """Save a DTensor: this rank's boxes of it and its layout (each box is written by one of its holders)."""
@@ -185,6 +190,9 @@ def dtensor_target(like: DTensor, entry: Any) -> ArrayTarget:
     (on the CPU; other devices get a copy from the host)."""
     _, pieces, local = dtensor_pieces(like)
     on_host = _host_view(local)
+    if not on_host:  # filled by copy_ (the core checks the memory it reads into itself)
+        for _, sl in pieces:
+            _refuse_overlap(local[sl])
 
     def build(parts: list[np.ndarray]) -> DTensor:
         if not on_host:
@@ -204,6 +212,8 @@ def tensor_target(like: torch.Tensor, entry: Any) -> ArrayTarget:
     shape = tuple(int(s) for s in like.shape)
     name = logical_dtype(like.dtype)
     on_host = _host_view(like)
+    if not on_host and like.device.type != "meta":  # filled by copy_ (the core checks the memory it reads into itself)
+        _refuse_overlap(like)
 
     def build(parts: list[np.ndarray]) -> torch.Tensor:
         if like.device.type == "meta":

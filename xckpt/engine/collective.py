@@ -17,6 +17,7 @@ that lists every failing rank with its error, so no process waits forever and no
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import warnings
@@ -208,13 +209,26 @@ class _Watchdog:
                 calls = [self._armed.pop(t)[1] for t in due]
                 if not calls:
                     soonest = min((at for at, _ in self._armed.values()), default=None)
-                    self._cond.wait(None if soonest is None else soonest - now)
+                    # (a deadline years away would overflow the wait: wake at the platform's longest wait)
+                    self._cond.wait(None if soonest is None else min(soonest - now, threading.TIMEOUT_MAX))
                     continue
             for fn in calls:
-                fn()
+                try:
+                    fn()
+                except Exception as exc:  # noqa: BLE001 - warnings as errors, say: the thread serves every later wait
+                    _say_stderr(f"xckpt: a collective step waits longer than it should, and saying so failed: "
+                                f"{type(exc).__name__}: {exc}")
 
 
 _watchdog = _Watchdog()
+
+
+def _say_stderr(message: str) -> None:
+    try:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # stderr closed or gone
+        pass
 
 
 def exchange(fn: Callable[[], T], coord: Coordinator | None = None, what: str = "") -> T:

@@ -130,7 +130,9 @@ def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt", writes
     checkpoint (on a file system only): anything else at the destination is refused, never
     deleted (``save.exists``, ``save.not_checkpoint``, ``save.not_empty``, ``save.in_progress``),
     files put into the checkpoint's directory included (``save.foreign``), except the top-level names
-    ``writes`` that the new one writes too (the ``config.json`` an export puts beside its weights).
+    ``writes`` that the new one writes too (the ``config.json`` an export puts beside its weights); one
+    whose manifest or index cannot be read, so that which files are its own cannot be told, is
+    ``save.not_checkpoint``.
     """
     if final.is_local:
         path = final.local_path
@@ -180,22 +182,31 @@ def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt", writes
 _DCP_NAME = re.compile(r"__[0-9]+_[0-9]+\.distcp|\.metadata")
 
 
-def _own_names(final: Location, kind: str) -> set[str] | None:
-    """The top-level names a committed directory of ``kind`` is made of (None: they cannot be told)."""
+def _own_names(final: Location, kind: str) -> tuple[set[str], str]:
+    """The top-level names a committed directory of ``kind`` is made of, and what tells them (for messages).
+    One whose manifest or index cannot be read is refused (``save.not_checkpoint``): which of its files are its
+    own cannot be told, so replacing it could delete files put into it."""
     if kind == "dcp":
-        return {n for n in os.listdir(final.local_path) if _DCP_NAME.fullmatch(n)}
+        return ({n for n in os.listdir(final.local_path) if _DCP_NAME.fullmatch(n)},
+                "which are not DCP's own files (.metadata, __<rank>_<n>.distcp)")
+    telling = safetensors.INDEX_FILE if kind == "safetensors" else names.MANIFEST
+    file = str(final.child(telling))
     store = final.store()
     try:
         if kind == "safetensors":
             raw = store.read(safetensors.INDEX_FILE, limit=safetensors.MAX_INDEX_BYTES)
             if raw is None:
-                return {safetensors.SINGLE_FILE}
-            files = safetensors.parse_index(raw, file=str(final.child(safetensors.INDEX_FILE))).values()
-            return {safetensors.INDEX_FILE, *files}
+                return {safetensors.SINGLE_FILE}, f"which are not its {safetensors.SINGLE_FILE}"
+            return {safetensors.INDEX_FILE, *safetensors.parse_index(raw, file=file).values()}, \
+                "which its index does not name"
         raw = store.read(names.MANIFEST)
-        return parse_manifest(raw, file=str(final.child(names.MANIFEST))).top_names() if raw is not None else None
-    except XckptError:
-        return None
+        if raw is None:  # (identity() found it a moment ago)
+            raise XckptError("the manifest is gone", code="manifest.missing", file=file)
+        return parse_manifest(raw, file=file).top_names(), "which no leaf of its manifest refers to"
+    except XckptError as exc:
+        raise SaveError(f"{telling} of {final} cannot be read ([{exc.code}] {exc.message}), so which files are its "
+                        "own cannot be told and replacing it could delete files put into it; nothing was written: "
+                        "remove it yourself, or save elsewhere", code="save.not_checkpoint", file=file) from None
     finally:
         store.close()
 
@@ -203,15 +214,13 @@ def _own_names(final: Location, kind: str) -> set[str] | None:
 def _refuse_foreign(final: Location, kind: str, writes: set[str]) -> None:
     """Refuse to replace a committed directory of ``kind`` that holds names it is not made of (a README, a
     tokenizer folder or a ``config.json`` put there by hand): replacing it would delete them (``save.foreign``).
-    One whose own names cannot be told (its manifest or index unreadable) is replaced as it is."""
-    own = _own_names(final, kind)
-    if own is None:
-        return
-    foreign = sorted(set(os.listdir(final.local_path)) - own - writes)
+    One whose own names cannot be told (its manifest or index unreadable) is refused too (:func:`_own_names`)."""
+    made_of, which = _own_names(final, kind)
+    foreign = sorted(set(os.listdir(final.local_path)) - made_of - writes)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise SaveError(f"{final} holds {shown}, which no leaf of its manifest refers to; overwrite replaces a "
-                        "checkpoint, never files put into it, so nothing was written: move them out first",
+        raise SaveError(f"{final} holds {shown}, {which}; overwrite replaces what a save wrote, never files "
+                        "put into it, so nothing was written: move them out first",
                         code="save.foreign", file=str(final.child(foreign[0])))
 
 

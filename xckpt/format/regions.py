@@ -177,3 +177,26 @@ def check_tiling(shape: Sequence[int], regions: Sequence[Region]) -> str | None:
     if total != math.prod(shape):
         return f"regions cover {total} of {math.prod(shape)} elements of shape {shape}"
     return None
+
+
+def strides_overlap(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
+    """Whether two elements of a strided array (``strides`` in bytes) may share memory (a stride of 0, or
+    strides that interleave): True for every layout whose elements do overlap, False for any slice or
+    transpose of one array."""
+    if any(n == 0 for n in shape):
+        return False
+    dims = sorted((abs(int(st)), int(n)) for st, n in zip(strides, shape) if n > 1)
+    reach = itemsize  # bytes spanned by one element, then by the dimensions of smaller stride
+    for stride, n in dims:
+        if stride < reach:
+            return True
+        reach += stride * (n - 1)
+    return False
+
+
+def refuse_overlap(shape: Sequence[int], strides: Sequence[int], itemsize: int, leaf: str | None) -> None:
+    """Refuse, as ``shape.mismatch`` naming ``leaf``, a load target whose elements share memory (see
+    :func:`strides_overlap`): no load can write every element of it."""
+    if strides_overlap(shape, strides, itemsize):
+        raise ShapeError("the target's elements share memory (an expanded or as_strided tensor): a load cannot "
+                         "write into it; load into a tensor of its own", code="shape.mismatch", leaf=leaf)
