@@ -380,18 +380,22 @@ def test_a_failed_last_step_is_told_at_exit(small_fs: Path) -> None:
     assert [s.step for s in xckpt.list_steps(small_fs / "run")] == []
 
 
-def test_a_step_warned_of_on_leaving_a_with_block_is_not_told_again_at_exit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("warnings_as_errors", [False, True])
+def test_a_step_warned_of_on_leaving_a_with_block_is_told_once(tmp_path: Path, warnings_as_errors: bool) -> None:
     """A with block left on an exception warns that its last step was not saved (it failed in the background);
-    the exit hook does not say it again as a failure that nothing waited for."""
-    script = ("import numpy as np, xckpt\n"
-              f"with xckpt.CheckpointManager({str(tmp_path / 'run')!r}) as m:\n"
+    the exit hook does not say it again as a failure that nothing waited for. Where that warning is an error
+    (and so never shown), the exit hook says it."""
+    script = ("import warnings, numpy as np, xckpt\n"
+              + ("warnings.simplefilter('error', xckpt.XckptWarning)\n" if warnings_as_errors else "")
+              + f"with xckpt.CheckpointManager({str(tmp_path / 'run')!r}) as m:\n"
               "    m.save(1, {'w': np.ones(10)}, force=True)\n"
               "    raise SystemExit('training failed')\n")
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, XCKPT_FAILPOINTS="before_status:raise"))
     assert p.returncode == 1 and "training failed" in p.stderr, p.stderr
-    assert "step 1 was not saved" in p.stderr and "failpoint before_status" in p.stderr, p.stderr
-    assert "nothing waited for it" not in p.stderr, p.stderr
+    assert "failpoint before_status" in p.stderr, p.stderr
+    told = ["step 1 was not saved" in p.stderr, "could not save step 1, and nothing waited for it" in p.stderr]
+    assert told == ([False, True] if warnings_as_errors else [True, False]), p.stderr
     assert xckpt.list_steps(tmp_path / "run") == []
 
 
@@ -447,45 +451,43 @@ def test_a_bad_metric_or_setting_is_named_and_nothing_is_written(tmp_path: Path,
     assert [(s.step, s.metrics) for s in xckpt.list_steps(root)] == [(1, {"loss": 0.5})]
 
 
-def test_zero_padded_directories_beside_canonical_steps_are_not_steps(tmp_path: Path) -> None:
-    """In a run whose step names are canonical ("9"), "010" is someone else's directory (listed as no step, never
-    deleted by retention), so step 10 never has two directories. (A run whose step names are all zero-padded to
-    one length is Orbax's fixed-length naming: see test_step_names.)"""
+def test_zero_padded_directories_are_not_steps(tmp_path: Path) -> None:
+    """A step's directory is its canonical decimal name: "010" is someone else's directory (listed as no step,
+    never deleted by retention), so step 10 never has two directories."""
     root = tmp_path / "run"
     xckpt.save({"w": np.ones(2)}, root / "010")
-    xckpt.save({"w": np.zeros(2)}, root / "9")
     step_of = xckpt.manager.step_of
     assert step_of("010") is None and step_of("0") == 0 and step_of("010", 3) == 10 and step_of("10", 3) is None
     with xckpt.CheckpointManager(root, max_to_keep=1) as m:
-        assert m.latest_step() == 9
-        m.save(10, {"w": np.full(2, 10)}, force=True)
-        m.wait()
-        assert [(s.step, s.path) for s in m.all_steps()] == [(10, str(root / "10"))]  # "010" is not step 10 too
-        m.save(11, {"w": np.full(2, 11)}, force=True)
+        assert m.latest_step() is None
+        for step in (10, 11):
+            m.save(step, {"w": np.full(2, step)}, force=True)
     assert _entries(root) == ["010", "11"]
     np.testing.assert_array_equal(xckpt.load(root / "010")["w"], np.ones(2))
 
 
-@pytest.mark.parametrize(("dirs", "steps"), [
-    (["0001", "0002", "10000"], [1, 2, 10000]),  # Orbax's step_format_fixed_length=4, past step 9999
-    (["0000", "0010"], [0, 10]),
-    (["010"], [10]),
-    (["0", "7", "12"], [0, 7, 12]),
-    (["010", "10"], [10]),  # two spellings of step 10: canonical names only
-    (["010", "9"], [9]),  # "9" is shorter than the padded length
-    (["0001", "02"], []),  # two padded lengths
-    (["0001", "0002", "x0003", "٣"], [1, 2]),
+@pytest.mark.parametrize(("dirs", "width", "steps"), [
+    (["0001", "0002", "10000"], 4, [1, 2, 10000]),  # Orbax's step_format_fixed_length=4, past step 9999
+    (["0000", "0010", "10"], 4, [0, 10]),
+    (["010"], None, []),
+    (["010"], 3, [10]),
+    (["0", "7", "12", "007"], None, [0, 7, 12]),
+    (["010", "10"], None, [10]),
+    (["0001", "02", "x0003", "٣"], 4, [1]),
 ])
-def test_step_names(tmp_path: Path, dirs: list[str], steps: list[int]) -> None:
-    """Which directories are steps: canonical decimal names, or in a run whose zero-padded names all have one
-    length N (and no name is shorter), Orbax's step_format_fixed_length=N names; never two names of one step."""
+def test_step_names(tmp_path: Path, dirs: list[str], width: int | None, steps: list[int]) -> None:
+    """Which directories are steps: canonical decimal names, or with step_format_fixed_length=N, Orbax's names
+    zero-padded to N digits; never two names of one step, never a link or a file."""
     for name in dirs:
         (tmp_path / name).mkdir()
-    (tmp_path / "0003").symlink_to(tmp_path / "0001")  # a link is no step (and not counted as one)
-    (tmp_path / "03").write_text("")  # nor is a file
-    got = xckpt.list_steps(tmp_path, sizes=False)
+    (tmp_path / "0003").symlink_to(tmp_path / "0001")
+    (tmp_path / "3").symlink_to(tmp_path / "0001")
+    (tmp_path / "03").write_text("")
+    got = xckpt.list_steps(tmp_path, sizes=False, step_format_fixed_length=width)
     assert [s.step for s in got] == steps
     assert all(os.path.basename(s.path) in dirs and not s.committed for s in got)
+    with pytest.raises(ValueError):
+        xckpt.list_steps(tmp_path, step_format_fixed_length=0)
 
 
 @pytest.mark.parametrize(("metrics", "leave_pages", "failing"), [
@@ -572,7 +574,7 @@ def test_xckpt_reads_and_continues_orbax_run(tmp_path: Path, capsys: pytest.Capt
             tree = {"params": {k: jnp.asarray(v) for k, v in _params(step).items()}, "step": step}
             om.save(step, args=ocp.args.StandardSave(tree), metrics={"loss": 1.0 / step})
         om.wait_until_finished()
-    with xckpt.CheckpointManager(root, max_to_keep=2) as m:
+    with xckpt.CheckpointManager(root, max_to_keep=2, step_format_fixed_length=fixed_length) as m:
         infos = m.all_steps()
         assert [(s.step, s.format, s.committed) for s in infos] == [(10, "orbax", True), (20, "orbax", True),
                                                                    (30, "orbax", True)]
@@ -587,7 +589,7 @@ def test_xckpt_reads_and_continues_orbax_run(tmp_path: Path, capsys: pytest.Capt
         m.wait()
         assert [s.step for s in m.all_steps()] == [30, 40]  # Orbax's steps are retained like its own
     assert _entries(root) == ([f"{s:0{fixed_length}d}" for s in (30, 40)] if fixed_length else ["30", "40"])
-    assert cli_main(["ls", "--json", str(root)]) == 0
+    assert cli_main(["ls", "--json", str(root)] + (["--step-format-fixed-length", "4"] if fixed_length else [])) == 0
     listed = json.loads(capsys.readouterr().out)
     assert [(s["step"], s["format"]) for s in listed["steps"]] == [(30, "orbax"), (40, "xckpt")]
     assert listed["checkpoints"] == []

@@ -401,10 +401,11 @@ def test_impossible_casts_and_scalar_targets_are_refused_by_leaf(tmp_path):
     assert e.value.leaf == "b" and "float8_e8m0fnu" in str(e.value)
     assert (a == 0).all()
     assert e.value.file == str(tmp_path / "c")
-    for like, leaf in (({"n": 0}, "n"), ({"z": 0.0}, "z")):
-        # refused by the read step, before an in-place target is written
+    for (like, leaf), staging in itertools.product((({"n": 0}, "n"), ({"z": 0.0}, "z")), (None, 0)):
+        # refused by the read step, before an in-place target is written (also one written unstaged)
         with pytest.raises(xckpt.KeyMismatchError) as e:
-            xckpt.load(tmp_path / "c", like={"a": a, **like}, partial=True)
+            xckpt.load(tmp_path / "c", like={"a": a, **like}, partial=True,
+                       **({} if staging is None else {"max_staging_bytes": staging}))
         assert (e.value.leaf, e.value.file) == (leaf, str(tmp_path / "c"))
         assert (a == 0).all()
     assert xckpt.load(tmp_path / "c", like={"z": 0j}, partial=True)["z"] == 1j
@@ -422,3 +423,15 @@ def test_stored_values_that_are_no_numbers_never_fill_a_tensor(tmp_path, stored,
         xckpt.load(tmp_path / "c", like={"v": target})
     assert (e.value.code, e.value.leaf, e.value.file) == ("tree.key_mismatch", "v", str(tmp_path / "c"))
     assert not target.any()
+
+
+def test_stored_numbers_of_any_size_fill_a_tensor_they_fit(tmp_path):
+    """A Python int past 64 bits is a number: it fills a float target; an int64 target it cannot fit is
+    tree.key_mismatch naming the leaf."""
+    xckpt.save({"big": 2**70, "pair": xckpt.Value([True, 2**65])}, tmp_path / "c")
+    big, pair = torch.zeros((), dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    xckpt.load(tmp_path / "c", like={"big": big, "pair": pair})
+    assert big.item() == float(2**70) and pair.tolist() == [1.0, float(2**65)]
+    with pytest.raises(xckpt.KeyMismatchError) as e:
+        xckpt.load(tmp_path / "c", like={"big": torch.zeros((), dtype=torch.int64)}, partial=True)
+    assert e.value.leaf == "big"

@@ -46,6 +46,7 @@ _LS_EXAMPLES = """examples:
   xckpt ls ckpts                           without step directories: each checkpoint directly under
                                            ckpts/ (name, format, leaves, size; unreadable ones marked)
   xckpt ls --json runs/exp1                the same as JSON
+  xckpt ls --step-format-fixed-length 4 r  a run Orbax wrote with step_format_fixed_length=4 (r/0010/)
 """
 
 _DIFF_EXAMPLES = """examples:
@@ -189,6 +190,17 @@ def _mapped_export(args: argparse.Namespace, config: str | None) -> dict[str, An
     return {"mapping": getattr(mapping, _MAPPINGS[args.mapping])(), "like": like}
 
 
+def _positive_int(text: str) -> int:
+    """An argument that must be a whole number of 1 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of 1 or more, not {text!r}")
+    return n
+
+
 def _list_checkpoints(root: str) -> list[dict[str, Any]]:
     """Each subdirectory of ``root`` (not a link) as a checkpoint: name, format, leaves, size; unreadable
     ones with their error."""
@@ -236,7 +248,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if itself["error"] is None:  # a checkpoint is listed alone (its array folders, "0" and "1" too, are not steps)
         steps, checkpoints = [], [itself]
     else:
-        steps = list_steps(args.root)
+        steps = list_steps(args.root, step_format_fixed_length=args.step_format_fixed_length)
         checkpoints = [] if steps else _list_checkpoints(str(args.root))
     if args.json:
         _print_json({"root": str(args.root), "steps": [asdict(s) for s in steps], "checkpoints": checkpoints})
@@ -418,6 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = add("ls", "list the steps of a run, or the checkpoints in a directory", _LS_EXAMPLES)
     s.add_argument("root", help="a run's directory (one subdirectory per step) or a directory of checkpoints")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("--step-format-fixed-length", type=_positive_int, metavar="N",
+                   help="step directories are zero-padded to N digits (Orbax's option of that name: 0010 is step 10)")
     s.set_defaults(fn=cmd_ls)
     s = add("diff", "compare two checkpoints leaf by leaf", _DIFF_EXAMPLES)
     s.add_argument("a", help="the first checkpoint (xckpt, Orbax, safetensors or DCP)")

@@ -285,7 +285,7 @@ def _naming(file: str) -> Iterator[None]:
         named = exc.at(file=file)
         if named is exc:
             raise
-        raise named from exc.__cause__
+        raise named.with_traceback(exc.__traceback__) from exc.__cause__
 
 
 def _load(ckpt: Source, mapped: Any, like: Any, requests: list[_Request], build: Any, strict: bool, partial: bool,
@@ -400,10 +400,10 @@ def _value_as(v: Any, target: ArrayTarget | None, key: Key, file: str) -> Callab
                                 leaf=key_str(key))
     want = np.dtype(dtypes.numpy_dtype(target.dtype))
     try:
-        kind = np.asarray(v).dtype.kind  # numpy would make None a NaN, '1.5' a 1.5 and 'abc' a True
-        if kind not in "biufc":
+        kinds = _number_kinds(v)  # numpy would make None a NaN, '1.5' a 1.5 and 'abc' a True
+        if kinds is None:
             raise TypeError("it is not a number (or nested lists of numbers)")
-        if kind == "c" and want.kind != "c":
+        if "c" in kinds and want.kind != "c":
             raise TypeError("its imaginary part would be lost")
         arr = np.asarray(v, dtype=want)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -419,6 +419,24 @@ def _value_as(v: Any, target: ArrayTarget | None, key: Key, file: str) -> Callab
                 np.copyto(out, part)
         return target.build([part if out is None else out for part, out in zip(parts, outs)])
     return fill
+
+
+def _number_kinds(v: Any) -> set[str] | None:
+    """The numpy kinds (``b``, ``i``, ``f``, ``c``) of a stored number or nested lists of numbers; None for
+    anything else (None, a string, bytes, a dict)."""
+    if isinstance(v, (list, tuple)):
+        kinds: set[str] = set()
+        for x in v:
+            k = _number_kinds(x)
+            if k is None:
+                return None
+            kinds |= k
+        return kinds
+    if isinstance(v, (bool, np.bool_)):
+        return {"b"}
+    if isinstance(v, (int, float, complex, np.number)):
+        return {np.asarray(v).dtype.kind if not isinstance(v, int) else "i"}
+    return None
 
 
 def _in_place(target: ArrayTarget, k: int, sizes: tuple[int, ...], dtype: str, key: Key) -> np.ndarray | None:
@@ -497,6 +515,7 @@ class _Reads:
 
     def __init__(self, ckpt: Source, jobs: list[tuple[int, ArrayTarget]], max_bytes: int | None,
                  staging: int, early: set[int] | None = None) -> None:
+        # early: jobs whose results are made by the read step, before any region is read into a target
         m = ckpt.manifest
         limit = _memory_limit() if max_bytes is None else max_bytes
         total = 0
@@ -545,6 +564,7 @@ class _Reads:
         ckpt = self._ckpt
         results: dict[int, list[Any]] = {i: [None] * len(t.regions) for i, t in self._jobs}
         direct: list[ReadRequest] = []
+        first: list[ReadRequest] = []  # the ``early`` jobs' regions (new arrays, in their stored dtype)
         later: list[tuple[_Part, int, np.ndarray]] = []
         casts: list[tuple[_Part, int]] = []
         for i, ps in self._parts.items():
@@ -552,7 +572,7 @@ class _Reads:
                 same = p.dtype == p.entry.dtype
                 if p.out is None and same:
                     raw = empty(p.region.sizes, dtypes.numpy_dtype(p.entry.storage_dtype))
-                    direct.append(ReadRequest(p.entry, p.region, raw))
+                    (first if i in self._early else direct).append(ReadRequest(p.entry, p.region, raw))
                     results[i][k] = _logical(raw, p.entry, p.dtype)
                 elif p.out is not None and self.atomic:
                     raw = np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype))
@@ -563,6 +583,12 @@ class _Reads:
                     results[i][k] = p.out
                 else:
                     casts.append((p, k))
+        if first:
+            # results that need no target of the caller's are made first, so that a failure among them (a stored
+            # NaN for an int) comes before anything is read into a target, and is a failure of the read step,
+            # which every process learns before any copies staged data in
+            ckpt.read(first)
+            self._built = {i: t.build(results[i]) for i, t in self._jobs if i in self._early}
         if self.unstaged and casts:  # cast reads are not checked by the direct reads' own pass
             self.check()
         ckpt.read(direct, precheck=self.unstaged and not self._checked)
@@ -576,9 +602,6 @@ class _Reads:
                     value = p.out
                 results[p.leaf][k] = value
         self._results, self._later = results, later
-        # results that need no target of the caller's are made now, so that a failure among them (a stored NaN
-        # for an int) is a failure of the read step, which every process learns before any copies data in
-        self._built = {i: t.build(results[i]) for i, t in self._jobs if i in self._early}
 
     def finish(self) -> dict[int, Any]:
         """Every read succeeded (on every process): copy the staged regions into their in-place targets;

@@ -1,8 +1,8 @@
 """A run's checkpoints, one per step: :func:`list_steps` and :class:`CheckpointManager`.
 
 A *run* is a root directory holding one subdirectory per step, named by the step as a decimal
-integer (``<root>/<step>/``, Orbax's default step naming; or, in a run Orbax wrote with
-``step_format_fixed_length``, zero-padded to that length: ``<root>/0010/``). The manager writes
+integer (``<root>/<step>/``, Orbax's default step naming; or, asked for as Orbax is, its
+``step_format_fixed_length`` naming, zero-padded to that length: ``<root>/0010/``). The manager writes
 each step as an Orbax ``CheckpointManager`` step: the xckpt checkpoint is the step's ``default`` item
 (``<root>/<step>/default/``), and ``_CHECKPOINT_METADATA`` and ``commit_success.txt`` sit at
 the top of the step (see the manager for why).
@@ -25,7 +25,7 @@ import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -82,19 +82,6 @@ def step_of(name: str, width: int | None = None) -> int | None:
 def _step_name(step: int, width: int | None) -> str:
     """The directory name of ``step`` in a run whose step names have ``width`` digits at least (None: canonical)."""
     return f"{step:0{width}d}" if width else str(step)
-
-
-def _run_width(names: Iterable[str]) -> int | None:
-    """The fixed length of a run's step names when they are Orbax's ``step_format_fixed_length`` naming: some
-    name is zero-padded, every zero-padded one has the same length, and every step-like name is its step's
-    name at that length (so no step has two spellings). None otherwise: canonical names, and a zero-padded
-    directory beside them (``010`` beside ``10``) is no step."""
-    digits = [n for n in names if n and n.isascii() and n.isdigit()]
-    padded = {len(n) for n in digits if len(n) > 1 and n[0] == "0"}
-    if len(padded) != 1:
-        return None
-    width = padded.pop()
-    return width if all(step_of(n, width) is not None for n in digits) else None
 
 
 def _json_object(path: str) -> dict[str, Any] | None:
@@ -182,25 +169,26 @@ def _step_info(step: int, path: str, *, sizes: bool = True) -> StepInfo:
                     leaves if committed else None, metrics if committed else {}, fmt if committed else None)
 
 
-def _step_dirs(root: str) -> tuple[int | None, list[tuple[int, str]]]:
-    """The run's step name width (:func:`_run_width`), and ``(step, path)`` of every directory (not a link)
-    under ``root`` named by a step, sorted by step."""
+def _step_dirs(root: str, width: int | None) -> list[tuple[int, str]]:
+    """``(step, path)`` of every directory (not a link) under ``root`` named by a step (:func:`step_of` with
+    ``width``), sorted by step."""
     try:
         with os.scandir(root) as it:
-            dirs = [(e.name, e.path) for e in it if e.name[:1].isdigit() and e.is_dir(follow_symlinks=False)]
+            entries = [(step_of(e.name, width), e) for e in it]
     except FileNotFoundError:
-        return None, []
+        return []
     except OSError as exc:
         raise XckptError(f"cannot list {root}: {exc.strerror}", code="io.read", file=root) from None
-    width = _run_width(name for name, _ in dirs)
-    return width, sorted((s, path) for name, path in dirs if (s := step_of(name, width)) is not None)
+    return sorted((s, e.path) for s, e in entries if s is not None and e.is_dir(follow_symlinks=False))
 
 
-def list_steps(root: str | os.PathLike[str], *, sizes: bool = True) -> list[StepInfo]:
+def list_steps(root: str | os.PathLike[str], *, sizes: bool = True,
+               step_format_fixed_length: int | None = None) -> list[StepInfo]:
     """Every step of the run at ``root``, sorted by step, incomplete ones included (``committed=False``).
 
-    A step is a subdirectory (not a link) named by a decimal integer (:func:`step_of`: canonical, or all
-    zero-padded to one length as Orbax's ``step_format_fixed_length`` writes them); it is committed when it
+    A step is a subdirectory (not a link) named by a decimal integer (:func:`step_of`: canonical, or with
+    ``step_format_fixed_length=N`` zero-padded to ``N`` digits, as Orbax's option of that name writes them);
+    it is committed when it
     holds a checkpoint xckpt opens (xckpt's own, at the top or as the ``default`` item, or an
     Orbax ``CheckpointManager`` step). What a save leaves beside its destination
     (``.<step>.xckpt-tmp-*``) is not a step. ``sizes=False`` skips walking the files
@@ -209,7 +197,16 @@ def list_steps(root: str | os.PathLike[str], *, sizes: bool = True) -> list[Step
     loc = Location.of(root)
     if not loc.is_local:
         raise UnsupportedError(f"{loc}: listing the steps of a run needs a local directory")
-    return [_step_info(step, path, sizes=sizes) for step, path in _step_dirs(loc.local_path)[1]]
+    width = _width(step_format_fixed_length)
+    return [_step_info(step, path, sizes=sizes) for step, path in _step_dirs(loc.local_path, width)]
+
+
+def _width(step_format_fixed_length: int | None) -> int | None:
+    """``step_format_fixed_length`` checked: None, or a positive integer."""
+    n = step_format_fixed_length
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ValueError(f"step_format_fixed_length must be a positive integer or None, not {n!r}")
+    return n
 
 
 # -- the manager -------------------------------------------------------------------------------------
@@ -329,9 +326,11 @@ class CheckpointManager:
                  best_fn: Callable[[dict[str, Any]], float] | str | None = None, best_mode: str = "max",
                  keep_best: int | None = None, keep_younger_than_s: float | None = None,
                  async_save: bool = True, coordinator: Coordinator | None = None,
-                 save_options: dict[str, Any] | None = None) -> None:
+                 save_options: dict[str, Any] | None = None, step_format_fixed_length: int | None = None) -> None:
         """See the class documentation; ``save_options`` are passed to :func:`xckpt.save_async`
-        (``compression``, ``commit_timeout_s``, ...). ``root`` must be a local directory."""
+        (``compression``, ``commit_timeout_s``, ...). ``root`` must be a local directory.
+        ``step_format_fixed_length=N`` names steps as Orbax's option of that name does (``0010`` for step 10
+        with ``N=4``): for a run Orbax wrote so, and read so."""
         loc = Location.of(root)
         if not loc.is_local:
             raise UnsupportedError(f"{loc}: a checkpoint manager needs a local directory")
@@ -344,6 +343,7 @@ class CheckpointManager:
         if keep_best is not None and best_fn is None:
             raise ValueError("keep_best needs best_fn (a function of the metrics, or a metric's name)")
         self.root = loc.local_path
+        self.step_format_fixed_length = _width(step_format_fixed_length)
         self.save_interval_steps = save_interval_steps
         self.save_interval_s = save_interval_s
         self.max_to_keep = max_to_keep
@@ -577,7 +577,7 @@ class CheckpointManager:
         error: BaseException | None = None
         if flight is not None and flight.thread is not None:
             flight.thread.join()
-            flight.reported = True  # its failure is raised below, or warned of when leaving on another error
+            flight.reported = agree  # its failure is raised below (else once warned of, when leaving on another error)
             error = flight.error
         try:
             if not agree:
@@ -595,6 +595,8 @@ class CheckpointManager:
                 raise
             warnings.warn(f"{self.root}: step {flight.step if flight else '?'} was not saved: {exc}", XckptWarning,
                           stacklevel=3)  # closing on an exception of the caller's: it goes on up, this is told
+            if flight is not None:  # told (a warning turned into an error is not: the exit hook tells it then)
+                flight.reported = True
 
     def wait(self) -> None:
         """Wait until the last save is committed and in place (collective); raise its failure on every process."""
@@ -634,7 +636,8 @@ class CheckpointManager:
 
     def all_steps(self, *, sizes: bool = True) -> list[StepInfo]:
         """The committed steps in ``root``, oldest first, with commit time, size and metrics."""
-        return [s for s in list_steps(self.root, sizes=sizes) if s.committed]
+        return [s for s in list_steps(self.root, sizes=sizes, step_format_fixed_length=self.step_format_fixed_length)
+                if s.committed]
 
     def latest_step(self) -> int | None:
         """The newest committed step in ``root``, or None."""
@@ -642,13 +645,8 @@ class CheckpointManager:
         return steps[-1].step if steps else None
 
     def step_path(self, step: int) -> str:
-        """The directory of ``step``: ``root/<step>``, in the run's step naming (zero-padded in a run Orbax wrote
-        with ``step_format_fixed_length``, see :func:`step_of`)."""
-        try:
-            width = _step_dirs(self.root)[0]
-        except XckptError:  # a root it cannot list: the canonical name (what reads or writes it says the error)
-            width = None
-        return os.path.join(self.root, _step_name(step, width))
+        """The directory of ``step``: ``root/<step>`` (zero-padded with ``step_format_fixed_length``)."""
+        return os.path.join(self.root, _step_name(step, self.step_format_fixed_length))
 
     def restore(self, step: int | None = None, like: Any = None, *, mapping: Any = None, **load_options: Any) -> Any:
         """Load ``step`` (None: the newest committed one, as the coordinating process sees it) with

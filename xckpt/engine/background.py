@@ -40,7 +40,6 @@ from __future__ import annotations
 import atexit
 import copy
 import os
-import sys
 import threading
 import time
 import weakref
@@ -54,7 +53,7 @@ from xckpt.engine.commit import commit_failed, identity
 from xckpt.engine.hostcopy import stream_copy
 from xckpt.engine.protocol import Prepared
 from xckpt.engine.storage import Location
-from xckpt.engine.threads import background_nice, yield_cpu
+from xckpt.engine.threads import background_nice, say, yield_cpu
 from xckpt.engine.write import ChunkWriter
 from xckpt.errors import CollectiveError, CoordinationError, SaveError
 from xckpt.format import dtypes, shard
@@ -372,14 +371,6 @@ def finish_at_exit(thread: threading.Thread, unreported: Callable[[], str | None
         _followers[thread] = unreported
 
 
-def _say(message: str) -> None:
-    try:
-        sys.stderr.write(message + "\n")
-        sys.stderr.flush()
-    except (OSError, ValueError, AttributeError):  # stderr closed or gone at exit
-        pass
-
-
 def _finish_at_exit() -> None:
     """At interpreter exit, give each pending save its timeout (plus :data:`EXIT_GRACE_S`) to finish; one
     still running after that is abandoned (its temporary data ages into a leftover that a later save
@@ -396,11 +387,11 @@ def _finish_at_exit() -> None:
         t.join(EXIT_GRACE_S)
     for p in pending:  # a failure nobody waited for would otherwise end the script in silence
         if not p.claimed and not p.thread.is_alive() and p._error is not None:
-            _say(f"xckpt: the asynchronous save to {p.path} failed, and nothing waited for it: {p._error}")
+            say(f"xckpt: the asynchronous save to {p.path} failed, and nothing waited for it: {p._error}")
     for _, unreported in followers:
         message = unreported()
         if message:
-            _say(message)
+            say(message)
 
 
 try:

@@ -17,7 +17,6 @@ that lists every failing rank with its error, so no process waits forever and no
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 import warnings
@@ -25,7 +24,7 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
 
 import msgpack
 
-from xckpt.engine import env
+from xckpt.engine import env, threads
 from xckpt.errors import CollectiveError, CoordinationError, RankFailures, XckptError, XckptWarning
 
 T = TypeVar("T")
@@ -216,19 +215,11 @@ class _Watchdog:
                 try:
                     fn()
                 except Exception as exc:  # noqa: BLE001 - warnings as errors, say: the thread serves every later wait
-                    _say_stderr(f"xckpt: a collective step waits longer than it should, and saying so failed: "
+                    threads.say(f"xckpt: a collective step waits longer than it should, and saying so failed: "
                                 f"{type(exc).__name__}: {exc}")
 
 
 _watchdog = _Watchdog()
-
-
-def _say_stderr(message: str) -> None:
-    try:
-        sys.stderr.write(message + "\n")
-        sys.stderr.flush()
-    except (OSError, ValueError, AttributeError):  # stderr closed or gone
-        pass
 
 
 def exchange(fn: Callable[[], T], coord: Coordinator | None = None, what: str = "") -> T:

@@ -9,6 +9,7 @@ cores to the training loop. A forked child gets pools of its own.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
@@ -95,3 +96,13 @@ def gather(futures: Iterable[Future[int]], first: BaseException | None = None) -
     if first is not None:
         raise first
     return total
+
+
+def say(message: str) -> None:
+    """Write a line to stderr from where no caller can be told (a background thread, interpreter exit);
+    nothing when stderr is closed or gone."""
+    try:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):
+        pass
