@@ -513,3 +513,8 @@ def test_ls_of_one_checkpoint_lists_it_alone(tmp_path: Path, capsys: pytest.Capt
     assert rc == 0 and [(c["name"], c["format"], c["leaves"], c["error"]) for c in got] == [("c", "xckpt", 3, None)]
     rc, out = _cli(capsys, "ls", "--json", str(tmp_path))
     assert [c["name"] for c in json.loads(out)["checkpoints"]] == ["c"]
+    manifest = tmp_path / "c" / "xckpt.json"  # damaged: listed alone, with its error
+    manifest.write_bytes(manifest.read_bytes()[:30])
+    rc, out = _cli(capsys, "ls", "--json", str(tmp_path / "c"))
+    got = json.loads(out)["checkpoints"]
+    assert [(c["name"], (c["error"] or {}).get("code")) for c in got] == [("c", "manifest.json")], got

@@ -10,7 +10,11 @@ bytes compared, values compared element by element).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -109,7 +113,8 @@ def _committed(b, url: str, want: Any) -> None:
     report = xckpt.validate(url, deep=True)
     assert report.ok, [str(f) for f in report.findings]
     prefix = url[len(b.url) + 1:]
-    assert "xckpt.json" in _names(b, prefix) and claims.CLAIM not in _names(b, prefix)
+    top = _keys(b) if not prefix else _names(b, prefix)
+    assert "xckpt.json" in top and claims.CLAIM not in top
 
 
 def _reference_names(b, tree: Any) -> list[str]:
@@ -372,6 +377,7 @@ class CutProxy:
         self.cuts = 0
         self.drop_marker: bytes | None = None
         self.drop_nth = 0
+        self.drop_then: bytes | None = None
         self.dropped = 0
         self.closed = False
         self.thread = threading.Thread(target=self._accept, daemon=True)
@@ -395,9 +401,11 @@ class CutProxy:
             self.down = False
             self.limit = None
 
-    def drop_response(self, marker: bytes, nth: int = 1) -> None:
+    def drop_response(self, marker: bytes, nth: int = 1, then: bytes | None = None) -> None:
+        """Drop the response to the ``nth`` next request holding ``marker``; then (``then``) the response to the
+        next request holding ``then``."""
         with self.lock:
-            self.drop_marker, self.drop_nth = marker, nth
+            self.drop_marker, self.drop_nth, self.drop_then = marker, nth, then
 
     def close(self) -> None:
         self.closed = True
@@ -441,7 +449,8 @@ class CutProxy:
                         if self.drop_marker is not None and self.drop_marker in data[:1024]:
                             self.drop_nth -= 1
                             if self.drop_nth == 0:
-                                pair["doomed"], self.drop_marker = True, None
+                                pair["doomed"], self.drop_marker, self.drop_nth = True, self.drop_then, 1
+                                self.drop_then = None
                         self.sent += len(data)
                         if self.limit is not None and self.sent >= self.limit:
                             cut = True
@@ -556,13 +565,17 @@ def test_connection_dropped_once_is_retried(bucket, proxy, monkeypatch):
     assert _names(bucket, "run/step_8") == _reference_names(bucket, tree)
 
 
-@pytest.mark.parametrize("name,nth", [("xckpt.json", 1), (".xckpt-claim", 1), (".xckpt-claim", 2)],
-                         ids=["manifest", "claim", "claim renewal"])
-def test_lost_answer_to_a_conditional_write_is_not_a_conflict(bucket, proxy, monkeypatch, name, nth):
+@pytest.mark.parametrize("name,nth,attempts", [("xckpt.json", 1, ""), (".xckpt-claim", 1, ""), (".xckpt-claim", 2, ""),
+                                               ("xckpt.json", 1, "1"), (".xckpt-claim", 1, "1")],
+                         ids=["manifest", "claim", "claim renewal", "manifest, no retry", "claim, no retry"])
+def test_lost_answer_to_a_conditional_write_is_not_a_conflict(bucket, proxy, monkeypatch, name, nth, attempts):
     """The store creates the manifest (the commit) or the claim, or renews the claim, but the connection drops
-    before the answer arrives; the driver retries the conditional write and finds the object changed. It is this
-    save's own doing: the save must commit (not report save.exists / save.in_progress / save.conflict, never
-    delete its own committed objects, and not leave its claim behind)."""
+    before the answer arrives; the driver retries the conditional write and finds the object changed, or
+    (``AWS_MAX_ATTEMPTS=1``) does not retry and fails. It is this save's own doing: the save must commit (not
+    report save.exists / save.in_progress / save.conflict / io.write, never delete its own committed objects,
+    leaving a manifest without its data, and not leave its claim behind)."""
+    if attempts:
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", attempts)
     tree: dict[str, Any] = _tree(9)
     url = f"{bucket.url}/run/step_9"
     if nth == 2:  # the first renewal of the claim: a heartbeat every 0.1 s, and a save that lasts 3 s
@@ -582,3 +595,112 @@ def test_lost_answer_to_a_conditional_write_is_not_a_conflict(bucket, proxy, mon
         tree["slow"] = slow
     _committed(bucket, url, tree)
     assert _names(bucket, "run/step_9") == _reference_names(bucket, tree)
+
+
+def test_a_manifest_that_landed_unheard_goes_first_when_the_save_fails(bucket, proxy, monkeypatch):
+    """The manifest's write lands but its answer is lost (no retry left), and so is the answer to reading it back:
+    the save cannot know it committed, fails, and removes what it wrote, its manifest first, so that no reader
+    finds a manifest over deleted chunks; the prefix can be saved to again."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    url = f"{bucket.url}/run/step_4"
+    at = f"/{bucket.name}/run/step_4/xckpt.json".encode()
+    proxy.drop_response(b"PUT " + at + b" ", 1, then=b"GET " + at + b" ")
+    _, err, _ = _in_thread(lambda: xckpt.save(_tree(4), url), timeout=60)
+    assert proxy.dropped == 2 and isinstance(err, xckpt.XckptError), repr(err)
+    assert _names(bucket, "run/step_4") == []
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS")
+    xckpt.save(_tree(4), url)
+    _committed(bucket, url, _tree(4))
+
+
+# -- 4. removing a dead save's claimed prefix deletes only what that save wrote ------------------
+
+
+def test_a_save_to_a_bucket_root_a_dead_save_claimed_takes_it_over(bucket):
+    """A save to the bucket itself (s3://b) finds the claim a dead save left there: it removes that save's
+    objects and claim and commits (it raised save.in_progress forever: the bucket's claim was looked for in a
+    local directory 's3:/')."""
+    _dead_claim(bucket, "")
+    tree = _tree(5)
+    xckpt.save(tree, bucket.url)
+    _committed(bucket, bucket.url, tree)
+
+
+def _dead_claim(b, prefix: str) -> None:
+    """What a save to ``prefix`` ("": the bucket) that died long ago leaves: its claim (an old heartbeat) and half
+    a chunk."""
+    at = f"{prefix}/" if prefix else ""
+    _put(b, f"{at}.xckpt-claim", _claim_record(uuid.uuid4().hex, time.time() - 2 * claims.STALE_AFTER_S))
+    _put(b, f"{at}w/c/0", b"half a chunk of a dead save")
+
+
+@pytest.mark.parametrize("how", ["gc of the prefix", "gc of the checkpoint inside", "save to the prefix"])
+def test_dead_claim_removal_keeps_a_checkpoint_committed_inside_the_prefix(bucket, how):
+    """A save to ``run`` claimed the empty prefix and died; meanwhile a save to ``run/step_1`` committed. Removing
+    the dead claim (``xckpt.gc``, or a later save to ``run``) removes only the dead save's objects: the checkpoint
+    at ``run/step_1`` is kept byte for byte, and a gc asked about ``run/step_1`` leaves ``run``'s claim alone."""
+    _dead_claim(bucket, "run")
+    tree = _tree(1)
+    xckpt.save(tree, f"{bucket.url}/run/step_1")
+    step = _snapshot(bucket, "run/step_1/")
+    if how == "gc of the prefix":
+        done = xckpt.gc(f"{bucket.url}/run")
+        assert [(c.leftover.path, c.action) for c in done] == [(f"{bucket.url}/run", "removed")]
+        assert _snapshot(bucket) == step
+    elif how == "gc of the checkpoint inside":
+        before = _snapshot(bucket)
+        assert xckpt.gc(f"{bucket.url}/run/step_1") == []
+        assert _snapshot(bucket) == before
+    else:
+        with pytest.raises(xckpt.XckptError) as info:  # the dead save's objects go; the checkpoint stays
+            xckpt.save(_tree(2), f"{bucket.url}/run")
+        assert info.value.code == "save.not_empty"
+        assert _snapshot(bucket) == step
+    _committed(bucket, f"{bucket.url}/run/step_1", tree)
+
+
+def test_gc_keeps_a_checkpoint_whose_save_died_after_committing(bucket, moto, tmp_path):
+    """A save killed (SIGKILL) right after creating its manifest, before releasing its claim, committed: once
+    the claim is stale, gc removes the claim only, and the checkpoint still loads exactly and validates."""
+    url = f"{bucket.url}/run/step_5"
+    script = tmp_path / "die.py"
+    script.write_text("import sys, numpy as np, xckpt\n"
+                      "xckpt.save({'w': np.arange(40, dtype=np.float32).reshape(5, 8), 'step': 5}, sys.argv[1])\n")
+    env = dict(os.environ, XCKPT_FAILPOINTS="after_manifest:kill")
+    proc = subprocess.run([sys.executable, str(script), url], env=env, capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode(errors="replace")[-2000:]
+    assert claims.CLAIM in _names(bucket, "run/step_5") and "xckpt.json" in _names(bucket, "run/step_5")
+    done = xckpt.gc(f"{bucket.url}/run", older_than_s=0)
+    assert [(c.leftover.path, c.action) for c in done] == [(url, "removed")]
+    want = {"w": np.arange(40, dtype=np.float32).reshape(5, 8), "step": 5}
+    _committed(bucket, url, want)
+
+
+def test_dead_claim_removal_keeps_objects_put_into_the_prefix(bucket):
+    """Objects put into a dead save's claimed prefix by someone else (a note, a folder of files: names no save
+    writes) are not the dead save's: gc removes its claim and chunks and keeps them, byte for byte."""
+    _dead_claim(bucket, "run")
+    mine = {"run/README.md": b"why this run stopped", "run/tokenizer/vocab.json": b"{}",
+            "run/.hidden": b"x", "run/w/notes.txt": b"beside a chunk"}
+    for k, v in mine.items():
+        _put(bucket, k, v)
+    done = xckpt.gc(f"{bucket.url}/run")
+    assert [(c.leftover.path, c.action) for c in done] == [(f"{bucket.url}/run", "removed")]
+    assert _snapshot(bucket) == mine
+
+
+def test_gc_of_a_bucket_touches_only_the_bucket(bucket, tmp_path, monkeypatch):
+    """``xckpt.gc("s3://bucket")``: a dead save's claim on the whole bucket is removed with its chunk, and nothing
+    on the local file system is looked at (``s3:/`` is not the bucket's parent directory, even where a local
+    ``s3:`` directory holds what looks like a leftover of a save named after the bucket)."""
+    monkeypatch.chdir(tmp_path)
+    local = tmp_path / "s3:" / f".{bucket.name}.xckpt-tmp-{'0' * 32}"
+    local.mkdir(parents=True)
+    old = time.time() - 2 * claims.STALE_AFTER_S
+    os.utime(local, (old, old))
+    _dead_claim(bucket, "")
+    _put(bucket, "run/step_1/notes.txt", b"keep")
+    done = xckpt.gc(bucket.url)
+    assert [(c.leftover.path, c.action) for c in done] == [(bucket.url, "removed")]
+    assert _snapshot(bucket) == {"run/step_1/notes.txt": b"keep"}
+    assert local.is_dir()

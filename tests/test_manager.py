@@ -466,6 +466,17 @@ def test_zero_padded_directories_are_not_steps(tmp_path: Path) -> None:
     np.testing.assert_array_equal(xckpt.load(root / "010")["w"], np.ones(2))
 
 
+@pytest.mark.parametrize("bad", [b"[" * 100_000, b'{"a": 1' + b"0" * 5000 + b"}", b"\xff{}"])
+def test_a_step_whose_orbax_metadata_cannot_be_parsed_is_listed_incomplete(tmp_path: Path, bad: bytes) -> None:
+    """An Orbax step's _CHECKPOINT_METADATA nested 100,000 deep, holding a 5,000-digit number or no UTF-8: the
+    step is listed (not committed as an Orbax step), and the listing raises nothing."""
+    step = tmp_path / "run" / "7"
+    step.mkdir(parents=True)
+    (step / "_CHECKPOINT_METADATA").write_bytes(bad)
+    (step / "commit_success.txt").write_text("ok")
+    assert [(s.step, s.committed) for s in xckpt.list_steps(tmp_path / "run")] == [(7, False)]
+
+
 @pytest.mark.parametrize(("dirs", "width", "steps"), [
     (["0001", "0002", "10000"], 4, [1, 2, 10000]),  # Orbax's step_format_fixed_length=4, past step 9999
     (["0000", "0010", "10"], 4, [0, 10]),

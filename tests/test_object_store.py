@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import time
 import uuid
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,6 +15,7 @@ import xckpt
 from xckpt.errors import SaveError
 from xckpt.format.regions import Region
 from xckpt.registry import ArraySource, Shard
+from xckpt.validate import Report
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto")
@@ -99,3 +104,65 @@ def test_several_writers_on_s3(s3_bucket):
     assert _keys(s3_bucket, prefix) == [prefix + f"{i}/0" for i in range(4)]
     np.testing.assert_array_equal(xckpt.load(url)["w"], full)
     assert xckpt.validate(url, deep=True).ok
+
+
+def _first_finding(report: Report) -> dict[str, Any] | None:
+    """The first finding of a validation report, as a dict (None: valid)."""
+    return None if report.ok else dataclasses.asdict(report.findings[0])
+
+
+def _errors_of(url: str) -> dict[str, BaseException | None]:
+    """What save, load, deep validation and gc of ``url`` raise (None: nothing)."""
+    out: dict[str, BaseException | None] = {}
+    for what, fn in [("save", lambda: xckpt.save({"w": np.arange(4.0)}, url + "-new")),
+                     ("load", lambda: xckpt.load(url)), ("gc", lambda: xckpt.gc(url)),
+                     ("validate", lambda: _first_finding(xckpt.validate(url, deep=True)))]:
+        try:
+            got = fn()
+        except Exception as exc:  # noqa: BLE001 - compared below
+            out[what] = exc
+        else:
+            out[what] = got if isinstance(got, dict) else None
+    return out
+
+
+def test_missing_bucket_is_a_specific_error(s3_bucket):
+    """A save to (or gc of) a bucket that does not exist is ``io.read`` naming the URL and saying the bucket is
+    missing, never the driver's raw ValueError; a load finds no checkpoint there."""
+    url = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run/ckpt"
+    got = _errors_of(url)
+    for what in ("save", "gc"):
+        err = got[what]
+        assert isinstance(err, xckpt.XckptError) and err.code == "io.read", (what, repr(err))
+        assert "the bucket does not exist" in err.message and err.file is not None and err.file.startswith(url)
+    assert isinstance(got["load"], xckpt.XckptError) and got["load"].code == "manifest.missing"
+
+
+def test_unreachable_store_fails_fast_with_a_specific_error(s3_bucket, monkeypatch):
+    """An endpoint nobody listens on: every call fails within its ``AWS_MAX_ATTEMPTS`` with ``io.read`` (a
+    finding, for validate) naming the object it asked for, and saying the store cannot be reached."""
+    from spawn import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    url = f"s3://ckpts/run-{uuid.uuid4().hex[:6]}/ckpt"
+    started = time.monotonic()
+    got = _errors_of(url)
+    assert time.monotonic() - started < 60
+    for what in ("save", "load", "gc"):
+        err = got[what]
+        assert isinstance(err, xckpt.XckptError) and err.code == "io.read", (what, repr(err))
+        assert "cannot be reached" in err.message and err.file is not None and err.file.startswith(url)
+    finding = got["validate"]
+    assert isinstance(finding, dict) and finding["code"] == "io.read" and finding["file"].startswith(url)
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3:///ckpt"])
+def test_s3_url_without_a_bucket_is_refused(tmp_path, monkeypatch, url):
+    """``s3://`` names no bucket: refused (``unsupported``), and never taken for the local directory ``s3:``."""
+    monkeypatch.chdir(tmp_path)
+    for fn in (lambda: xckpt.save({"w": np.ones(2)}, url), lambda: xckpt.load(url)):
+        with pytest.raises(xckpt.XckptError) as info:
+            fn()
+        assert info.value.code == "unsupported" and "names no bucket" in info.value.message
+    assert os.listdir(tmp_path) == []

@@ -18,6 +18,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     # must be set before jax is imported (tests/conftest.py may already have done it)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import base64
 import json
 import logging
 import shutil
@@ -338,3 +339,152 @@ def test_key_as_deep_as_a_tree_may_be_loads(ckpts: dict[str, Path], want: dict[s
     assert node is None
     assert_same(got, want)
     assert xckpt.inspect(path)["format"] == "orbax"
+
+
+# -- every other JSON file of an Orbax checkpoint, and what its array metadata declares -------------------------
+
+#: Documents Python's ``json`` cannot parse, or parses into a string nothing can print or store.
+BAD_JSON = {"deep": "[" * 100_000 + "]" * 100_000, "huge_number": '{"shape": [' + "1" * 5000 + "]}",
+            "lone_surrogate": '{"\\ud800": 1}'}
+
+
+def _array_meta_file(name: str) -> str:
+    return "w/.zarray" if name == "zarr2" else "w/zarr.json"
+
+
+def _leaf(report: dict[str, Any], key: str) -> dict[str, Any]:
+    """The leaf ``key`` of an :func:`xckpt.inspect` report."""
+    return next(leaf for leaf in report["leaves"] if leaf["key"] == key)
+
+
+@pytest.mark.parametrize("bad", list(BAD_JSON))
+@pytest.mark.parametrize("name,rel,code", [("zarr2", "w/.zarray", "array.metadata_json"),
+                                           ("zarr3", "w/zarr.json", "array.metadata_json"),
+                                           ("zarr3", "_strings.json", "orbax.strings_invalid")])
+def test_a_json_file_that_cannot_be_read_is_a_specific_error(ckpts: dict[str, Path], tmp_path: Path, name: str,
+                                                             rel: str, code: str, bad: str) -> None:
+    path = _copy(ckpts, name, tmp_path)
+    (path / rel).write_text(BAD_JSON[bad])
+    readers = [lambda: xckpt.load(path)] + ([lambda: xckpt.inspect(path)] if rel.startswith("w/") else [])
+    for fn in readers:  # inspect reads no value, so no _strings.json
+        exc = _raises(fn)
+        assert isinstance(exc, XckptError), repr(exc)
+        assert exc.code == code and exc.file == str(path / rel), str(exc)
+        assert exc.leaf == ("w" if rel.startswith("w/") else None), str(exc)
+    str(exc)  # printable: no lone surrogate in the message
+
+
+@pytest.mark.parametrize("bad", list(BAD_JSON))
+def test_a_sharding_file_that_cannot_be_read_is_left_out(ckpts: dict[str, Path], want: dict[str, Any],
+                                                         tmp_path: Path, bad: str) -> None:
+    path = _copy(ckpts, "zarr2", tmp_path)
+    record = json.dumps({"sharding_type": "NamedSharding", "shape": BAD_JSON[bad]})
+    for text in (BAD_JSON[bad], json.dumps({base64.urlsafe_b64encode(b"w").decode(): record}),
+                 json.dumps({base64.urlsafe_b64encode(b"w").decode(): BAD_JSON[bad]})):
+        (path / "_sharding").write_text(text)
+        assert_same(xckpt.load(path), want)
+        assert "mesh_shape" not in (_leaf(xckpt.inspect(path), "w")["sharding"] or {})
+
+
+def test_a_malformed_sharding_record_records_no_mesh(ckpts: dict[str, Path], want: dict[str, Any],
+                                                     tmp_path: Path) -> None:
+    path = _copy(ckpts, "zarr2", tmp_path)
+    saved = json.loads((path / "_sharding").read_text())
+    key = base64.urlsafe_b64encode(b"w").decode()
+    good = json.loads(saved[key])
+    for edit in ({"shape": "abcd"}, {"shape": [4, True]}, {"axis_names": ["x"]}, {"axis_names": {"x": 1}},
+                 {"partition_spec": [[1, 2]]}, {"partition_spec": ["z"]}, {"partition_spec": "x"}):
+        (path / "_sharding").write_text(json.dumps(dict(saved, **{key: json.dumps(dict(good, **edit))})))
+        assert_same(xckpt.load(path), want)
+        src = open_orbax(path)
+        try:
+            w = next(e for e in src.manifest.arrays() if e.key == ("w",))
+            assert "mesh_shape" not in (w.sharding or {}), (edit, w.sharding)
+        finally:
+            src.close()
+    (path / "_sharding").write_text(json.dumps(saved))  # the record as Orbax wrote it is read
+    src = open_orbax(path)
+    try:
+        w = next(e for e in src.manifest.arrays() if e.key == ("w",))
+        assert w.sharding is not None and w.sharding["mesh_shape"] == [4, 2] and w.sharding["axis_names"] == ["x", "y"]
+        assert w.sharding["dim_axes"] == [["x"], ["y"]]
+    finally:
+        src.close()
+
+
+def test_a_record_key_with_a_lone_surrogate_is_invalid(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    def surrogate_key(meta: dict[str, Any]) -> str:
+        rec = meta["tree_metadata"].pop("('b',)")
+        rec["key_metadata"] = [{"key": "\ud800", "key_type": 2}]
+        meta["tree_metadata"]["('\\ud800',)"] = rec
+        return json.dumps(meta)
+
+    for exc in _refused(_edit_metadata(ckpts, tmp_path, surrogate_key), "orbax.invalid"):
+        assert "surrogate" in str(exc)
+    shutil.rmtree(tmp_path / "ckpt")
+
+    def old_key(meta: dict[str, Any]) -> str:  # no key_metadata: the record key is parsed as a Python tuple
+        meta["tree_metadata"]["('\\ud800',)"] = {"value_metadata": {"value_type": "None"}}
+        return json.dumps(meta)
+
+    for exc in _refused(_edit_metadata(ckpts, tmp_path, old_key), "orbax.invalid"):
+        assert "surrogate" in str(exc)
+
+
+@pytest.mark.parametrize("name", ["zarr2", "ocdbt_zarr2", "ocdbt_zarr3"])
+def test_array_metadata_above_its_bound_is_refused_unread(ckpts: dict[str, Path], tmp_path: Path, name: str) -> None:
+    """A zarr metadata file larger than the 1 MiB a reader takes whole (as xckpt's own zarr.json) is
+    ``resource.too_large``, in a plain directory and inside OCDBT alike; one just under the bound still loads."""
+    import tensorstore as ts
+
+    from xckpt.format.zarr import MAX_METADATA_BYTES
+
+    path = _copy(ckpts, name, tmp_path)
+    rel = ".zarray" if name.endswith("zarr2") else "zarr.json"
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"} if name.startswith("ocdbt")
+                         else f"file://{path}/").result()
+    text = kv.read(f"w/{rel}").result().value.decode()
+    for size, code in ((MAX_METADATA_BYTES, None), (MAX_METADATA_BYTES + 1, "resource.too_large"),
+                       (8 * MAX_METADATA_BYTES, "resource.too_large")):
+        kv.write(f"w/{rel}", (text[:-1] + " " * (size - len(text)) + "}").encode()).result()
+        exc = _raises(lambda: xckpt.load(path))
+        if code is None:
+            assert exc is None, repr(exc)
+            continue
+        assert isinstance(exc, XckptError) and exc.code == code, repr(exc)
+        assert exc.leaf == "w" and exc.file.startswith(str(path / "w" / rel)), str(exc)
+
+
+@pytest.mark.parametrize("name", ["zarr2", "zarr3"])
+def test_a_chunk_larger_than_memory_is_refused_not_decoded(ckpts: dict[str, Path], tmp_path: Path,
+                                                           name: str) -> None:
+    """TensorStore decodes a whole chunk to read any part of it and aborts the process when it cannot allocate
+    one: a chunk declared larger than the machine's memory is ``resource.too_large`` (the load runs in a child
+    process, which such an abort would kill)."""
+    import subprocess
+    import sys
+
+    path = _copy(ckpts, name, tmp_path)
+    rel = _array_meta_file(name)
+    meta = json.loads((path / rel).read_text())
+    huge = [2**40, 8]
+    meta["shape"] = huge
+    if name == "zarr2":
+        meta["chunks"] = huge
+    else:
+        meta["chunk_grid"]["configuration"]["chunk_shape"] = huge
+        for codec in meta["codecs"]:
+            if codec["name"] == "sharding_indexed":
+                codec["configuration"]["chunk_shape"] = huge
+    (path / rel).write_text(json.dumps(meta))
+    code = ("import xckpt\n"
+            "from xckpt.errors import XckptError\n"
+            "try:\n"
+            f"    xckpt.load({str(path)!r}, like={{'w': xckpt.ReadSpec(region=(slice(0, 2), slice(0, 2)))}},"
+            " partial=True)\n"
+            "except XckptError as exc:\n"
+            "    print(exc.code, exc.leaf, exc.file)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["resource.too_large", "w", str(path / rel)], out.stdout
+    assert _leaf(xckpt.inspect(path), "w")["shape"] == huge  # its metadata is still described

@@ -281,6 +281,32 @@ def _edit_json(path: Path, fn: Any) -> None:
     path.write_text(json.dumps(obj))
 
 
+#: Layout files a parser may choke on: nesting too deep to parse, a number past Python's digit limit, a lone surrogate.
+UNPARSABLE = {"deep": "[" * 100_000 + "]" * 100_000, "huge_number": '{"a": ' + "1" * 5000 + "}",
+              "lone_surrogate": '{"\\ud800": 1}'}
+
+
+@pytest.mark.parametrize("bad", list(UNPARSABLE))
+def test_layout_json_files_that_cannot_be_parsed(saved: dict[str, Path], tmp_path: Path, bad: str) -> None:
+    """A JSON item or a _CHECKPOINT_DELETION record that Python's json cannot parse is ``orbax.invalid`` naming
+    it; a _CHECKPOINT_METADATA that cannot be parsed is taken as one without item_handlers (Orbax's items are
+    then the subdirectories), so the checkpoint still loads exactly."""
+    item = _copy(saved["mgr"], tmp_path / "item")
+    (item / "metadata" / "metadata").write_text(UNPARSABLE[bad])
+    with pytest.raises(ManifestError) as err:
+        xckpt.load(item)
+    assert err.value.code == "orbax.invalid" and err.value.file == str(item / "metadata" / "metadata")
+    str(err.value)  # printable
+    deletion = _copy(saved["v1_named"], tmp_path / "deletion")
+    (deletion / "_CHECKPOINT_DELETION").write_text(UNPARSABLE[bad])
+    with pytest.raises(ManifestError) as err:
+        xckpt.load(deletion)
+    assert err.value.code == "orbax.invalid" and err.value.file == str(deletion / "_CHECKPOINT_DELETION")
+    top = _copy(saved["v1"], tmp_path / "top")
+    (top / "_CHECKPOINT_METADATA").write_text(UNPARSABLE[bad])
+    _check_equal(xckpt.load(top), xckpt.load(saved["v1"]))
+
+
 def test_hostile_and_odd_layouts(saved: dict[str, Path], tmp_path: Path) -> None:
     """Unsafe item names and links are refused; unreadable, deleted and missing items are named."""
     # an item name that leaves the checkpoint is refused before anything is opened

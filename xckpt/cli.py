@@ -238,6 +238,13 @@ def _describe(path: str, name: str, *, size_unreadable: bool = True) -> dict[str
     return item
 
 
+def _holds_manifest(path: str) -> bool:
+    """Whether ``path`` holds an xckpt manifest or an Orbax item's ``_METADATA`` (it is one checkpoint)."""
+    from xckpt.format import names
+
+    return any(os.path.lexists(os.path.join(path, n)) for n in (names.MANIFEST, names.ORBAX_METADATA))
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     """List the steps of a run, or the checkpoints in a directory."""
     from dataclasses import asdict
@@ -245,7 +252,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from xckpt.manager import list_steps
     # a run is not walked as one checkpoint before its steps are (each sized once, by list_steps)
     itself = _describe(str(args.root), os.path.basename(os.path.normpath(str(args.root))), size_unreadable=False)
-    if itself["error"] is None:  # a checkpoint is listed alone (its array folders, "0" and "1" too, are not steps)
+    if itself["error"] is None or _holds_manifest(str(args.root)):
+        # a checkpoint is listed alone (its array folders, "0" and "1" too, are not steps); a damaged one with
+        # its error, not its array folders as unreadable checkpoints
         steps, checkpoints = [], [itself]
     else:
         steps = list_steps(args.root, step_format_fixed_length=args.step_format_fixed_length)

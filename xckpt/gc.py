@@ -61,7 +61,7 @@ def gc(path: Any, *, older_than_s: float | None = None, dry_run: bool = False) -
     found = {x.path: x for x in claims.scan(loc, stale_after=older_than_s)}
     found.update((x.path, x) for x in claims.scan_steps(loc, stale_after=older_than_s))
     parent, _, name = loc.url.rstrip("/").rpartition("/")
-    if parent and name:
+    if parent and name and (loc.is_local or "://" in parent):  # a bucket (s3://b) has no parent: s3:/ is no place
         found.update((x.path, x) for x in claims.scan(Location(parent), stale_after=older_than_s, name=name))
         found.update((x.path, x) for x in claims.scan_steps(Location(parent), stale_after=older_than_s, name=name))
     out = []

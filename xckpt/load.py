@@ -7,7 +7,6 @@ state (see :func:`load` for targets loaded in place).
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from xckpt import registry
 from xckpt.engine import collective
 from xckpt.engine.collective import Coordinator, LocalCoordinator
 from xckpt.engine.gcpause import paused_gc
-from xckpt.engine.read import ReadRequest, empty, placeholder
+from xckpt.engine.read import ReadRequest, empty, memory_limit, placeholder
 from xckpt.errors import (CollectiveLoadError, KeyMismatchError, ResourceError, ShapeError, XckptError,
                           XckptWarning)
 from xckpt.format import dtypes
@@ -479,13 +478,6 @@ def _unexpected(like: Any, requests: list[_Request], leaves: list[Entry]) -> lis
     return out
 
 
-def _memory_limit() -> int:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 1 << 40
-
-
 @dataclass
 class _Part:
     """One region of one job: where it is read to, and where it ends up."""
@@ -517,7 +509,7 @@ class _Reads:
                  staging: int, early: set[int] | None = None) -> None:
         # early: jobs whose results are made by the read step, before any region is read into a target
         m = ckpt.manifest
-        limit = _memory_limit() if max_bytes is None else max_bytes
+        limit = memory_limit() if max_bytes is None else max_bytes
         total = 0
         parts: dict[int, list[_Part]] = {}
         for i, t in jobs:

@@ -92,7 +92,7 @@ def _json_object(path: str) -> dict[str, Any] | None:
             return None
         with open(path, "rb") as f:
             obj = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):  # (not UTF-8 or JSON, a number of 5,000 digits, deep nesting)
         return None
     return obj if isinstance(obj, dict) else None
 

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from xckpt.engine import atomic, env
-from xckpt.engine.storage import ABSENT, Location, open_kvstore
+from xckpt.engine.storage import ABSENT, Location, kv_result, landed, open_kvstore
 from xckpt.errors import SaveError, XckptError, XckptWarning
-from xckpt.format import names, safetensors
+from xckpt.format import names, orbax_view, safetensors
 
 #: Object that claims an object-store prefix for one save.
 CLAIM = ".xckpt-claim"
@@ -74,6 +74,11 @@ def sibling(final: Location, kind: str, generation: str) -> Location:
 def _split(loc: Location) -> tuple[str, str]:
     parent, _, name = loc.url.rstrip("/").rpartition("/")
     return parent, name
+
+
+def _kv(prefix: Location) -> Any:
+    """The key-value store of an object-store prefix (a spec the store refuses: ``io.read`` naming it)."""
+    return open_kvstore(prefix.kvstore(), str(prefix))
 
 
 def _read_small(path: str) -> str | None:
@@ -125,14 +130,20 @@ class Lease:
             finally:
                 os.close(fd)
             return
-        kv = open_kvstore(self.final.kvstore())
-        # empty: another save's claim; or this one's, created by an attempt whose answer was lost
-        stamp = kv.write(CLAIM, _record(self.generation), if_equal=ABSENT).result().generation or self._own(kv)
+        kv, file = _kv(self.final), str(self.final.child(CLAIM))
+        # empty: another save's claim; or this one's, created by an attempt whose answer was lost (the driver
+        # retried; or it could not, and the write failed: :func:`landed`)
+        try:
+            stamp = kv_result(kv.write(CLAIM, _record(self.generation), if_equal=ABSENT), file,
+                              write=True).generation or self._own(kv)
+        except XckptError as exc:
+            stamp = landed(exc, lambda: self._own(kv))
         if not stamp:
             raise SaveError(f"another save is writing to {self.final} (it holds {self.final}/{CLAIM}); "
                             "nothing was written", code="save.in_progress", file=str(self.final.child(CLAIM)))
         self._stamp = stamp
-        if kv.read(names.MANIFEST, byte_range=slice(0, 0)).result().state == "value":
+        manifest = kv_result(kv.read(names.MANIFEST, byte_range=slice(0, 0)), str(self.final.child(names.MANIFEST)))
+        if manifest.state == "value":
             self.release()  # another save committed here after this one checked the prefix: never write into it
             raise SaveError(f"another save committed {self.final} first; nothing was written", code="save.exists",
                             file=str(self.final))
@@ -145,9 +156,10 @@ class Lease:
             except FileNotFoundError:
                 self.lost = True
             return
-        kv = open_kvstore(self.final.kvstore())
+        kv, file = _kv(self.final), str(self.final.child(CLAIM))
         # empty: taken over; or renewed by an attempt whose answer was lost, then retried
-        stamp = kv.write(CLAIM, _record(self.generation), if_equal=self._stamp).result().generation or self._own(kv)
+        stamp = kv_result(kv.write(CLAIM, _record(self.generation), if_equal=self._stamp), file,
+                          write=True).generation or self._own(kv)
         if stamp:
             self._stamp = stamp
         else:
@@ -159,11 +171,11 @@ class Lease:
             return False
         if self.final.is_local:
             return os.path.exists(self._path)
-        return self._own(open_kvstore(self.final.kvstore())) is not None
+        return self._own(_kv(self.final)) is not None
 
     def _own(self, kv: Any) -> bytes | None:
         """The storage stamp of the prefix's claim when it is this save's, else None."""
-        claim = _read_claim(kv)
+        claim = _read_claim(kv, self.final)
         return claim[1] if claim is not None and claim[0] == self.generation else None
 
     def release(self) -> None:
@@ -172,15 +184,15 @@ class Lease:
             if self.final.is_local:
                 os.unlink(self._path)
             elif self._stamp is not None:
-                open_kvstore(self.final.kvstore()).write(CLAIM, None, if_equal=self._stamp).result()
-        except (OSError, ValueError):
+                _kv(self.final).write(CLAIM, None, if_equal=self._stamp).result()
+        except (OSError, ValueError, XckptError):
             pass
 
 
-def _read_claim(kv: Any) -> tuple[str, bytes] | None:
-    """``(generation, storage stamp)`` of the claim in an opened prefix (generation "" when unreadable);
-    None when there is none."""
-    res = kv.read(CLAIM).result()
+def _read_claim(kv: Any, prefix: Location) -> tuple[str, bytes] | None:
+    """``(generation, storage stamp)`` of the claim in the opened ``prefix`` (generation "" when unreadable);
+    None when there is none. A store that cannot answer is ``io.read`` naming the claim."""
+    res = kv_result(kv.read(CLAIM), str(prefix.child(CLAIM)))
     if res.state != "value":
         return None
     return _generation_of(bytes(res.value)) or "", res.stamp.generation
@@ -188,7 +200,7 @@ def _read_claim(kv: Any) -> tuple[str, bytes] | None:
 
 def claimed_by(prefix: Location) -> str | None:
     """The generation of the save whose claim an object-store prefix holds (None: no readable claim)."""
-    claim = _read_claim(open_kvstore(prefix.kvstore()))
+    claim = _read_claim(_kv(prefix), prefix)
     return claim[0] or None if claim is not None else None
 
 
@@ -355,27 +367,50 @@ def scan_steps(directory: Location, *, stale_after: float | None = None, name: s
 
 
 def _scan_claims(directory: Location, limit: float, now: float, name: str | None) -> list[Leftover]:
-    kv = open_kvstore(directory.kvstore())
+    """The claims on ``directory`` and on its sub-prefixes one level down (``name``: on ``directory/name`` only,
+    read directly, without listing ``directory``)."""
+    kv = _kv(directory)
+    if name is not None:
+        keys = [f"{name}/{CLAIM}"]
+    else:
+        keys = sorted(k for k in (k.decode() for k in kv_result(kv.list(), str(directory)))
+                      if k == CLAIM or k.endswith("/" + CLAIM) and k.count("/") == 1)
     out = []
-    for key in sorted(k.decode() for k in kv.list().result()):
-        parts = key.split("/")
-        if parts[-1] != CLAIM or len(parts) > 2 or (name is not None and parts[0] != name and len(parts) == 2):
-            continue
-        res = kv.read(key).result()
+    for key in keys:
+        sub = key[:-len(CLAIM)].rstrip("/")  # "" for the claim of ``directory`` itself
+        prefix = directory.child(sub) if sub else directory
+        res = kv_result(kv.read(key), str(prefix.child(CLAIM)))
         if res.state != "value":
             continue
         record = bytes(res.value)
         beat = _heartbeat_of(record)
         # a claim that is not a record of ours was not written by a save of ours: never judged dead
         age = now - beat if beat is not None else 0.0
-        prefix = directory.url.rstrip("/") + ("/" + parts[0] if len(parts) == 2 else "")
-        out.append(Leftover(prefix, "claim", parts[0] if len(parts) == 2 else "", _generation_of(record) or "",
-                            age, beat is not None and age > limit, res.stamp.generation))
+        out.append(Leftover(str(prefix), "claim", sub, _generation_of(record) or "", age,
+                            beat is not None and age > limit, res.stamp.generation))
     return out
 
 
+#: A name a save may write below its top level (3.2, 4, 4.2, 7): a leaf's (or a segment's) ``zarr.json`` and
+#: chunk objects, and the Orbax marker. A storage name never starts with ``.`` nor holds ``/``.
+_BELOW_TOP = re.compile(r"[^/.][^/]*/(?:[0-9]+/)?(?:zarr\.json|c(?:/[0-9]+)*)|" + re.escape(orbax_view.MARKER))
+
+
+def _own_objects(keys: Iterable[str]) -> list[str]:
+    """Of the keys under a dead save's claimed prefix, those that save may have written (its claim aside): the
+    names a save writes (:data:`names.RESERVED` at the top, :data:`_BELOW_TOP` below), and none under a
+    sub-prefix holding a manifest or a claim (a checkpoint committed, or a save begun, inside the prefix after
+    it was claimed: a save writes neither name below its top level). Objects put there by others stay."""
+    keys = list(keys)
+    nested = tuple({k.rsplit("/", 1)[0] + "/" for k in keys
+                    if "/" in k and k.rsplit("/", 1)[1] in (names.MANIFEST, CLAIM)})
+    return [k for k in keys if k != CLAIM and not k.startswith(nested)
+            and (k in names.RESERVED if "/" not in k else _BELOW_TOP.fullmatch(k) is not None)]
+
+
 def remove(leftover: Leftover) -> None:
-    """Delete one leftover (a whole claimed prefix: every object a dead save wrote under it).
+    """Delete one leftover (a claimed prefix: the objects its dead save may have written there, never a
+    checkpoint it committed nor objects others put under it, :func:`_own_objects`).
 
     A claim is first taken over with a conditional write, and only if it is still the one judged
     dead (same storage generation): a claim renewed, released or taken over since, by a save or
@@ -383,17 +418,7 @@ def remove(leftover: Leftover) -> None:
     permission) is ``io.write`` naming the leftover.
     """
     if leftover.kind == "claim":
-        kv = open_kvstore(Location(leftover.path).kvstore())
-        claim = _read_claim(kv)
-        if claim is None or claim[0] != leftover.generation or leftover.stamp not in (None, claim[1]):
-            return
-        mine = kv.write(CLAIM, _record(new_generation()), if_equal=claim[1]).result().generation
-        if not mine:
-            return
-        keys = [k for k in kv.list().result() if k.decode() != CLAIM]
-        for k in keys:
-            kv.write(k, None).result()
-        kv.write(CLAIM, None, if_equal=mine).result()
+        _remove_claimed(leftover)
         return
     failed: list[tuple[str, str]] = []
 
@@ -416,6 +441,31 @@ def remove(leftover: Leftover) -> None:
         raise XckptError(f"cannot remove the leftover {leftover.path}: {why} ({path}"
                          + (f", and {len(failed) - 1} more" if len(failed) > 1 else "") + ")",
                          code="io.write", file=leftover.path)
+
+
+def _remove_claimed(leftover: Leftover) -> None:
+    """:func:`remove` of a dead claim: take it over, delete what its save may have written (:func:`_own_objects`),
+    then the claim. A store that refuses is ``io.write`` naming the prefix (the claim, taken over, ages again)."""
+    prefix = Location(leftover.path)
+    file = str(prefix.child(CLAIM))
+    try:
+        kv = _kv(prefix)
+        claim = _read_claim(kv, prefix)
+        if claim is None or claim[0] != leftover.generation or leftover.stamp not in (None, claim[1]):
+            return
+        mine = kv_result(kv.write(CLAIM, _record(new_generation()), if_equal=claim[1]), file, write=True).generation
+        if not mine:
+            return
+        keys = [k.decode() for k in kv_result(kv.list(), str(prefix))]
+        # a manifest: the save committed and died before releasing its claim; the checkpoint stays
+        for k in [] if names.MANIFEST in keys else _own_objects(keys):
+            file = str(prefix.child(k))
+            kv_result(kv.write(k, None), file, write=True)
+        file = str(prefix.child(CLAIM))
+        kv_result(kv.write(CLAIM, None, if_equal=mine), file, write=True)
+    except XckptError as exc:
+        raise XckptError(f"cannot remove the leftover {leftover.path}: {exc.message}", code="io.write",
+                         file=exc.file or file) from exc
 
 
 def remove_stale(directory: Location, *, stale_after: float | None = None,

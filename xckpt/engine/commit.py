@@ -161,8 +161,11 @@ def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt", writes
                         "save never overwrites one: save to a new prefix", code="save.exists", file=str(final))
     if store.exists(claims.CLAIM):
         parent, _, name = final.url.rpartition("/")
-        found = [x for x in claims.scan(Location(parent), stale_after=opts.stale_after(), name=name)
-                 if x.path == final.url]
+        if parent.endswith(":/"):  # a bucket's root has no parent prefix: its own claims, listed
+            found = [x for x in claims.scan(final, stale_after=opts.stale_after()) if x.path == final.url]
+        else:
+            found = [x for x in claims.scan(Location(parent), stale_after=opts.stale_after(), name=name)
+                     if x.path == final.url]
         if found and found[0].stale:
             claims.remove(found[0])  # everything a dead save wrote under the prefix it claimed
         if not found or not found[0].stale or store.exists(claims.CLAIM):  # live, or taken over by another first
@@ -385,6 +388,13 @@ def discard(tmp: Location, written: Iterable[str], *, hold: Hold | None = None,
             written, plan = (), None  # judged dead, its prefix emptied and maybe another save's now: delete nothing
         store = tmp.store()
         try:
+            written = list(written)
+            if not tmp.is_local and names.MANIFEST in written:
+                # a manifest whose write failed may have landed all the same (its answer lost): it goes first,
+                # and only if it is this save's, so that no reader finds a manifest over deleted data
+                written.remove(names.MANIFEST)
+                if generation and identity(tmp) == generation:
+                    store.delete(names.MANIFEST)
             for name in [*written, *(plan_objects(plan) if plan is not None and hold is not None
                                      and not tmp.is_local else ())]:
                 try:
@@ -531,6 +541,8 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
         store.sync()
     failpoints.hit("after_commit_marker")
     _check_held(hold)
+    if written is not None and not store.location.is_local:
+        written.append(names.MANIFEST)  # (it may land although its write fails: discard then removes it first)
     with _writing(str(store.location.child(names.MANIFEST)), f"write {names.MANIFEST}"):
         if not store.create(names.MANIFEST, manifest.dumps()):
             raise SaveError(f"another save committed {store.location} first; nothing was committed",

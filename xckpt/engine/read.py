@@ -11,6 +11,7 @@ outputs is one inner chunk per thread.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -35,6 +36,14 @@ _CRC = 4
 
 #: Byte alignment of the arrays :func:`empty` makes (what XLA's CPU client needs to adopt host memory).
 ALIGNMENT = 64
+
+
+def memory_limit() -> int:
+    """This machine's physical memory in bytes (the most a load reads into memory unless told otherwise)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 40
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -20,14 +20,14 @@ import stat
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import numpy as np
 import tensorstore as ts
 
 from xckpt.engine import threads
 from xckpt.engine.atomic import start_writeback
-from xckpt.errors import DataError, ResourceError, SaveError, UnsafePathError, XckptError
+from xckpt.errors import DataError, ResourceError, SaveError, UnsafePathError, UnsupportedError, XckptError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -69,7 +69,11 @@ class Location:
             return path
         text = os.fspath(path)
         if "://" in text:
-            return cls(text.rstrip("/"))
+            scheme, sep, rest = text.partition("://")
+            if scheme == "s3" and not rest.partition("/")[0]:
+                raise UnsupportedError(f"{text!r} names no bucket: an object-store path is s3://bucket or "
+                                       "s3://bucket/prefix", file=text)
+            return cls(scheme + sep + rest.rstrip("/"))  # "s3://b/" is "s3://b"; never a local path
         return cls(os.path.abspath(text))
 
     @property
@@ -89,7 +93,11 @@ class Location:
             return {"driver": "file", "path": self.local_path.rstrip("/") + "/" + tail}
         if self.url.startswith("s3://"):
             return s3_spec(self.url, tail)
-        return dict(ts.KvStore.Spec(self.url + "/" + tail).to_json())
+        try:
+            return dict(ts.KvStore.Spec(self.url + "/" + tail).to_json())
+        except ValueError as exc:
+            raise UnsupportedError(f"{self.url} is neither a local path nor a URL of a store xckpt reads "
+                                   f"(s3://bucket/prefix): {exc}", file=self.url) from None
 
     def child(self, name: str) -> "Location":
         """The location of ``name`` under this one."""
@@ -709,17 +717,53 @@ class KvBlob:
         """Nothing to release."""
 
 
+def kv_failed(exc: BaseException, file: str, *, write: bool = False) -> XckptError:
+    """The error of a key-value store request that failed (TensorStore raises a ``ValueError`` holding the
+    store's answer): ``io.write`` (a :class:`SaveError`) or ``io.read`` naming ``file``, saying first in words
+    what is known to be wrong (a missing bucket, a refused access, an unreachable store)."""
+    text = str(exc)
+    why = ("the bucket does not exist; " if "NoSuchBucket" in text
+           else "access denied (check the credentials and the bucket's policy); "
+           if "PERMISSION_DENIED" in text or "AccessDenied" in text or "UNAUTHENTICATED" in text
+           else "the store cannot be reached; " if "CURL error" in text or "UNAVAILABLE" in text else "")
+    if write:
+        return SaveError(f"cannot write: {why}{text}", code="io.write", file=file)
+    return XckptError(f"cannot read: {why}{text}", code="io.read", file=file)
+
+
+def kv_result(future: Any, file: str, *, write: bool = False) -> Any:
+    """The result of a TensorStore key-value store request; a failure is :func:`kv_failed`."""
+    try:
+        return future.result()
+    except (ValueError, RuntimeError) as exc:
+        raise kv_failed(exc, file, write=write) from exc
+
+
+def landed(error: XckptError, check: Callable[[], Any]) -> Any:
+    """After a conditional write that failed with ``error`` (its answer lost, say, with no retry left): what
+    ``check`` finds if the write took effect all the same (a truthy value); ``error`` is raised when ``check``
+    finds nothing or cannot look."""
+    try:
+        found = check()
+    except XckptError:
+        found = None
+    if not found:
+        raise error
+    return found
+
+
 _kv_cache: dict[str, ts.KvStore] = {}
 _kv_lock = threading.Lock()
 
 
-def open_kvstore(spec: dict[str, Any]) -> ts.KvStore:
-    """A TensorStore key-value store of ``spec``, opened once per process."""
+def open_kvstore(spec: dict[str, Any], file: str = "") -> ts.KvStore:
+    """A TensorStore key-value store of ``spec``, opened once per process (``file``: the location it serves,
+    named by the error of a spec the store refuses)."""
     key = json.dumps(spec, sort_keys=True)
     with _kv_lock:
         kv = _kv_cache.get(key)
     if kv is None:
-        kv = ts.KvStore.open(spec).result()
+        kv = kv_result(ts.KvStore.open(spec), file)
         with _kv_lock:
             if len(_kv_cache) > 64:
                 _kv_cache.clear()
@@ -732,7 +776,7 @@ class KvStore:
 
     def __init__(self, location: Location) -> None:
         self.location = location
-        self._kv = open_kvstore(location.kvstore())
+        self._kv = open_kvstore(location.kvstore(), str(location))
 
     def _file(self, name: str) -> str:
         return str(self.location.child(name))
@@ -744,10 +788,7 @@ class KvStore:
     def read(self, name: str, limit: int = MAX_READ_BYTES) -> bytes | None:
         """A whole object, None when missing; one above ``limit`` bytes is refused (once fetched: a store's
         read does not say the size first)."""
-        try:
-            res = self._kv.read(name).result()
-        except ValueError as exc:
-            raise XckptError(f"cannot read: {exc}", code="io.read", file=self._file(name)) from exc
+        res = kv_result(self._kv.read(name), self._file(name))
         if res.state != "value":
             return None
         _check_size(len(res.value), limit, self._file(name))
@@ -761,10 +802,7 @@ class KvStore:
     def _put(self, name: str, blob: bytes | None, **conditions: Any) -> bytes:
         """One write (None: a delete) through the driver, its retries included; the new storage generation
         (empty when a condition failed). A store that stays unreachable is ``io.write``."""
-        try:
-            return self._kv.write(name, blob, **conditions).result().generation
-        except ValueError as exc:
-            raise XckptError(f"cannot write: {exc}", code="io.write", file=self._file(name)) from exc
+        return kv_result(self._kv.write(name, blob, **conditions), self._file(name), write=True).generation
 
     def create(self, name: str, data: bytes) -> bool:
         """Write an object only if it is absent: a conditional write, atomic where the store honours
@@ -772,9 +810,13 @@ class KvStore:
 
         An object already holding exactly ``data`` is this write's own: the store created it on an
         attempt whose answer was lost, and the driver's retry found it (a manifest names its save's
-        generation, so no other save writes the same bytes)."""
-        if self._put(name, bytes(data), if_equal=ABSENT):
-            return True
+        generation, so no other save writes the same bytes). So is one found after the write failed: the store
+        created it, and the answer was lost with no retry left (:func:`landed`)."""
+        try:
+            if self._put(name, bytes(data), if_equal=ABSENT):
+                return True
+        except XckptError as exc:
+            return bool(landed(exc, lambda: self.read(name) == bytes(data)))
         return self.read(name) == bytes(data)
 
     def delete(self, name: str) -> None:
@@ -782,16 +824,17 @@ class KvStore:
         self._put(name, None)
 
     def exists(self, name: str) -> bool:
-        """Whether an object exists."""
-        return self._kv.read(name, byte_range=slice(0, 0)).result().state == "value"
+        """Whether an object exists (a store that cannot answer: ``io.read`` naming the object)."""
+        return kv_result(self._kv.read(name, byte_range=slice(0, 0)), self._file(name)).state == "value"
 
     def list(self, prefix: str = "") -> list[str]:
-        """Every object name under ``prefix``, sorted."""
+        """Every object name under ``prefix``, sorted (a store that cannot list: ``io.read`` naming the prefix)."""
+        file = str(self.location.child(prefix.rstrip("/"))) if prefix.strip("/") else str(self.location)
         if prefix:
             rng = ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
-            keys = self._kv.list(rng).result()
+            keys = kv_result(self._kv.list(rng), file)
         else:
-            keys = self._kv.list().result()
+            keys = kv_result(self._kv.list(), file)
         return sorted(k.decode() for k in keys)
 
     def sync(self) -> None:

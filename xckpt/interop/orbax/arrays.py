@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import json
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -11,11 +10,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorstore as ts
 
-from xckpt.format import dtypes, names as naming
+from xckpt.format import dtypes, names as naming, zarr
 from xckpt.engine.storage import Location, Store
-from xckpt.errors import DataError, ManifestError, UnsupportedError, XckptWarning
+from xckpt.errors import DataError, ManifestError, ResourceError, UnsupportedError, XckptWarning
 from xckpt.format.manifest import ArrayEntry, Entry, ValueEntry
 from xckpt.format.tree import key_str
+from xckpt.interop.orbax.files import parse_json
 from xckpt.interop.orbax.metadata import NONE_TYPES, OCDBT_MANIFEST, Record
 
 if TYPE_CHECKING:
@@ -37,7 +37,11 @@ class ArrayInfo:
 
 
 def read_array_infos(ckpt: OrbaxCheckpoint, records: list[Record]) -> dict[str, ArrayInfo]:
-    """Read every array's zarr metadata concurrently."""
+    """Read every array's zarr metadata concurrently.
+
+    Each is read whole only once known to be at most :data:`~xckpt.format.zarr.MAX_METADATA_BYTES` long (as
+    for xckpt's own ``zarr.json``): a larger one is ``resource.too_large``, naming the file and the leaf.
+    """
     if not records:
         return {}
     meta_name = "zarr.json" if ckpt.zarr3 else ".zarray"
@@ -46,20 +50,44 @@ def read_array_infos(ckpt: OrbaxCheckpoint, records: list[Record]) -> dict[str, 
     except Exception as exc:  # noqa: BLE001 - reported as a specific xckpt error
         raise DataError(f"cannot open the checkpoint's key-value store: {str(exc)[:400]}", code="orbax.ocdbt",
                         file=str(ckpt.loc.child(OCDBT_MANIFEST if ckpt.ocdbt else ""))) from exc
-    pending = [(rec, kv.read(f"{rec.name}/{meta_name}")) for rec in records]
+    limit = zarr.MAX_METADATA_BYTES
+    # the byte just past the bound: there when the metadata is too large, out of range when it is not
+    probes = [(rec, kv.read(f"{rec.name}/{meta_name}", byte_range=slice(limit, limit + 1))) for rec in records]
+    pending = []
+    for rec, probe in probes:
+        file = ckpt.metadata_file(rec.name)
+        res = _result(probe, file, key_str(rec.key), out_of_range_ok=True)
+        if res is None:
+            pending.append((rec, kv.read(f"{rec.name}/{meta_name}")))
+        elif res.state != "value":
+            raise DataError(f"array data named in _METADATA is missing (no {meta_name})",
+                            code="array.metadata_missing", file=file, leaf=key_str(rec.key))
+        else:
+            raise ResourceError(f"the array metadata has more than the {limit} bytes a reader takes whole",
+                                file=file, leaf=key_str(rec.key))
     out = {}
     for rec, fut in pending:
         file = ckpt.metadata_file(rec.name)
-        try:
-            res = fut.result()
-        except Exception as exc:  # noqa: BLE001
-            raise DataError(f"cannot read the array's metadata: {str(exc)[:400]}", code="array.metadata",
-                            file=file, leaf=key_str(rec.key)) from exc
-        if res.state != "value":
+        res = _result(fut, file, key_str(rec.key))
+        if res is None or res.state != "value":
             raise DataError(f"array data named in _METADATA is missing (no {meta_name})",
                             code="array.metadata_missing", file=file, leaf=key_str(rec.key))
+        if len(res.value) > limit:  # it grew since it was probed
+            raise ResourceError(f"the array metadata has more than the {limit} bytes a reader takes whole",
+                                file=file, leaf=key_str(rec.key))
         out[rec.name] = _array_info(bytes(res.value), ckpt.zarr3, file, key_str(rec.key))
     return out
+
+
+def _result(fut: Any, file: str, leaf: str, *, out_of_range_ok: bool = False) -> Any:
+    """The result of a key-value read; None for a byte range past the value's end when ``out_of_range_ok``."""
+    try:
+        return fut.result()
+    except Exception as exc:  # noqa: BLE001 - reported as a specific xckpt error
+        if out_of_range_ok and str(exc).startswith("OUT_OF_RANGE"):
+            return None
+        raise DataError(f"cannot read the array's metadata: {str(exc)[:400]}", code="array.metadata",
+                        file=file, leaf=leaf) from exc
 
 
 def _ints(v: Any, what: str, file: str, leaf: str, *, positive: bool = False) -> tuple[int, ...]:
@@ -72,11 +100,7 @@ def _ints(v: Any, what: str, file: str, leaf: str, *, positive: bool = False) ->
 
 def _array_info(raw: bytes, zarr3: bool, file: str, leaf: str) -> ArrayInfo:
     """Shape, logical dtype and chunking from ``.zarray`` (zarr v2) or ``zarr.json`` (zarr v3)."""
-    try:
-        meta = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"array metadata is not valid JSON: {exc}", code="array.metadata_json",
-                            file=file, leaf=leaf) from exc
+    meta = parse_json(raw, "array metadata", code="array.metadata_json", file=file, leaf=leaf)
     if not isinstance(meta, dict):
         raise ManifestError("array metadata is not a JSON object", code="array.metadata", file=file, leaf=leaf)
     shape = _ints(meta.get("shape"), "shape", file, leaf)
@@ -161,17 +185,37 @@ def entry_for(ckpt: OrbaxCheckpoint, rec: Record, info: ArrayInfo | None,
                            leaf=key_str(rec.key))
 
 
+def _names(v: Any) -> list[str] | None:
+    """``v`` when it is a list of strings, else None."""
+    return list(v) if isinstance(v, list) and all(isinstance(x, str) for x in v) else None
+
+
+def _named_sharding(desc: dict[str, Any]) -> dict[str, Any] | None:
+    """Mesh shape, axis names and per-dimension axes of a ``NamedSharding`` record of ``_sharding``, or None
+    when it is not well formed (a mesh of positive sizes, one name each, a spec naming only those axes)."""
+    shape, axes, spec = desc.get("shape"), _names(desc.get("axis_names")), desc.get("partition_spec") or []
+    if not isinstance(shape, list) or axes is None or len(shape) != len(axes) or not isinstance(spec, list) or \
+            not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
+        return None
+    dim_axes = [[] if p is None else [p] if isinstance(p, str) else _names(p) for p in spec]
+    if any(d is None or not set(d) <= set(axes) for d in dim_axes):
+        return None
+    return {"mesh_shape": shape, "axis_names": axes, "dim_axes": dim_axes}
+
+
 def read_shardings(loc: Location, store: Store) -> dict[str, dict[str, Any]]:
     """Mesh shape, axis names and per-dimension axes of each array, from Orbax's ``_sharding`` (best effort).
 
-    Orbax ignores ``_sharding`` when restoring onto a target, so a damaged file is not an error here.
+    Orbax ignores ``_sharding`` when restoring onto a target, so a damaged file, or a damaged record of it,
+    is not an error here: what cannot be read is left out.
     """
     raw = store.read(naming.ORBAX_SHARDING)
     if raw is None:
         return {}
+    file = str(loc.child(naming.ORBAX_SHARDING))
     try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        obj = parse_json(raw, naming.ORBAX_SHARDING, code="orbax.invalid", file=file)
+    except ManifestError:
         return {}
     out: dict[str, dict[str, Any]] = {}
     if not isinstance(obj, dict):
@@ -179,14 +223,14 @@ def read_shardings(loc: Location, store: Store) -> dict[str, dict[str, Any]]:
     for k, v in obj.items():
         try:
             name = base64.urlsafe_b64decode(k + "=" * (-len(k) % 4)).decode()
-            desc = json.loads(v)
-            if desc.get("sharding_type") == "NamedSharding":
-                spec = desc.get("partition_spec") or []
-                dim_axes = [[] if p is None else ([p] if isinstance(p, str) else list(p)) for p in spec]
-                out[name] = {"mesh_shape": list(desc["shape"]), "axis_names": list(desc["axis_names"]),
-                             "dim_axes": dim_axes}
-            elif isinstance(desc.get("sharding_type"), str):
-                out[name] = {"orbax_sharding": desc["sharding_type"]}
-        except (ValueError, TypeError, KeyError, AttributeError):
+            desc = parse_json(v.encode("utf-8"), naming.ORBAX_SHARDING, code="orbax.invalid", file=file)
+        except (ValueError, AttributeError, ManifestError):  # not base64 of UTF-8, not a string, not JSON
             continue
+        kind = desc.get("sharding_type") if isinstance(desc, dict) else None
+        if kind == "NamedSharding":
+            named = _named_sharding(desc)
+            if named is not None:
+                out[name] = named
+        elif isinstance(kind, str):
+            out[name] = {"orbax_sharding": kind}
     return out

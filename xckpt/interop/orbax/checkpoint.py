@@ -23,23 +23,23 @@ items (Orbax v1 checkpoints, ``CheckpointManager`` step directories) are found a
 
 from __future__ import annotations
 
-import json
+import math
 import warnings
 from typing import Any, Sequence
 
 import numpy as np
 import tensorstore as ts
 
-from xckpt.engine.read import ReadRequest
+from xckpt.engine.read import ReadRequest, memory_limit
 from xckpt.engine.storage import LocalStore, Location, Store
 from xckpt.engine.views import read_views, translate
-from xckpt.errors import DataError, ManifestError, NotACheckpointError, XckptWarning
-from xckpt.format import manifest as manifest_mod, names as naming
+from xckpt.errors import DataError, ManifestError, NotACheckpointError, ResourceError, XckptWarning
+from xckpt.format import dtypes, manifest as manifest_mod, names as naming
 from xckpt.format.manifest import ArrayEntry, Entry, Manifest, ValueEntry
 from xckpt.format.tree import key_str
 
 from xckpt.interop.orbax.arrays import ARRAY_TYPES, entry_for, read_array_infos, read_shardings
-from xckpt.interop.orbax.files import check_tree
+from xckpt.interop.orbax.files import check_tree, parse_json
 from xckpt.interop.orbax.metadata import OCDBT_MANIFEST, apply_rich_types, build_tree, check_names, finish, parse_metadata, read_records
 from xckpt.interop.orbax.ocdbt import KeyIndex, index_databases, process_databases, top_directories
 
@@ -107,7 +107,18 @@ class OrbaxCheckpoint:
         return spec
 
     def open_array(self, entry: ArrayEntry) -> "ts.Future[ts.TensorStore]":
-        """Start opening an array leaf (or the 0-d array of a scalar) for reading."""
+        """Start opening an array leaf (or the 0-d array of a scalar) for reading.
+
+        TensorStore decodes a whole chunk (an inner chunk of a zarr v3 shard) to read any element of it, and
+        aborts the process when it cannot allocate one; so an array whose chunk holds more bytes than this
+        machine's memory is refused first (``resource.too_large``, naming the file and the leaf).
+        """
+        chunk = math.prod(entry.inner_chunk_shape) * dtypes.itemsize(entry.dtype)
+        if chunk > memory_limit():
+            raise ResourceError(f"a chunk of this array is {chunk} bytes (chunk shape "
+                                f"{list(entry.inner_chunk_shape)}), more than this machine's memory: it cannot be "
+                                "decoded to read any part of it",
+                                file=self.metadata_file(entry.path), leaf=key_str(entry.key))
         return ts.open(self.array_spec(entry), open=True, read=True, context=self._context)
 
     def read(self, requests: Sequence[ReadRequest], *, precheck: bool = False) -> int:
@@ -273,11 +284,7 @@ def _strings(loc: Location, store: Store) -> dict[str, Any]:
     if raw is None:
         raise DataError(f"{STRINGS} is missing but _METADATA lists string leaves", code="orbax.strings_missing",
                         file=file)
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{STRINGS} is not valid JSON: {exc}", code="orbax.strings_invalid",
-                            file=file) from exc
+    obj = parse_json(raw, STRINGS, code="orbax.strings_invalid", file=file)
     if not isinstance(obj, dict):
         raise ManifestError(f"{STRINGS} is not a JSON object", code="orbax.strings_invalid", file=file)
     return obj

@@ -42,7 +42,6 @@ Wiring into :mod:`xckpt.sources.detect` (one entry of its table, right after the
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from dataclasses import dataclass, replace
@@ -59,6 +58,7 @@ from xckpt.format.manifest import ArrayEntry, Entry, Manifest, ValueEntry
 from xckpt.format.tree import Key, Node, key_str
 from xckpt.format.values import value_type
 from xckpt.interop.orbax.checkpoint import open_orbax
+from xckpt.interop.orbax.files import parse_json
 from xckpt.interop.orbax.ocdbt import top_directories
 from xckpt.sources.base import Source
 
@@ -129,8 +129,8 @@ def _json_object(store: Store, name: str) -> dict[str, Any] | None:
     if raw is None:
         return None
     try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        obj = parse_json(raw, name, code="orbax.invalid", file=name)
+    except ManifestError:
         return None
     return obj if isinstance(obj, dict) else None
 
@@ -162,10 +162,7 @@ def _deleted(store: Store, loc: Location) -> str | None:
     if raw is None:
         return None
     file = str(loc.child(DELETION_RECORD))
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{DELETION_RECORD} is not valid JSON: {exc}", code="orbax.invalid", file=file) from exc
+    record = parse_json(raw, DELETION_RECORD, code="orbax.invalid", file=file)
     name = record.get("checkpointable_name") if isinstance(record, dict) else None
     if not isinstance(name, str):
         raise ManifestError(f"{DELETION_RECORD} names no checkpointable_name", code="orbax.invalid", file=file)
@@ -388,10 +385,7 @@ class JsonItem:
         file = str(item.loc.child(item.file))
         if raw is None:
             raise NotACheckpointError(f"JSON item {item.name!r} has no {item.file}", code="orbax.missing", file=file)
-        try:
-            doc = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise ManifestError(f"{item.file} is not valid JSON: {exc}", code="orbax.invalid", file=file) from exc
+        doc = parse_json(raw, item.file, code="orbax.invalid", file=file)
         leaves: list[Entry] = []
         values: list[Any] = []
         tree = _json_tree(doc, (), leaves, values, file)  # a bare value is a leaf: only ever an item of a dict

@@ -13,7 +13,9 @@ from typing import Any
 from xckpt.format import names as naming
 from xckpt.format.orbax_view import KEY_DICT, KEY_SEQUENCE
 from xckpt.errors import ManifestError, UnsafePathError, UnsupportedError
+from xckpt.format.manifest import is_unicode
 from xckpt.format.tree import MAX_DEPTH, Key, Node, key_str
+from xckpt.interop.orbax.files import parse_json
 
 
 OCDBT_MANIFEST = "manifest.ocdbt"
@@ -44,13 +46,10 @@ class Record:
 def parse_metadata(raw: bytes, file: str) -> dict[str, Any]:
     """Parse Orbax's ``_METADATA`` JSON; reject anything without a ``tree_metadata`` object.
 
-    Not UTF-8, not JSON, a number beyond Python's digit limit or nesting too deep to parse: ``orbax.invalid``.
+    Not UTF-8, not JSON, a number beyond Python's digit limit, nesting too deep to parse or a lone surrogate
+    (:func:`~xckpt.interop.orbax.files.parse_json`): ``orbax.invalid``.
     """
-    try:
-        meta = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        why = "nests too deeply to be parsed" if isinstance(exc, RecursionError) else str(exc)
-        raise ManifestError(f"_METADATA is not valid JSON: {why}", code="orbax.invalid", file=file) from None
+    meta = parse_json(raw, "_METADATA", code="orbax.invalid", file=file)
     if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):
         raise ManifestError("_METADATA is not an object with a tree_metadata object", code="orbax.invalid",
                             file=file)
@@ -97,7 +96,11 @@ def _key_parts(tree_key: str, km: Any, file: str) -> list[tuple[str, int]]:
                                 code="orbax.invalid", file=file) from None
         if not isinstance(parsed, tuple):
             raise ManifestError(f"record key {tree_key!r} is not a tuple", code="orbax.invalid", file=file)
-        return [(str(k), KEY_DICT) for k in parsed]
+        parts = [str(k) for k in parsed]
+        if not all(is_unicode(k) for k in parts):  # a '\\ud800' escape in the tuple's text
+            raise ManifestError(f"record key {tree_key!r} holds a string that is not valid Unicode (a lone "
+                                "surrogate)", code="orbax.invalid", file=file)
+        return [(k, KEY_DICT) for k in parts]
     if not isinstance(km, list):
         raise ManifestError(f"key_metadata of {tree_key} is not a list", code="orbax.invalid", file=file,
                             leaf=tree_key)
