@@ -15,6 +15,10 @@ C. Scanned layers: a linen model whose blocks are an ``nn.scan`` (params stacked
 D. Batch statistics: a Hugging Face ResNet (convolutions, BatchNorm) trained in torch with SGD momentum
    loads into ``FlaxResNetForImageClassification``'s params and batch_stats and an optax.sgd trace, exact
    against transformers' converter, logits within 1e-5; and back into a fresh torch model.
+E. Parameter sets that differ: Hugging Face models whose torch side holds what flax computes (Marian's and
+   RoFormer's sinusoidal position tables, an older checkpoint's ``position_ids``) or names it otherwise
+   (Wav2Vec2's weight-normalized convolution: ``parametrizations.weight.original0/1`` <-> ``weight_g/v``),
+   both ways, exact against transformers' own converters, logits within 1e-5.
 
 Everything is real (transformers, flax, optax, orbax, torch); arrays are compared element by element,
 and the expected layouts come from tables written out here (or from transformers), not from xckpt.
@@ -934,3 +938,81 @@ def test_resnet_batch_stats_both_ways(tmp_path: Path) -> None:
             np.testing.assert_array_equal(got_v.numpy(), v.numpy(), err_msg=name)
     for (name, p), q in zip(net.named_parameters(), back.parameters()):
         np.testing.assert_array_equal(back_opt.state[q]["momentum_buffer"].numpy(), traces[name], err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# E. parameter sets that differ between torch and flax
+
+
+def _differing(family: str) -> tuple[Any, Any, Any, dict[str, np.ndarray]]:
+    """(config, torch class, flax class, inputs) of a small Hugging Face model of ``family``."""
+    import transformers as T
+
+    rng = np.random.default_rng(3)
+    ids, dec = rng.integers(1, 60, (2, 8)), rng.integers(1, 60, (2, 5))
+    if family == "marian":
+        cfg = T.MarianConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                             decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=63,
+                             decoder_start_token_id=63, max_position_embeddings=32)
+        return cfg, T.MarianMTModel, T.FlaxMarianMTModel, {"input_ids": ids, "decoder_input_ids": dec}
+    if family == "roformer":
+        cfg = T.RoFormerConfig(vocab_size=64, embedding_size=32, hidden_size=32, num_hidden_layers=1,
+                               num_attention_heads=4, intermediate_size=64, max_position_embeddings=32)
+        return cfg, T.RoFormerForMaskedLM, T.FlaxRoFormerForMaskedLM, {"input_ids": ids}
+    cfg = T.Wav2Vec2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                           intermediate_size=64, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+                           num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, do_stable_layer_norm=True,
+                           feat_extract_norm="layer")
+    return cfg, T.Wav2Vec2ForCTC, T.FlaxWav2Vec2ForCTC, {"input_values": rng.standard_normal((2, 400)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("family", ["marian", "roformer", "wav2vec2"])
+def test_torch_and_flax_parameter_sets_that_differ(tmp_path: Path, family: str) -> None:
+    """torch -> flax drops the sinusoidal tables flax computes and renames weight normalization; flax -> torch
+    keeps the target's own tables: each direction equals transformers' own converter element by element."""
+    from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
+
+    cfg, torch_cls, flax_cls, x = _differing(family)
+    torch.manual_seed(0)
+    model = torch_cls(cfg).eval()
+    xckpt.save({"model": model}, str(tmp_path / "torch"))
+    fmodel = flax_cls(cfg, seed=1)
+    got = xckpt.load(str(tmp_path / "torch"), like={"params": fmodel.params}, mapping=M.torch_to_flax())["params"]
+    want = _flat(convert_pytorch_state_dict_to_flax({k: v.numpy() for k, v in model.state_dict().items()}, fmodel))
+    _assert_dicts_equal(_flat(got), {k: want[k] for k in _flat(fmodel.params)}, f"{family} torch -> flax")
+    with torch.no_grad():
+        t_out = model(**{k: torch.from_numpy(v) for k, v in x.items()}).logits.numpy()
+    _assert_close(np.asarray(fmodel(**x, params=got).logits), t_out, f"{family} logits")
+
+    other = flax_cls(cfg, seed=5)
+    xckpt.save({"params": other.params}, str(tmp_path / "flax"))
+    torch.manual_seed(9)
+    back = torch_cls(cfg).eval()
+    xckpt.load(str(tmp_path / "flax"), like={"model": back}, mapping=M.flax_to_torch())
+    torch.manual_seed(9)
+    want_back = load_flax_weights_in_pytorch_model(torch_cls(cfg).eval(), jax.device_get(other.params))
+    _assert_dicts_equal({k: v.numpy() for k, v in back.state_dict().items()},
+                        {k: v.numpy() for k, v in want_back.state_dict().items()}, f"{family} flax -> torch")
+    with torch.no_grad():
+        t_out = back(**{k: torch.from_numpy(v) for k, v in x.items()}).logits.numpy()
+    _assert_close(t_out, np.asarray(other(**x).logits), f"{family} logits back")
+
+
+def test_an_older_checkpoint_s_position_ids_into_flax(tmp_path: Path) -> None:
+    """A Hugging Face directory written before ``position_ids`` stopped being saved (BERT, RoBERTa) loads into
+    the flax model: the buffer, which flax computes, is left out instead of failing the load."""
+    from safetensors.torch import save_file
+    from transformers import BertConfig, BertModel, FlaxBertModel
+    from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
+
+    cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                     max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = BertModel(cfg).eval()
+    tensors = dict(model.state_dict(), **{"embeddings.position_ids": torch.arange(32).unsqueeze(0)})
+    (tmp_path / "hf").mkdir()
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    fmodel = FlaxBertModel(cfg, seed=1)
+    got = xckpt.load(str(tmp_path / "hf"), like={"params": fmodel.params}, mapping=M.torch_to_flax())["params"]
+    want = _flat(convert_pytorch_state_dict_to_flax({k: v.numpy() for k, v in model.state_dict().items()}, fmodel))
+    _assert_dicts_equal(_flat(got), {k: want[k] for k in _flat(fmodel.params)}, "bert params")

@@ -435,3 +435,33 @@ def test_cli_exports_a_flax_checkpoint_for_a_hugging_face_config(tmp_path, famil
     rc = cli_main(["convert", "--mapping", "flax-to-torch", "--hf-config", str(conf), "--select", "model", str(src),
                    str(tmp_path / "refused")])
     assert rc == 2 and "--to safetensors" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+
+
+_BAD_CONFIGS = {
+    "a JSON list": "[1, 2]",
+    "nested too deeply": '{"model_type": "gpt2", "x": ' + "[" * 100000 + "]" * 100000 + "}",
+    "architectures a string": '{"model_type": "gpt2", "architectures": "GPT2LMHeadModel"}',
+    "architectures not names": '{"model_type": "gpt2", "architectures": [3]}',
+    "a size of the wrong type": '{"model_type": "gpt2", "n_embd": "x", "n_head": 2}',
+    "sizes too large to build": '{"model_type": "gpt2", "n_layer": 1, "n_embd": 8000000000, "n_head": 2}',
+}
+
+
+@pytest.mark.parametrize("raw", list(_BAD_CONFIGS.values()), ids=list(_BAD_CONFIGS))
+def test_hf_config_that_builds_no_model_is_refused(tmp_path, raw, capsys):
+    """``--hf-config`` naming a config.json that is no configuration, or whose values build no model, is
+    ``convert.hf_config`` naming the file (exit 2, nothing written), never a raw exception."""
+    from xckpt_torch.hf import model_from_config
+
+    conf = tmp_path / "config.json"
+    conf.write_text(raw)
+    with pytest.raises(XckptError) as info:
+        model_from_config(str(conf))
+    assert info.value.code == "convert.hf_config" and info.value.file == str(conf), info.value
+    src = tmp_path / "flax"
+    xckpt.save({"params": {"wte": {"embedding": np.zeros((4, 2), np.float32)}}}, src)
+    rc = cli_main(["convert", "--to", "safetensors", "--select", "model", "--mapping", "flax-to-torch",
+                   "--hf-config", str(conf), str(src), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "convert.hf_config" in err and str(conf) in err, err
+    assert not (tmp_path / "out").exists()

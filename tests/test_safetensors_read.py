@@ -635,3 +635,49 @@ def test_hugging_face_directory_into_a_flax_model_with_the_preset(tmp_path: Path
         torch_logits = model(torch.from_numpy(ids)).logits.numpy()
     flax_logits = np.asarray(flax_model(ids, params=got).logits)
     np.testing.assert_allclose(flax_logits, torch_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_every_stored_tensor_is_accounted_for_going_into_flax(tmp_path: Path) -> None:
+    """Each tensor of a Hugging Face directory is a top-level key of its own, yet one that no flax leaf takes is
+    reported by a strict load (a 2-layer checkpoint into a 1-layer model; ``strict=False`` warns and loads the
+    rest), while the buffers flax computes are left out: an older GPT-2 directory's causal masks
+    (``h.N.attn.bias``, rank 4) and ``masked_bias``, stored without the ``transformer.`` prefix as the hub's."""
+    jax = pytest.importorskip("jax")
+    import transformers
+    from flax.traverse_util import flatten_dict
+    from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
+
+    from xckpt import mapping as M
+
+    def config(layers: int) -> Any:
+        return transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+
+    torch.manual_seed(3)
+    model = transformers.GPT2Model(config(2)).eval()
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for i in range(2):
+        tensors[f"h.{i}.attn.bias"] = torch.tril(torch.ones(16, 16)).view(1, 1, 16, 16)
+        tensors[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    (tmp_path / "hf").mkdir()
+    torch_save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+
+    flax_model = transformers.FlaxGPT2LMHeadModel(config(2), seed=1)
+    got = xckpt.load(str(tmp_path / "hf"), like={"params": flax_model.params}, mapping=M.torch_to_flax())["params"]
+    want = flatten_dict(convert_pytorch_state_dict_to_flax({k: v.numpy() for k, v in model.state_dict().items()},
+                                                           flax_model))
+    flat = flatten_dict(got)
+    assert set(flat) == set(flatten_dict(flax_model.params))
+    for k, v in flat.items():
+        _same(np.asarray(v), np.asarray(want[k]))
+
+    one = transformers.FlaxGPT2LMHeadModel(config(1), seed=1)
+    with pytest.raises(KeyMismatchError) as info:
+        xckpt.load(str(tmp_path / "hf"), like={"params": one.params}, mapping=M.torch_to_flax())
+    layer1 = sorted(k for k in model.state_dict() if k.startswith("h.1."))
+    assert info.value.code == "tree.key_mismatch" and info.value.file == str(tmp_path / "hf")
+    assert sorted(u.split(" ")[0] for u in info.value.unexpected) == layer1, info.value.unexpected
+    assert not info.value.missing and not info.value.mismatched
+    with pytest.warns(xckpt.XckptWarning, match="h.1.mlp.c_fc.weight"):
+        part = xckpt.load(str(tmp_path / "hf"), like={"params": one.params}, mapping=M.torch_to_flax(), strict=False)
+    _same(np.asarray(part["params"]["transformer"]["h"]["0"]["mlp"]["c_fc"]["kernel"]),
+          np.asarray(want[("transformer", "h", "0", "mlp", "c_fc", "kernel")]))

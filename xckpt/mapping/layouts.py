@@ -23,8 +23,18 @@ _SPLIT = re.compile(r"[._/]+")
 
 #: Torch normalization buffers (batch statistics) and the flax ``batch_stats`` leaf names that hold them.
 STATS = {"running_mean": "mean", "running_var": "var"}
-#: Torch buffers flax keeps no counterpart of (BatchNorm's count of batches, used only without momentum).
-TORCH_ONLY = ("num_batches_tracked",)
+#: Torch buffers flax keeps no counterpart of: BatchNorm's count of batches (used only without momentum), and
+#: what flax computes from the configuration instead, which older Hugging Face checkpoints store (position
+#: indices, rotary frequencies, relative position indices, GPT-2's attention ``masked_bias``; its causal mask
+#: ``attn.bias`` is told by its rank, see :func:`torch_only`).
+TORCH_ONLY = ("num_batches_tracked", "position_ids", "inv_freq", "relative_position_index", "masked_bias")
+#: Module classes whose parameters flax computes instead of keeping (fixed sinusoidal position tables:
+#: Marian, Pegasus, RoFormer), by a part of the class name.
+TORCH_ONLY_CLASSES = ("Sinusoidal",)
+#: Torch's weight normalization (``torch.nn.utils.parametrizations.weight_norm``) keeps a weight's magnitude
+#: and direction as ``<module>.parametrizations.<name>.original0`` and ``original1``; flax (and torch's older
+#: ``weight_norm``) name them ``<name>_g`` and ``<name>_v``.
+WEIGHT_NORM = {"original0": "g", "original1": "v"}
 
 #: Layer kinds the torch adapter records and the presets know: how the weight is laid out.
 KINDS = ("linear", "linear_in_out", "embedding", "norm", "conv")
@@ -33,6 +43,26 @@ KINDS = ("linear", "linear_in_out", "embedding", "norm", "conv")
 def tokens(component: str | int) -> tuple[str, ...]:
     """The tokens of one key component: ``"c_attn"`` -> ``("c", "attn")``, ``3`` -> ``("3",)``."""
     return tuple(t for t in _SPLIT.split(str(component).lower()) if t)
+
+
+def torch_layer(fqn: str) -> tuple[str, str]:
+    """(module name, leaf name) of a torch parameter or buffer; a weight-normalized one is named as flax names
+    it: ``conv.parametrizations.weight.original0`` -> ``("conv", "weight_g")``."""
+    module, _, leaf = fqn.rpartition(".")
+    owner, _, name = module.rpartition(".")
+    parent, _, holder = owner.rpartition(".")
+    if leaf in WEIGHT_NORM and holder == "parametrizations":
+        return parent, f"{name}_{WEIGHT_NORM[leaf]}"
+    return module, leaf
+
+
+def torch_only(leaf: str, rank: int, module_class: str) -> bool:
+    """Whether flax keeps no counterpart of a torch parameter or buffer (``leaf`` of ``rank`` in a module of
+    class ``module_class``, "" when unknown), computing it instead or not needing it: a name in
+    :data:`TORCH_ONLY`, a module class in :data:`TORCH_ONLY_CLASSES`, or a ``bias`` of rank 3 or more, which
+    is no layer's bias but an attention mask (GPT-2's ``attn.bias``)."""
+    return leaf in TORCH_ONLY or any(c in module_class for c in TORCH_ONLY_CLASSES) or \
+        (leaf == "bias" and rank >= 3)
 
 
 def canon(module: Sequence[str | int], leaf: str, *, flax: bool) -> tuple[str, ...]:

@@ -32,8 +32,15 @@ target (``like``), and pairs them up.
 * **Tied weights.** A torch parameter tied to another (GPT-2's ``lm_head.weight``) is loaded
   from its partner's source, or left out when flax keeps only one copy.
 * **Batch statistics.** BatchNorm's ``running_mean``/``running_var`` <-> flax
-  ``batch_stats/.../mean``/``var`` (a root of their own); ``num_batches_tracked``, which flax
-  does not keep, is left out going to flax and keeps the torch target's own coming back.
+  ``batch_stats/.../mean``/``var`` (a root of their own).
+* **What flax computes.** ``num_batches_tracked``, position indices (``position_ids``), rotary
+  frequencies (``inv_freq``), GPT-2's attention masks (``attn.bias``, ``masked_bias``) and fixed
+  sinusoidal position tables (Marian, Pegasus, RoFormer), which flax does not keep, are left out going
+  to flax and keep the torch target's own coming back (:func:`~xckpt.mapping.layouts.torch_only`).
+  Any other stored torch tensor that no flax leaf takes is reported, also when each tensor is a
+  top-level key (a Hugging Face safetensors checkpoint).
+* **Weight normalization.** torch's ``<module>.parametrizations.weight.original0``/``original1``
+  <-> flax ``<module>/weight_g``/``weight_v`` (Wav2Vec2's positional convolution).
 """
 
 from __future__ import annotations
@@ -80,9 +87,13 @@ class TorchSide:
             any(key[:len(o)] == o for o in self.optims)
 
     def layer(self, fqn: str) -> tuple[str, str]:
-        """(module name, leaf name) of a parameter."""
-        module, _, leaf = fqn.rpartition(".")
-        return module, leaf
+        """(module name, leaf name) of a parameter (:func:`~xckpt.mapping.layouts.torch_layer`)."""
+        return L.torch_layer(fqn)
+
+    def torch_only(self, fqn: str) -> bool:
+        """Whether flax keeps no counterpart of a parameter or buffer (:func:`~xckpt.mapping.layouts.torch_only`)."""
+        module, leaf = self.layer(fqn)
+        return L.torch_only(leaf, len(self.params[fqn]), self.classes.get(module, ""))
 
 
 def _is_fqn(k: Any) -> bool:
@@ -260,7 +271,10 @@ class TorchFlaxPreset:
         optional: set[Key] = set()
         body = self._to_flax(manifest, target, side, found, decided, optional) if self.to_flax else \
             self._to_torch(manifest, target, side, found, decided, optional)
-        return Expansion(self.user_rules + self._mirrored(side, found) + body, optional)
+        # a stored torch state dict is the preset's to map whole: a tensor no rule uses is reported, even where
+        # each is a top-level key of its own (a Hugging Face safetensors checkpoint)
+        claimed = {side.model + (q,) for q in side.params} if self.to_flax else set()
+        return Expansion(self.user_rules + self._mirrored(side, found) + body, optional, claimed)
 
     # -- layouts ----------------------------------------------------------------------------------
     def _kind(self, side: TorchSide, module: str) -> str | None:
@@ -344,7 +358,7 @@ class TorchFlaxPreset:
         rules += [drop(side.model + (q,), name=f"torch {q}: tied to {side.tied[q]}")
                   for q in side.params if q not in used and q in side.tied]
         rules += [drop(side.model + (q,), name=f"torch {q}: flax keeps no counterpart")
-                  for q in side.params if q not in used and side.layer(q)[1] in L.TORCH_ONLY]
+                  for q in side.params if q not in used and side.torch_only(q)]
         rules += [drop(k, name="torch optimizer state of a parameter the optax state masks out")
                   for k in self._masked(target, side, found)]
         rules += [drop(k, name="torch param_groups (hyperparameters live in the optax transformation)")
@@ -406,7 +420,7 @@ class TorchFlaxPreset:
                                    f"({sorted(key_str(r) for r in rs)})", code="mapping.ambiguous")
         for fqn, field_ in _masked_out(_empties(manifest), found):  # the torch optimizer keeps its own
             optional |= {o + ("state", fqn, field_) for o in side.optims}
-        optional |= {side.model + (q,) for q in side.params if side.layer(q)[1] in L.TORCH_ONLY}  # the target's own
+        optional |= {side.model + (q,) for q in side.params if side.torch_only(q)}  # the target's own
         partners: dict[str, list[str]] = {}
         for q, first in side.tied.items():
             partners.setdefault(first, []).append(q)

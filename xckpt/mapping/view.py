@@ -32,11 +32,14 @@ from xckpt.sources.detect import open_checkpoint
 
 @dataclass
 class Expansion:
-    """What a rule source gives for one load: its rules, in order, and the target keys it leaves to
-    the target where the checkpoint has nothing for them (e.g. an optax hyperparameter torch lacks)."""
+    """What a rule source gives for one load: its rules, in order, the target keys it leaves to the
+    target where the checkpoint has nothing for them (e.g. an optax hyperparameter torch lacks), and the
+    stored keys it answers for: those no rule uses are reported, never passed through (a Hugging Face
+    checkpoint's tensors are each a top-level key of their own)."""
 
     rules: list[Rule]
     optional: set[Key] = field(default_factory=set)
+    claimed: set[Key] = field(default_factory=set)
 
 
 @runtime_checkable
@@ -80,6 +83,8 @@ class MappedCheckpoint:
         self._related = related
         #: Target keys the mapping leaves to the target where the checkpoint has nothing for them.
         self.optional: set[Key] = set()
+        #: Unused stored leaves (indices) a preset answers for: reported whatever the target selects.
+        self.claimed: set[int] = set()
 
     def values(self) -> dict[int, Any]:
         """Value leaves by (target) leaf index."""
@@ -139,7 +144,7 @@ class MappedCheckpoint:
         """Stored leaves that no rule used, in the subtrees the rules map from.
 
         With ``selected`` (the target's top-level keys), only those in source subtrees that
-        feed one of them are listed.
+        feed one of them are listed, and those a preset answers for (:attr:`Expansion.claimed`).
         """
         base_leaves = self.base.manifest.leaves
         if selected is None:
@@ -147,8 +152,8 @@ class MappedCheckpoint:
         tops = set()
         for t in selected:
             tops |= self._related.get(t, set())
-        return [key_str(base_leaves[i].key) for i in self._unused if base_leaves[i].key[:1] and
-                base_leaves[i].key[0] in tops]
+        return [key_str(base_leaves[i].key) for i in self._unused if i in self.claimed or
+                base_leaves[i].key[:1] and base_leaves[i].key[0] in tops]
 
     def describe(self) -> str:
         """One line per target leaf: where it comes from; then the unused stored leaves."""
@@ -218,6 +223,7 @@ class Mapping(RuleSource):
                 part = p.expand(manifest, target)
                 out.rules.extend(part.rules)
                 out.optional |= part.optional
+                out.claimed |= part.claimed
         return out
 
     def apply(self, ckpt: Any, target: Target | None = None) -> MappedCheckpoint:
@@ -227,7 +233,7 @@ class Mapping(RuleSource):
             expansion = self.expand(ckpt.manifest, target)
         except MappingError as exc:  # a preset knows the leaves, the checkpoint its file
             raise exc.at(file=str(ckpt.loc)) from None
-        mapped = resolve(ckpt, expansion.rules, passthrough=self.passthrough)
+        mapped = resolve(ckpt, expansion.rules, passthrough=self.passthrough, claimed=expansion.claimed)
         mapped.optional = expansion.optional
         return mapped
 
@@ -286,8 +292,10 @@ def match_rules(leaves: Sequence[Entry], rules: Sequence[Rule], file: str = "") 
     return matches, used
 
 
-def resolve(ckpt: Any, rules: Sequence[Rule], *, passthrough: bool = True) -> MappedCheckpoint:
-    """Match ``rules`` against the stored manifest and build the virtual checkpoint."""
+def resolve(ckpt: Any, rules: Sequence[Rule], *, passthrough: bool = True,
+            claimed: set[Key] | frozenset[Key] = frozenset()) -> MappedCheckpoint:
+    """Match ``rules`` against the stored manifest and build the virtual checkpoint; a stored leaf no rule
+    uses passes through unless its top-level subtree is used or it is ``claimed`` (then it is unused)."""
     leaves = ckpt.manifest.leaves
     file = str(ckpt.loc)
     matches, used = match_rules(leaves, rules, file)
@@ -315,13 +323,15 @@ def resolve(ckpt: Any, rules: Sequence[Rule], *, passthrough: bool = True) -> Ma
     for i, e in enumerate(leaves):
         if i in used:
             continue
-        if e.key and e.key[0] in ruled_tops or not passthrough:
+        if e.key and e.key[0] in ruled_tops or not passthrough or e.key in claimed:
             unused.append(i)
         else:
             layout = Layout(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape, e.sharding) \
                 if isinstance(e, ArrayEntry) else None
             made.append((e.key, (i,), _PASS, layout, ()))
-    return _build(ckpt, made, unused, file)
+    mapped = _build(ckpt, made, unused, file)
+    mapped.claimed = {i for i in unused if leaves[i].key in claimed}
+    return mapped
 
 
 _PASS = Rule((), (), None, False, "passthrough")
