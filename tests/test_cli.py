@@ -305,6 +305,13 @@ def test_compare_pieces_and_values_equal() -> None:
     assert values_equal({"a": [1, (2.0, float("nan"))]}, {"a": (1, [2, float("nan")])})
     assert values_equal(np.float32(1.5), 1.5) and not values_equal({"a": 1}, {"b": 1})
     assert not values_equal([1, 2], [1, 2, 3]) and not values_equal("x", 1)
+    # NaN equals NaN part by part: a complex NaN equals itself, and nan+1j is not nan+2j
+    nan = float("nan")
+    got = compare_pieces(np.array([complex(1, nan), complex(nan, 0)]), np.array([complex(2, nan), complex(nan, 0)]))
+    assert got["differing"] == 1 and not got["equal"]
+    assert values_equal(complex(nan, 0), complex(nan, 0)) and not values_equal(complex(nan, 1), complex(nan, 2))
+    assert values_equal(np.array([complex(nan, 1)]), np.array([complex(nan, 1)]))
+    assert not values_equal(np.array([complex(nan, 1)]), np.array([complex(nan, 2)]))
 
 
 # -- diff: across formats -------------------------------------------------------------------------

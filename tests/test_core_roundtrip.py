@@ -466,3 +466,17 @@ def test_a_storage_name_too_long_for_a_file_system_is_refused_before_writing(tmp
     assert os.listdir(tmp_path) == []  # nothing written, nothing left
     xckpt.save({"é" * 127: np.ones(2)}, tmp_path / "ok")  # 254 bytes in UTF-8
     np.testing.assert_array_equal(xckpt.load(tmp_path / "ok")["é" * 127], np.ones(2))
+
+
+@pytest.mark.parametrize("region", [(-1, slice(0, 4)), (Ellipsis,), (np.int64(1), slice(None)),
+                                    (slice(4, 100), slice(0, 4)), (slice(0, 7), slice(None)),
+                                    (slice(-9, 2), slice(None))])
+def test_a_region_of_indices_or_past_the_end_is_refused(tmp_path, region):
+    """A region is one slice per dimension within the array: an index or an Ellipsis (which would drop or add
+    a dimension), or a slice reaching past the end (it was cut short silently), is shape.invalid."""
+    xckpt.save({"a": np.arange(24.0).reshape(6, 4)}, tmp_path / "c")
+    with pytest.raises(xckpt.XckptError) as e:
+        xckpt.load(tmp_path / "c", like={"a": xckpt.ReadSpec(region=region)}, partial=True)
+    assert e.value.code == "shape.invalid" and e.value.leaf == "a", e.value
+    got = xckpt.load(tmp_path / "c", like={"a": xckpt.ReadSpec(region=(slice(-2, 6), slice(0, 4)))}, partial=True)
+    np.testing.assert_array_equal(got["a"], np.arange(24.0).reshape(6, 4)[-2:])

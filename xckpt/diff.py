@@ -206,9 +206,7 @@ def _accumulate(a: np.ndarray, b: np.ndarray, st: _Stats) -> None:
         for s in range(0, fa.size, _BLOCK):
             x = fa[s:s + _BLOCK].astype(work, copy=False)
             y = fb[s:s + _BLOCK].astype(work, copy=False)
-            ne = x != y
-            if not exact:
-                ne &= ~(np.isnan(x) & np.isnan(y))
+            ne = x != y if exact else ~_nan_equal(x, y)
             n = int(np.count_nonzero(ne))
             if n == 0:
                 continue
@@ -224,6 +222,15 @@ def _accumulate(a: np.ndarray, b: np.ndarray, st: _Stats) -> None:
                 d = np.abs(x - y).astype(np.float64)
                 den = np.maximum(np.abs(x), np.abs(y)).astype(np.float64)
                 st.add_max(_nanmax(d), _nanmax(d / den))
+
+
+def _nan_equal(x: Any, y: Any) -> Any:
+    """Element by element, whether ``x`` equals ``y`` counting NaN equal to NaN, part by part for complex
+    numbers (``nan+1j`` is not ``nan+2j``, which numpy's ``equal_nan`` calls equal)."""
+    if np.iscomplexobj(x) or np.iscomplexobj(y):
+        return _nan_equal(np.real(x), np.real(y)) & _nan_equal(np.imag(x), np.imag(y))
+    with np.errstate(invalid="ignore"):
+        return (x == y) | (np.isnan(x) & np.isnan(y))
 
 
 def _accumulate_signed_unsigned(a: np.ndarray, b: np.ndarray, st: _Stats) -> None:
@@ -280,12 +287,12 @@ def values_equal(x: Any, y: Any) -> bool:
             if ax.shape != ay.shape:
                 return False
             if ax.dtype.kind in "fc" or ay.dtype.kind in "fc":
-                return bool(np.array_equal(ax, ay, equal_nan=True))
+                return bool(np.all(_nan_equal(ax, ay)))
             return bool(np.array_equal(ax, ay))
         except (TypeError, ValueError):
             return False
-    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
-        return True
+    if isinstance(x, (float, complex)) and isinstance(y, (float, complex)):
+        return bool(_nan_equal(x, y))
     try:
         return bool(x == y)
     except Exception:  # noqa: BLE001 - an odd value's __eq__; unequal then

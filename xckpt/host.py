@@ -52,6 +52,11 @@ def readspec_target(like: ReadSpec, entry: Any) -> ArrayTarget:
             raise ShapeError(f"{len(region)} slices given for an array of rank {len(entry.shape)}")
         offs, sizes = [], []
         for s, n in zip(region, entry.shape):
+            if not isinstance(s, slice):  # an index (2, -1) or an Ellipsis would drop or add dimensions
+                raise ShapeError(f"a region is a tuple of slices, one per dimension; got {s!r}")
+            beyond = [b for b in (s.start, s.stop) if isinstance(b, (int, np.integer)) and not -n <= b <= n]
+            if beyond:  # a slice would silently stop at the end: refused as a Region past it is
+                raise ShapeError(f"the slice {s!r} reaches past the end of a dimension of length {n}")
             start, stop, step = s.indices(n)
             if step != 1:
                 raise ShapeError("strided regions are not supported")
