@@ -53,3 +53,23 @@ def test_staging_buffers_stay_page_locked_while_any_view_of_them_lives():
     del buf
     gc.collect()
     assert torch.from_numpy(view).is_pinned()  # the core keeps views of its buffers only while it writes them
+
+
+def test_cuda_targets_load_exactly_and_an_expanded_one_is_refused_before_anything_is_written(tmp_path):
+    """CUDA tensors are filled through torch's ``copy_``; one whose elements share memory (expanded) is
+    refused before any other target is written, and plain ones (float32, and bfloat16 by a cast) load exactly."""
+    import numpy as np
+
+    import xckpt
+
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    xckpt.save({"x": x, "y": np.full(2, 7, np.float32)}, tmp_path / "c")
+    y = torch.zeros(2, device="cuda")
+    with pytest.raises(xckpt.XckptError) as e:
+        xckpt.load(tmp_path / "c", like={"y": y, "x": torch.zeros(2, device="cuda").expand(3, 2)})
+    assert (e.value.code, e.value.leaf) == ("shape.mismatch", "x") and "share memory" in str(e.value)
+    assert (y == 0).all().item()
+    out = xckpt.load(tmp_path / "c", like={"y": y, "x": torch.zeros(3, 2, device="cuda", dtype=torch.bfloat16)})
+    assert out["x"].device.type == "cuda" and out["x"].dtype == torch.bfloat16
+    np.testing.assert_array_equal(out["x"].float().cpu().numpy(), x)  # small integers: exact in bfloat16
+    np.testing.assert_array_equal(y.cpu().numpy(), np.full(2, 7, np.float32))  # in place
