@@ -29,6 +29,7 @@ class DeviceArray:
     blocks: int = 2
     log: list[str] = field(default_factory=list)
     fail: bool = False
+    name: str = ""  # in the log: "start <name><block>"
 
 
 allocations: list[int] = []
@@ -46,7 +47,7 @@ def _source(arr: DeviceArray) -> registry.ArraySource:
         region = Region((int(r[0]), 0), (len(r), arr.data.shape[1]))
 
         def copy_into(out: np.ndarray, i: int = i, region: Region = region) -> Callable[[], None]:
-            arr.log.append(f"start {i}")
+            arr.log.append(f"start {arr.name}{i}")
             src = arr.data[region.slices()].copy()  # what the device holds now, in the order of its queue
 
             def run() -> None:
@@ -58,7 +59,7 @@ def _source(arr: DeviceArray) -> registry.ArraySource:
             t.start()
 
             def wait() -> None:
-                arr.log.append(f"wait {i}")
+                arr.log.append(f"wait {arr.name}{i}")
                 t.join()
                 if arr.fail:
                     raise OSError(f"device copy {i} failed")
@@ -128,3 +129,21 @@ def test_a_failing_device_copy_fails_the_save_and_commits_nothing(tmp_path):
     xckpt.save_async(state, tmp_path / "f").wait()
     assert len(allocations) == n
     np.testing.assert_array_equal(xckpt.load(tmp_path / "f")["b"], state["b"].data)
+
+
+def test_the_largest_device_shards_are_queued_first(tmp_path):
+    """The device copies the big shards while the small ones (biases, norms) are still being queued."""
+    rng = np.random.default_rng(7)
+    order: list[str] = []
+    state = {f"bias{i}": DeviceArray(rng.standard_normal((4, 8)).astype(np.float32), blocks=1, log=order,
+                                     name=f"bias{i}/") for i in range(3)}
+    state["big"] = DeviceArray(rng.standard_normal((64, 64)).astype(np.float32), blocks=2, log=order, name="big/")
+    state["mid"] = DeviceArray(rng.standard_normal((16, 64)).astype(np.float32), blocks=1, log=order, name="mid/")
+    xckpt.save_async(state, tmp_path / "a").wait()
+    starts = [e for e in order if e.startswith("start")]
+    assert starts[:3] == ["start big/0", "start big/1", "start mid/0"], order  # big's 32 x 64 blocks, then 16 x 64
+    assert sorted(starts[3:]) == ["start bias0/0", "start bias1/0", "start bias2/0"], order
+    assert len(starts) == 6 and all(e.startswith("start") for e in order[:6]), order  # all start before any wait
+    got = xckpt.load(tmp_path / "a")
+    for k, v in state.items():
+        np.testing.assert_array_equal(got[k], v.data, err_msg=k)

@@ -13,7 +13,7 @@ keeps for the next save (:attr:`xckpt.registry.Shard.copy_into`): plain host mem
 exactly the shard's size, page-locked with ``cudaHostRegister`` (and unlocked when the
 core frees it), so the caller waits for the device-to-host copies alone. The copies are
 queued on the stream that was current when the save described the tensor, after the work
-already queued there, with one event each.
+already queued there; waiting for them records one event per stream, after the last copy queued.
 """
 
 from __future__ import annotations
@@ -96,18 +96,50 @@ def _unregister(storage: object, ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
+class _Queue:
+    """What this process queued on one CUDA stream for asynchronous saves: copies counted as they are
+    queued, and how many of them an event has been seen past (waiting on one event, recorded after
+    every copy queued so far, waits for all of them: one event per wait that finds its copy unfinished,
+    not one per copy)."""
+
+    def __init__(self) -> None:
+        self.queued = 0
+        self.done = 0
+
+
+_queues: dict[tuple[int, int], _Queue] = {}
+
+
 def start_copy_to_host(t: torch.Tensor, stream: "torch.cuda.Stream", out: np.ndarray) -> Callable[[], None]:
     """Start copying CUDA tensor ``t`` into host array ``out`` (its shape, C order) on ``stream``, the
     caller's stream when it described ``t`` (also from a helper thread, whose own current stream is
     another), after the work already queued there; returns a function that waits for the copy."""
     dst = from_numpy(out, logical_dtype(t.dtype))
-    done = torch.cuda.Event()
     # entering a stream context costs more than the copy's own call: only where the stream is another
     on_stream = contextlib.nullcontext() if torch.cuda.current_stream(t.device) == stream else torch.cuda.stream(stream)
     with on_stream:
         dst.copy_(t.detach(), non_blocking=True)
-        done.record(stream)
-    return done.synchronize
+    key = (stream.device_index, stream.cuda_stream)
+    with _lock:
+        q = _queues.get(key)
+        if q is None:
+            q = _queues[key] = _Queue()
+        q.queued += 1  # counted once queued: an event recorded after this is read comes after the copy
+        number = q.queued
+    return functools.partial(_wait_copy, stream, q, number)
+
+
+def _wait_copy(stream: "torch.cuda.Stream", q: _Queue, number: int) -> None:
+    """Wait until copy ``number`` of ``q`` (queued on ``stream``) is done."""
+    with _lock:
+        if q.done >= number:
+            return
+        upto = q.queued
+    done = torch.cuda.Event()
+    done.record(stream)
+    done.synchronize()
+    with _lock:
+        q.done = max(q.done, upto)
 
 
 def tensor_shard(region: Region, t: torch.Tensor) -> Shard:

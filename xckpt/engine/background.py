@@ -445,12 +445,17 @@ def stage(p: Prepared, stop: threading.Event | None = None) -> Staged:
 def _start_device_copies(p: Prepared, held: dict[tuple[int, Any], Shard], staged: Staged,
                          waits: list[Callable[[], None]]) -> dict[tuple[int, Any], np.ndarray]:
     """Start copying every held shard that lives on an accelerator into a buffer of its own (kept in
-    ``staged``); each copy's wait goes to ``waits``. The buffers, by ``(leaf position, box)``."""
+    ``staged``); each copy's wait goes to ``waits``. The buffers, by ``(leaf position, box)``.
+
+    The largest shards are queued first: the device copies them while this thread queues the small
+    ones (a model's biases and norms, each costing the queueing's fixed time and few bytes), instead
+    of waiting behind them."""
     out: dict[tuple[int, Any], np.ndarray] = {}
-    for (pos, piece), sh in held.items():
-        if sh.copy_into is None or sh.host_buffer is None:
-            continue
-        dtype = dtypes.numpy_dtype(p.descs.leaves[pos].dtype)
+    on_device = [(dtypes.numpy_dtype(p.descs.leaves[pos].dtype), pos, piece, sh) for (pos, piece), sh in held.items()
+                 if sh.copy_into is not None and sh.host_buffer is not None]
+    on_device.sort(key=lambda e: -e[2].numel * e[0].itemsize)  # stable: equal sizes keep the plan's order
+    for dtype, pos, piece, sh in on_device:
+        assert sh.copy_into is not None and sh.host_buffer is not None
         nbytes = piece.numel * dtype.itemsize
         buf = _staging.take(nbytes, sh.host_buffer)
         staged.buffers.append((buf, sh.host_buffer))
