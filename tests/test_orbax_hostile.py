@@ -488,3 +488,17 @@ def test_a_chunk_larger_than_memory_is_refused_not_decoded(ckpts: dict[str, Path
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["resource.too_large", "w", str(path / rel)], out.stdout
     assert _leaf(xckpt.inspect(path), "w")["shape"] == huge  # its metadata is still described
+
+
+@pytest.mark.parametrize("name, code", [("zarr2", "chunk.truncated"), ("zarr3", "chunk.crc32c")])
+def test_a_truncated_chunk_is_a_data_error_naming_the_leaf(ckpts: dict[str, Path], tmp_path: Path, name: str,
+                                                           code: str) -> None:
+    """A data file cut short is ``chunk.truncated`` naming the array's leaf (TensorStore says FAILED_PRECONDITION,
+    which read as a metadata mismatch before); a zarr v3 shard cut short
+    has its index read from the wrong bytes, whose crc32c then fails."""
+    path = _copy(ckpts, name, tmp_path)
+    chunk = path / _pick(path, "chunk")
+    data = chunk.read_bytes()
+    chunk.write_bytes(data[:len(data) // 2])
+    exc = _raises(lambda: xckpt.load(path))
+    assert isinstance(exc, XckptError) and (exc.code, exc.leaf) == (code, "w"), repr(exc)

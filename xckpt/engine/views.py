@@ -137,7 +137,8 @@ def translate(exc: BaseException, entry: ArrayEntry, file: str) -> XckptError:
         return IntegrityError(f"crc32c mismatch: {text[:400]}", code="chunk.crc32c", file=file, leaf=leaf)
     if "is missing" in text or "NOT_FOUND" in text:
         return DataError(f"array data is missing: {text[:400]}", code="chunk.missing", file=file, leaf=leaf)
-    if "size of" in text or "DATA_LOSS" in text or "OUT_OF_RANGE" in text:
+    if ("size of" in text or "DATA_LOSS" in text or "OUT_OF_RANGE" in text
+            or "Error reading" in text and ("Not enough data" in text or "Truncated" in text)):  # a data file cut short
         return DataError(f"array data is truncated or corrupt: {text[:400]}", code="chunk.truncated",
                          file=file, leaf=leaf)
     if "FAILED_PRECONDITION" in text or "does not match" in text:
