@@ -12,7 +12,7 @@ import os
 import torch
 
 from xckpt.errors import UnsupportedError, XckptError
-from xckpt.interop.orbax.files import parse_json
+from xckpt.format.jsonobj import parse_json
 
 #: The most bytes a ``config.json`` may have (real ones have a few KiB).
 MAX_CONFIG_BYTES = 16 << 20

@@ -1,11 +1,15 @@
 """JSON documents as the format's readers take them: no member given twice (``json`` would silently keep
-the last one, where another reader keeps the first), and no ``NaN`` or ``Infinity`` (not JSON)."""
+the last one, where another reader keeps the first), and no ``NaN`` or ``Infinity`` (not JSON); and the
+JSON files other programs wrote, as Python's ``json`` reads them, every defect a specific error
+(:func:`parse_json`)."""
 
 from __future__ import annotations
 
 import json
 import math
 from typing import Any
+
+from xckpt.errors import ManifestError
 
 #: The strings strict JSON holds the floats it has no literal for as (protobuf's JSON mapping writes them so).
 NON_FINITE = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
@@ -71,3 +75,48 @@ def has_constant(obj: Any) -> bool:
         elif isinstance(x, list):
             stack.extend(x)
     return False
+
+
+def is_unicode(text: str) -> bool:
+    """Whether ``text`` is valid Unicode: encodable as UTF-8 (JSON's ``\\ud800`` escapes can make a lone
+    surrogate, which cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _strings_unicode(obj: Any) -> bool:
+    """Whether every string of a parsed JSON document (keys too) is valid Unicode; walked without recursion."""
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if not is_unicode(v):
+                return False
+        elif isinstance(v, dict):
+            stack.extend(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return True
+
+
+def parse_json(raw: bytes, what: str, *, code: str, file: str, leaf: str | None = None) -> Any:
+    """The JSON document ``raw`` that another program wrote (Orbax's files, a Hugging Face ``config.json``;
+    ``what`` names it in errors), read as Python's own ``json`` reads it (which that program used).
+
+    Not UTF-8, not JSON, a number beyond Python's digit limit, nesting too deep to parse, or a string that is
+    not valid Unicode (a lone ``\\ud800`` escape, which nothing can print or store) raises
+    :class:`~xckpt.errors.ManifestError` with ``code``, naming ``file`` (and ``leaf`` when given).
+    """
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        why = "it nests too deeply to be parsed" if isinstance(exc, RecursionError) else str(exc)[:300]
+        raise ManifestError(f"{what} is not valid JSON: {why}", code=code, file=file, leaf=leaf) from None
+    if b"\\u" in raw and not _strings_unicode(obj):  # only a \\u escape makes a lone surrogate
+        raise ManifestError(f"{what} holds a string that is not valid Unicode (a lone surrogate)", code=code,
+                            file=file, leaf=leaf)
+    return obj

@@ -22,6 +22,7 @@ from typing import Any, NoReturn, Union
 from xckpt.format.regions import MAX_INNER, Region, check_tiling, grid_shape
 from xckpt.errors import ManifestError, ShapeError, UnsafePathError, VersionError, XckptError, XckptWarning
 from xckpt.format import dtypes, jsonobj, names
+from xckpt.format.jsonobj import is_unicode
 from xckpt.format.tree import MAX_DEPTH, Key, Node, iter_nodes, key_str
 from xckpt.format.values import VALUE_TYPES
 
@@ -401,16 +402,6 @@ def _json_type(v: Any) -> str:
         if isinstance(v, typ):
             return name
     return type(v).__name__
-
-
-def is_unicode(text: str) -> bool:
-    """Whether ``text`` is valid Unicode: encodable as UTF-8 (JSON's ``\\ud800`` escapes can make a lone
-    surrogate, which cannot)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _check_text(obj: Any, p: "_Parser", where: str) -> None:

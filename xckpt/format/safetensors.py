@@ -24,7 +24,7 @@ from typing import Any, Callable, NoReturn
 
 from xckpt.errors import ManifestError, ShapeError, UnsafePathError, UnsupportedError, XckptError
 from xckpt.format import dtypes
-from xckpt.format.manifest import is_unicode
+from xckpt.format.jsonobj import is_unicode
 
 #: The file of a checkpoint in one file.
 SINGLE_FILE = "model.safetensors"

@@ -15,7 +15,7 @@ from xckpt.engine.storage import Location, Store
 from xckpt.errors import DataError, ManifestError, ResourceError, UnsupportedError, XckptWarning
 from xckpt.format.manifest import ArrayEntry, Entry, ValueEntry
 from xckpt.format.tree import key_str
-from xckpt.interop.orbax.files import parse_json
+from xckpt.format.jsonobj import parse_json
 from xckpt.interop.orbax.metadata import NONE_TYPES, OCDBT_MANIFEST, Record
 
 if TYPE_CHECKING:

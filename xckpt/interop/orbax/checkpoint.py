@@ -39,7 +39,8 @@ from xckpt.format.manifest import ArrayEntry, Entry, Manifest, ValueEntry
 from xckpt.format.tree import key_str
 
 from xckpt.interop.orbax.arrays import ARRAY_TYPES, entry_for, read_array_infos, read_shardings
-from xckpt.interop.orbax.files import check_tree, parse_json
+from xckpt.format.jsonobj import parse_json
+from xckpt.interop.orbax.files import check_tree
 from xckpt.interop.orbax.metadata import OCDBT_MANIFEST, apply_rich_types, build_tree, check_names, finish, parse_metadata, read_records
 from xckpt.interop.orbax.ocdbt import KeyIndex, index_databases, process_databases, top_directories
 

@@ -1,5 +1,4 @@
-"""Checking a local Orbax checkpoint's files before TensorStore opens any of them by path, and parsing
-its small JSON files (:func:`parse_json`).
+"""Checking a local Orbax checkpoint's files before TensorStore opens any of them by path.
 
 TensorStore's ``file`` key-value store opens files by path: it follows symbolic links and a
 FIFO would block it. So, before anything of a local Orbax checkpoint is opened through
@@ -10,19 +9,17 @@ tree is walked because OCDBT may read any file below the root (``manifest.ocdbt`
 ``ocdbt.process_*/``), and plain zarr reads each array's directory and its chunk files.
 
 Orbax's JSON files (``_METADATA``, ``_sharding``, ``_strings.json``, ``_CHECKPOINT_METADATA``, the
-zarr metadata of its arrays, JSON items) are parsed by :func:`parse_json` alone, so that every defect
-of one is the same specific error, never a ``ValueError`` or ``RecursionError`` of the parser.
+zarr metadata of its arrays, JSON items) are parsed by :func:`xckpt.format.jsonobj.parse_json` alone, so
+that every defect of one is the same specific error, never a ``ValueError`` or ``RecursionError`` of the parser.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from xckpt.engine.storage import LocalStore
-from xckpt.errors import ManifestError, UnsafePathError
-from xckpt.format.manifest import is_unicode
+from xckpt.errors import UnsafePathError
 
 #: How each kind of entry that is refused is named in errors.
 _REFUSED = {"link": ("path.link", "a symbolic link"), "fifo": ("path.special", "a FIFO"),
@@ -49,37 +46,3 @@ def check_tree(store: LocalStore, leaves: Mapping[str, str] | None = None, top_d
         if top_dirs is not None and kind == "dir" and "/" not in name:
             top_dirs.add(name)
     return files
-
-
-def _strings_unicode(obj: Any) -> bool:
-    """Whether every string of a parsed JSON document (keys too) is valid Unicode; walked without recursion."""
-    stack = [obj]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            if not is_unicode(v):
-                return False
-        elif isinstance(v, dict):
-            stack.extend(v)
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return True
-
-
-def parse_json(raw: bytes, what: str, *, code: str, file: str, leaf: str | None = None) -> Any:
-    """The JSON document ``raw`` (Orbax's file ``what``, named so in errors), read as Orbax's own ``json`` reads it.
-
-    Not UTF-8, not JSON, a number beyond Python's digit limit, nesting too deep to parse, or a string that is
-    not valid Unicode (a lone ``\\ud800`` escape, which nothing can print or store) raises
-    :class:`~xckpt.errors.ManifestError` with ``code``, naming ``file`` (and ``leaf`` when given).
-    """
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        why = "it nests too deeply to be parsed" if isinstance(exc, RecursionError) else str(exc)[:300]
-        raise ManifestError(f"{what} is not valid JSON: {why}", code=code, file=file, leaf=leaf) from None
-    if b"\\u" in raw and not _strings_unicode(obj):  # only a \\u escape makes a lone surrogate
-        raise ManifestError(f"{what} holds a string that is not valid Unicode (a lone surrogate)", code=code,
-                            file=file, leaf=leaf)
-    return obj

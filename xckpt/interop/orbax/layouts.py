@@ -58,7 +58,7 @@ from xckpt.format.manifest import ArrayEntry, Entry, Manifest, ValueEntry
 from xckpt.format.tree import Key, Node, key_str
 from xckpt.format.values import value_type
 from xckpt.interop.orbax.checkpoint import open_orbax
-from xckpt.interop.orbax.files import parse_json
+from xckpt.format.jsonobj import parse_json
 from xckpt.interop.orbax.ocdbt import top_directories
 from xckpt.sources.base import Source
 

@@ -13,9 +13,8 @@ from typing import Any
 from xckpt.format import names as naming
 from xckpt.format.orbax_view import KEY_DICT, KEY_SEQUENCE
 from xckpt.errors import ManifestError, UnsafePathError, UnsupportedError
-from xckpt.format.manifest import is_unicode
+from xckpt.format.jsonobj import is_unicode, parse_json
 from xckpt.format.tree import MAX_DEPTH, Key, Node, key_str
-from xckpt.interop.orbax.files import parse_json
 
 
 OCDBT_MANIFEST = "manifest.ocdbt"
@@ -47,7 +46,7 @@ def parse_metadata(raw: bytes, file: str) -> dict[str, Any]:
     """Parse Orbax's ``_METADATA`` JSON; reject anything without a ``tree_metadata`` object.
 
     Not UTF-8, not JSON, a number beyond Python's digit limit, nesting too deep to parse or a lone surrogate
-    (:func:`~xckpt.interop.orbax.files.parse_json`): ``orbax.invalid``.
+    (:func:`~xckpt.format.jsonobj.parse_json`): ``orbax.invalid``.
     """
     meta = parse_json(raw, "_METADATA", code="orbax.invalid", file=file)
     if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):
