@@ -284,7 +284,8 @@ def _listing(root: str) -> list[str]:
 
 def scan(directory: Location, *, stale_after: float | None = None, name: str | None = None) -> list[Leftover]:
     """Every leftover in ``directory`` (a local directory, or an object-store prefix whose
-    sub-prefixes are checkpoints), optionally only those of destination ``name``.
+    sub-prefixes are checkpoints), optionally only those of destination ``name`` (on an object store,
+    ``""``: the claim of the prefix ``directory`` itself, read without listing anything).
 
     A temporary or status directory is as old as the lease of its generation (or, without a
     lease, as itself); a side copy (``old``) is never stale while its destination is
@@ -368,10 +369,10 @@ def scan_steps(directory: Location, *, stale_after: float | None = None, name: s
 
 def _scan_claims(directory: Location, limit: float, now: float, name: str | None) -> list[Leftover]:
     """The claims on ``directory`` and on its sub-prefixes one level down (``name``: on ``directory/name`` only,
-    read directly, without listing ``directory``)."""
+    or with ``""`` on ``directory`` itself, read directly, without listing ``directory``)."""
     kv = _kv(directory)
     if name is not None:
-        keys = [f"{name}/{CLAIM}"]
+        keys = [f"{name}/{CLAIM}" if name else CLAIM]
     else:
         keys = sorted(k for k in (k.decode() for k in kv_result(kv.list(), str(directory)))
                       if k == CLAIM or k.endswith("/" + CLAIM) and k.count("/") == 1)

@@ -160,12 +160,7 @@ def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt", writes
         raise SaveError(f"{final} holds a committed checkpoint; object stores cannot replace one atomically, so a "
                         "save never overwrites one: save to a new prefix", code="save.exists", file=str(final))
     if store.exists(claims.CLAIM):
-        parent, _, name = final.url.rpartition("/")
-        if parent.endswith(":/"):  # a bucket's root has no parent prefix: its own claims, listed
-            found = [x for x in claims.scan(final, stale_after=opts.stale_after()) if x.path == final.url]
-        else:
-            found = [x for x in claims.scan(Location(parent), stale_after=opts.stale_after(), name=name)
-                     if x.path == final.url]
+        found = claims.scan(final, stale_after=opts.stale_after(), name="")  # its own claim, read directly
         if found and found[0].stale:
             claims.remove(found[0])  # everything a dead save wrote under the prefix it claimed
         if not found or not found[0].stale or store.exists(claims.CLAIM):  # live, or taken over by another first
