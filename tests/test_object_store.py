@@ -166,3 +166,49 @@ def test_s3_url_without_a_bucket_is_refused(tmp_path, monkeypatch, url):
             fn()
         assert info.value.code == "unsupported" and "names no bucket" in info.value.message
     assert os.listdir(tmp_path) == []
+
+
+def test_many_small_leaves_on_s3_load_exactly_and_each_defect_names_its_leaf(s3_bucket):
+    """Small objects and ``zarr.json`` files are fetched from an object store many at once (Store.prefetch): a
+    load of 300 small leaves is exact, and a missing, corrupt, oversized or truncated one, or a missing
+    ``zarr.json``, is still its own specific error naming the leaf and the object, as read one by one."""
+    url = f"s3://ckpts/run-{uuid.uuid4().hex[:6]}/many"
+    rng = np.random.default_rng(3)
+    tree = {f"v{i}": rng.standard_normal(64 + i).astype(np.float32) for i in range(300)}
+    tree["w"] = rng.standard_normal((256, 128)).astype(np.float32)  # one object above the small size
+    xckpt.save(tree, url)
+    out = xckpt.load(url)
+    for k, v in tree.items():
+        np.testing.assert_array_equal(out[k], v, err_msg=k)
+    prefix = url[len("s3://ckpts/"):]
+
+    def body(key: str) -> bytes:
+        return s3_bucket.get_object(Bucket="ckpts", Key=f"{prefix}/{key}")["Body"].read()
+
+    def put(key: str, data: bytes | None) -> None:
+        if data is None:
+            s3_bucket.delete_object(Bucket="ckpts", Key=f"{prefix}/{key}")
+        else:
+            s3_bucket.put_object(Bucket="ckpts", Key=f"{prefix}/{key}", Body=data)
+
+    def refused(key: str, data: bytes | None, code: str, leaf: str) -> None:
+        old = body(key)
+        put(key, data)
+        try:
+            with pytest.raises(xckpt.XckptError) as info:
+                xckpt.load(url)
+            assert (info.value.code, info.value.leaf) == (code, leaf), str(info.value)
+            assert info.value.file == f"{url}/{key}", str(info.value)
+        finally:
+            put(key, old)
+
+    flipped = bytearray(body("v120/c/0"))
+    flipped[3] ^= 0xFF
+    refused("v120/c/0", bytes(flipped), "chunk.crc32c", "v120")
+    refused("v7/c/0", None, "chunk.missing", "v7")
+    refused("v250/c/0", body("v250/c/0")[:20], "chunk.truncated", "v250")  # shorter than its index
+    refused("v33/c/0", bytes(70_000) + body("v33/c/0"), "chunk.crc32c", "v33")  # too large to fetch whole
+    refused("v299/zarr.json", None, "array.metadata_missing", "v299")
+    out = xckpt.load(url)  # every object put back: exact again
+    for k, v in tree.items():
+        np.testing.assert_array_equal(out[k], v, err_msg=k)

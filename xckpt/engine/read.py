@@ -29,6 +29,9 @@ from xckpt.format.tree import key_str
 
 #: Objects at most this large are read with one request.
 SMALL_OBJECT = 64 << 10
+#: Small objects (and ``zarr.json`` files) an object store is asked for at once (:meth:`Store.prefetch`): at
+#: most 16 MiB of small objects, or 256 MiB of ``zarr.json`` files as large as a reader takes, held at a time.
+PREFETCH_WINDOW = 256
 #: Small objects a checking pass (``precheck``) keeps, read and checked, for the filling pass, at most.
 MAX_KEPT_BYTES = 64 << 20
 _CRC = 4
@@ -164,11 +167,24 @@ def _plan(requests: Sequence[ReadRequest]) -> list[_Object]:
     return list(objects.values())
 
 
-def _check_array(store: Store, a: _Array, file: Callable[[str], str]) -> int:
-    """The array's ``zarr.json`` must say what the manifest says (other readers go by it)."""
+def _check_arrays(store: Store, arrays: Sequence[_Array], file: Callable[[str], str]) -> int:
+    """:func:`_check_array` of every array, their ``zarr.json`` fetched a window at a time where the store
+    serves many requests at once (:meth:`~xckpt.engine.storage.Store.prefetch`); the bytes read."""
+    total = 0
+    for at in range(0, len(arrays), PREFETCH_WINDOW):
+        window = arrays[at:at + PREFETCH_WINDOW]
+        got = store.prefetch([f"{a.path}/{zarr_format.METADATA}" for a in window], zarr_format.MAX_METADATA_BYTES)
+        total += sum(_check_array(store, a, file, got.get(f"{a.path}/{zarr_format.METADATA}")) for a in window)
+    return total
+
+
+def _check_array(store: Store, a: _Array, file: Callable[[str], str], raw: bytes | None = None) -> int:
+    """The array's ``zarr.json`` (``raw``, when already read) must say what the manifest says (other
+    readers go by it)."""
     name = f"{a.path}/{zarr_format.METADATA}"
     try:
-        raw = store.read(name, limit=zarr_format.MAX_METADATA_BYTES)
+        if raw is None:
+            raw = store.read(name, limit=zarr_format.MAX_METADATA_BYTES)
     except XckptError as exc:
         raise exc.at(leaf=a.leaf) from None
     if raw is None:
@@ -192,10 +208,12 @@ class _Scratch(threading.local):
 
 
 def _read_object(store: Store, obj: _Object, scratch: _Scratch, file: Callable[[str], str],
-                 generation: str | None, fill: bool = True, keep: bool = False) -> int:
+                 generation: str | None, fill: bool = True, keep: bool = False, fetched: bytes | None = None) -> int:
     """Open one object, check its index (and its place tag, with ``generation``), fill every part (unless
     ``fill`` is False); returns the bytes read. ``keep`` (with ``fill`` False): an object small enough
-    to be read whole is kept, checked, for the filling pass, which then opens nothing."""
+    to be read whole is kept, checked, for the filling pass, which then opens nothing. ``fetched``: the
+    whole object, already read (:meth:`~xckpt.engine.storage.Store.prefetch`), at most :data:`SMALL_OBJECT`
+    bytes: nothing is opened."""
     if obj.kept is not None:
         whole, index = obj.kept
         obj.kept = None
@@ -204,24 +222,31 @@ def _read_object(store: Store, obj: _Object, scratch: _Scratch, file: Callable[[
         except XckptError as exc:
             raise exc.at(file=file(obj.name), leaf=obj.leaf) from None
         return 0
-    try:
-        blob = store.open(obj.name)
-    except XckptError as exc:
-        raise exc.at(leaf=obj.leaf) from None
-    if blob is None:
-        raise DataError("chunk object is missing", code="chunk.missing", file=file(obj.name), leaf=obj.leaf)
+    blob: Blob | None = None
+    if fetched is None:
+        try:
+            blob = store.open(obj.name)
+        except XckptError as exc:
+            raise exc.at(leaf=obj.leaf) from None
+        if blob is None:
+            raise DataError("chunk object is missing", code="chunk.missing", file=file(obj.name), leaf=obj.leaf)
     geom = obj.geom
     place = None if generation is None else shard.place_of(generation, obj.name)
     n_tail = shard.tail_nbytes(geom, place)
     try:
         whole = None
-        if blob.size is not None and (blob.size <= SMALL_OBJECT or blob.size < n_tail):
+        size = len(fetched) if fetched is not None else blob.size if blob is not None else None
+        if fetched is not None:
+            whole = np.frombuffer(fetched, dtype=np.uint8)
+            tail = whole[len(fetched) - n_tail:] if len(fetched) >= n_tail else whole
+        elif blob is not None and blob.size is not None and (blob.size <= SMALL_OBJECT or blob.size < n_tail):
             whole = np.empty(blob.size, dtype=np.uint8)
             blob.read_into(0, whole)
             tail = whole[blob.size - n_tail:] if blob.size >= n_tail else whole
         else:
+            assert blob is not None
             tail = blob.read_tail(n_tail)
-        index = shard.parse_index(geom, tail, blob.size, obj.valid, place=place)
+        index = shard.parse_index(geom, tail, size, obj.valid, place=place)
         done = whole.size if whole is not None else tail.size
         if not fill:
             if keep and whole is not None:
@@ -236,7 +261,8 @@ def _read_object(store: Store, obj: _Object, scratch: _Scratch, file: Callable[[
         raise DataError(f"cannot read: {exc.strerror or exc}", code="io.read", file=file(obj.name),
                         leaf=obj.leaf) from exc
     finally:
-        blob.close()
+        if blob is not None:
+            blob.close()
 
 
 def _fill(obj: _Object, index: np.ndarray, whole: np.ndarray | None, blob: Blob | None, scratch: _Scratch) -> int:
@@ -298,7 +324,7 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
     so only a corrupt inner chunk can stop the reads half way. ``fill=False`` only checks (the
     outputs may then be views of no memory, see :func:`placeholder`).
     """
-    total = sum(_check_array(store, a, file) for a in _arrays(requests))  # before planning: a lying
+    total = _check_arrays(store, _arrays(requests), file)  # before planning: a lying
     objects = _plan(requests)  # manifest is refused before its chunk counts are walked
     if not objects:
         return total
@@ -310,8 +336,13 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
     for do_fill in ((False,) if not fill else (False, True) if precheck else (True,)):
         futures = [ex.submit(_read_object, store, o, scratch, file, generation, do_fill) for o in big]
         first: BaseException | None = None
-        try:  # small objects on this thread: their cost is Python, threads only contend
-            total += sum(_read_object(store, o, scratch, file, generation, do_fill, keep) for o in small)
+        try:  # small objects on this thread: their cost is Python, threads only contend (an object store's
+            # requests go out a window at a time: Store.prefetch)
+            for at in range(0, len(small), PREFETCH_WINDOW):
+                window = small[at:at + PREFETCH_WINDOW]
+                got = store.prefetch([o.name for o in window if o.kept is None], SMALL_OBJECT)
+                total += sum(_read_object(store, o, scratch, file, generation, do_fill, keep, got.get(o.name))
+                             for o in window)
         except BaseException as exc:  # noqa: BLE001 - raised once no thread writes into the outputs
             first = exc
         total += pools.gather(futures, first)

@@ -20,7 +20,7 @@ import stat
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -163,6 +163,12 @@ class Store(Protocol):
     def read(self, name: str, limit: int = MAX_READ_BYTES) -> bytes | None:
         """A whole (small) object, None when missing; one above ``limit`` bytes is refused
         (:class:`~xckpt.errors.ResourceError`, naming the file)."""
+
+    def prefetch(self, names: Sequence[str], limit: int) -> dict[str, bytes]:
+        """Of ``names``, the objects of at most ``limit`` bytes, read whole with every request sent at
+        once, where that saves round trips (an object store); where it saves nothing (a local
+        directory), none. What is missing, larger, or cannot be read is left out, for the caller to
+        read its own way (:meth:`open`, :meth:`read`), which says what is wrong with it."""
 
     def write(self, name: str, data: Any, *, atomic: bool = False) -> None:
         """Create or replace an object with ``data`` (a bytes-like object, or an iterable of them
@@ -508,6 +514,10 @@ class LocalStore:
         finally:
             blob.close()
 
+    def prefetch(self, names: Sequence[str], limit: int) -> dict[str, bytes]:
+        """None: a local file is read as fast one at a time (:meth:`Store.prefetch`)."""
+        return {}
+
     def write(self, name: str, data: Any, *, atomic: bool = False) -> None:
         """Write a file (parents created) from one or several parts. Writing is into a directory the save
         made itself, so paths are used directly.
@@ -793,6 +803,22 @@ class KvStore:
             return None
         _check_size(len(res.value), limit, self._file(name))
         return bytes(res.value)
+
+    def prefetch(self, names: Sequence[str], limit: int) -> dict[str, bytes]:
+        """Of ``names``, the objects of at most ``limit`` bytes, every read sent before the first answer is
+        awaited (the driver runs them concurrently: one round trip for many small objects, where
+        :meth:`open` costs a request for the size and one per range); failures are left to the caller
+        (:meth:`Store.prefetch`)."""
+        pending = [(name, self._kv.read(name)) for name in names]
+        out: dict[str, bytes] = {}
+        for name, future in pending:
+            try:
+                res = future.result()
+            except (ValueError, RuntimeError):  # the caller's own read says what went wrong
+                continue
+            if res.state == "value" and len(res.value) <= limit:
+                out[name] = bytes(res.value)
+        return out
 
     def write(self, name: str, data: Any, *, atomic: bool = False) -> None:
         """Write an object from one or several parts (every object write is atomic on object stores)."""
