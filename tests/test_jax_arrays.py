@@ -222,8 +222,6 @@ def test_flax_optax_and_custom_pytrees_keep_their_types(tmp_path, meshes):
 
 
 def test_bad_input_is_a_specific_error(tmp_path, meshes):
-    with pytest.raises(UnsupportedError, match="extended dtype"):
-        xckpt.save({"key": jax.random.key(0)}, tmp_path / "k")
     arr = jnp.ones(4)
     arr.delete()
     with pytest.raises(SaveError, match="deleted"):
@@ -254,3 +252,72 @@ def test_bare_shardings_memory_kinds_and_mismatched_specs(tmp_path, meshes):
     with pytest.raises(XckptError) as exc:
         xckpt.load(path, like={"b": NamedSharding(meshes["42"], P("x", "y"))}, partial=True)
     assert exc.value.code == "shape.mismatch" and exc.value.leaf == "b"
+
+
+def test_typed_prng_keys_round_trip_as_their_key_data(tmp_path, meshes):
+    """Typed keys (jax.random.key, nnx.Rngs) are saved as their key data and come back as keys of their
+    implementation on the target's sharding; old-style uint32 keys stay uint32; another implementation is refused."""
+    keys = jax.device_put(jax.random.split(jax.random.key(7), 16), NamedSharding(meshes["42"], P("x")))
+    rbg = jax.random.key(3, impl="rbg")
+    old = jax.random.PRNGKey(11)
+    path = tmp_path / "ckpt"
+    manifest = xckpt.save({"k": keys, "rbg": rbg, "old": old}, path)
+    entry = manifest.by_key()[("k",)]
+    assert entry.shape == (16, 2) and entry.dtype == "uint32" and entry.sharding["prng_impl"] == "threefry2x32"
+    sh, rep = NamedSharding(meshes["8"], P("d")), NamedSharding(meshes["8"], P())
+    out = xckpt.load(path, like={"k": jax.ShapeDtypeStruct((16,), keys.dtype, sharding=sh),
+                                 "rbg": jax.random.key(0, impl="rbg"),
+                                 "old": jax.ShapeDtypeStruct((2,), np.uint32, sharding=rep)})
+    assert out["k"].dtype == keys.dtype and out["k"].sharding == sh and out["k"].shape == (16,)
+    want = np.asarray(jax.random.key_data(keys))
+    for shard in out["k"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(shard.data)), want[shard.index])
+    np.testing.assert_array_equal(np.asarray(jax.random.normal(out["k"][5], (4,))),
+                                  np.asarray(jax.random.normal(keys[5], (4,))))
+    assert str(jax.random.key_impl(out["rbg"])) == "rbg"
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(out["rbg"])), np.asarray(jax.random.key_data(rbg)))
+    assert out["old"].dtype == np.uint32
+    np.testing.assert_array_equal(np.asarray(out["old"]), np.asarray(old))
+    np.testing.assert_array_equal(xckpt.load(path)["k"], want)  # without a target: the key data
+    with pytest.raises(KeyMismatchError, match="rbg keys") as info:
+        xckpt.load(path, like={"rbg": jax.random.key(0)}, partial=True)
+    assert info.value.leaf == "rbg" and info.value.file == str(path)
+
+    # an nnx module whose Dropout holds an Rngs stream: its state saves and restores whole
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(2, 3, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    model = Net(nnx.Rngs(0))
+    model.drop.rngs()  # the stream advanced once
+    xckpt.save({"m": nnx.state(model)}, tmp_path / "nnx")
+    abstract = nnx.eval_shape(lambda: Net(nnx.Rngs(5)))
+    nnx.update(abstract, xckpt.load(tmp_path / "nnx", like={"m": nnx.state(abstract)})["m"])
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(abstract.drop.rngs.key[...])),
+                                  np.asarray(jax.random.key_data(model.drop.rngs.key[...])))
+    assert int(abstract.drop.rngs.count[...]) == int(model.drop.rngs.count[...]) == 1
+    np.testing.assert_array_equal(np.asarray(abstract.lin.kernel[...]), np.asarray(model.lin.kernel[...]))
+
+
+def test_targets_on_an_abstract_mesh_take_the_mesh_set_now(tmp_path):
+    """``jax.eval_shape`` under ``jax.set_mesh`` (explicit sharding) gives shardings over an abstract mesh: a load
+    under that mesh places the arrays on it; with no such mesh set, the error names the leaf."""
+    from jax.sharding import AxisType
+    mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Explicit, AxisType.Explicit))
+    want = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    path = tmp_path / "ckpt"
+    xckpt.save({"w": want, "b": np.arange(8, dtype=np.int32)}, path)
+    with jax.set_mesh(mesh):
+        like = jax.eval_shape(lambda: {"w": jnp.zeros((16, 8), out_sharding=P("x", "y")),
+                                       "b": jnp.zeros(8, jnp.int32, out_sharding=P("y"))})
+        assert isinstance(like["w"].sharding.mesh, jax.sharding.AbstractMesh)
+        out = xckpt.load(path, like=like)
+    assert out["w"].sharding == NamedSharding(mesh, P("x", "y")) and out["b"].sharding == NamedSharding(mesh, P("y"))
+    _assert_on(out["w"], want, NamedSharding(mesh, P("x", "y")))
+    _assert_on(out["b"], np.arange(8, dtype=np.int32), NamedSharding(mesh, P("y")))
+    with pytest.raises(UnsupportedError, match="abstract mesh") as info:
+        xckpt.load(path, like=like)
+    assert info.value.leaf in ("w", "b") and info.value.file == str(path)

@@ -4,11 +4,12 @@ Importing it (``xckpt`` does so by itself once ``jax`` is imported) registers wi
 :mod:`xckpt.registry`:
 
 * sources: ``jax.Array`` of any sharding; each process lists the shards it holds,
-  their device-to-host copies started asynchronously at once;
+  their device-to-host copies started asynchronously at once (typed PRNG keys as their key data);
 * targets: ``jax.ShapeDtypeStruct`` (its sharding; none: this process's first
   device), a real ``jax.Array`` (its sharding and dtype), or a bare
-  ``jax.sharding.Sharding`` (stored shape and dtype); each process reads only the
-  regions of its addressable devices;
+  ``jax.sharding.Sharding`` (stored shape and dtype); a sharding over an abstract mesh takes
+  the mesh set by ``jax.set_mesh``; a typed PRNG key target wraps the stored key data; each
+  process reads only the regions of its addressable devices;
 * containers: custom pytree nodes (flax, optax, ``register_pytree_node``);
 * coordinator: the ``jax.distributed`` key-value store when more than one process runs.
 """

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 
 from xckpt.engine.layout import Mesh, MeshLayout, mesh, mesh_layout
 from xckpt.format import dtypes
-from xckpt.errors import SaveError, ShapeError, UnsupportedError
+from xckpt.errors import KeyMismatchError, SaveError, ShapeError, UnsupportedError
 from xckpt.format.regions import Region
 from xckpt.registry import ArraySource, ArrayTarget, Shard
 
@@ -46,9 +46,23 @@ def region_of(index: Sequence[slice], shape: Sequence[int]) -> Region:
 def logical_dtype(dtype: Any) -> str:
     """The xckpt logical dtype name of a jax dtype (bfloat16 and float8 included)."""
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        raise UnsupportedError(f"cannot save arrays of the extended dtype {dtype} (e.g. typed PRNG keys); "
-                               "save jax.random.key_data(keys) instead", code="dtype.unsupported")
+        raise UnsupportedError(f"arrays of the extended dtype {dtype} have no xckpt dtype (typed PRNG keys are "
+                               "stored as their key data)", code="dtype.unsupported")
     return dtypes.logical_name(np.dtype(dtype))
+
+
+def is_prng_key(dtype: Any) -> bool:
+    """Whether ``dtype`` is the dtype of typed PRNG keys (``jax.random.key``)."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _prng_impl(dtype: Any) -> Any:
+    """The PRNG implementation of a typed key dtype (its name, key shape and key data dtype)."""
+    impl = getattr(dtype, "_impl", None)
+    if impl is None or not hasattr(impl, "key_shape"):
+        raise UnsupportedError(f"cannot tell the PRNG implementation of the key dtype {dtype}",
+                               code="dtype.unsupported")
+    return impl
 
 
 def sharding_info(sharding: Sharding, ndim: int) -> dict[str, Any]:
@@ -113,6 +127,10 @@ def array_source(arr: jax.Array) -> ArraySource:
     """
     if arr.is_deleted():
         raise SaveError("cannot save a deleted (donated) jax.Array")
+    if is_prng_key(arr.dtype):  # typed PRNG keys: their key data (uint32, the key shape last), as Orbax stores them
+        src = array_source(jax.random.key_data(arr))
+        src.sharding = dict(src.sharding or {}, prng_impl=str(jax.random.key_impl(arr)))
+        return src
     shape = tuple(int(n) for n in arr.shape)
     dtype = logical_dtype(arr.dtype)
     chosen: dict[Region, Any] = {}
@@ -133,20 +151,28 @@ def array_source(arr: jax.Array) -> ArraySource:
 
 
 def sharded_target(shape: Sequence[int], dtype: Any, sharding: Sharding) -> ArrayTarget:
-    """Read what ``sharding``'s addressable devices need of an array of ``shape``, as ``dtype``."""
+    """Read what ``sharding``'s addressable devices need of an array of ``shape``, as ``dtype``.
+
+    A typed PRNG key ``dtype`` reads the stored key data (``shape`` plus the key shape, uint32)
+    and wraps it into keys of that implementation.
+    """
     shape = tuple(int(n) for n in shape)
-    canonical = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    sharding = _concrete(sharding)
+    impl = _prng_impl(dtype) if is_prng_key(dtype) else None
+    tail = tuple(int(n) for n in impl.key_shape) if impl is not None else ()
+    canonical = np.dtype(np.uint32) if impl is not None else np.dtype(jax.dtypes.canonicalize_dtype(dtype))
     regions: list[Region] = []
     position: dict[Region, int] = {}
     placement: list[tuple[Any, int]] = []
     try:
         indices = sharding.addressable_devices_indices_map(shape)
     except (IndexError, ValueError, TypeError) as exc:  # a spec of another rank than the shape, say
-        raise ShapeError(f"the target's sharding {sharding} does not fit the stored shape {list(shape)}: {exc}",
+        raise ShapeError(f"the target's sharding {sharding} does not fit the shape {list(shape)}: {exc}",
                          code="shape.mismatch") from None
     memory_kind = getattr(sharding, "memory_kind", None)
     for device, index in indices.items():
-        region = region_of(index, shape)
+        index = tuple(index)  # (the key data's last dimensions whole)
+        region = region_of(index + (slice(None),) * (len(shape) + len(tail) - len(index)), shape + tail)
         if region not in position:
             position[region] = len(regions)
             regions.append(region)
@@ -156,10 +182,39 @@ def sharded_target(shape: Sequence[int], dtype: Any, sharding: Sharding) -> Arra
         host = [np.asarray(parts[i]).reshape(regions[i].sizes) for _, i in placement]
         # each piece on its device, in the sharding's memory (pinned host memory for offloaded state, say)
         on_devices = jax.device_put(host, [SingleDeviceSharding(d, memory_kind=memory_kind) for d, _ in placement])
+        if impl is not None:
+            on_devices = [jax.random.wrap_key_data(piece, impl=impl) for piece in on_devices]
         # a process holding none of the sharding's devices builds its (empty) part from the dtype alone
-        return jax.make_array_from_single_device_arrays(shape, sharding, on_devices, dtype=canonical)
+        return jax.make_array_from_single_device_arrays(shape, sharding, on_devices,
+                                                        dtype=dtype if impl is not None else canonical)
 
-    return ArrayTarget(shape, logical_dtype(canonical), regions, build)
+    return ArrayTarget(shape + tail, logical_dtype(canonical), regions, build)
+
+
+def _concrete(sharding: Sharding) -> Sharding:
+    """``sharding`` on real devices: a ``NamedSharding`` over an abstract mesh (what ``jax.eval_shape`` gives
+    under ``jax.set_mesh``) takes the concrete mesh set now, which must match it."""
+    abstract = getattr(jax.sharding, "AbstractMesh", None)
+    if abstract is None or not isinstance(sharding, NamedSharding) or not isinstance(sharding.mesh, abstract):
+        return sharding
+    get_mesh = getattr(jax.sharding, "get_mesh", None)
+    current = get_mesh() if get_mesh is not None else None
+    if current is None or current.empty or current.abstract_mesh != sharding.mesh:
+        now = "none" if current is None or current.empty else current
+        raise UnsupportedError(f"the target's sharding {sharding} is on an abstract mesh, and the mesh set now "
+                               f"({now}) is not one like it; load under jax.set_mesh(mesh), or give targets on a "
+                               "concrete mesh", code="unsupported")
+    return NamedSharding(current, sharding.spec, memory_kind=sharding.memory_kind)
+
+
+def _check_key_impl(dtype: Any, entry: Any) -> None:
+    """Refuse to load keys saved with one PRNG implementation into keys of another."""
+    if not is_prng_key(dtype):
+        return
+    stored = (getattr(entry, "sharding", None) or {}).get("prng_impl")
+    wanted = _prng_impl(dtype).name
+    if stored is not None and stored != wanted:
+        raise KeyMismatchError(f"the stored PRNG keys are {stored} keys, the target's are {wanted} keys")
 
 
 def _default_sharding() -> Sharding:
@@ -169,11 +224,13 @@ def _default_sharding() -> Sharding:
 def struct_target(like: jax.ShapeDtypeStruct, entry: Any) -> ArrayTarget:
     """A ``jax.ShapeDtypeStruct`` target: its shape, dtype and sharding (None: this process's first device)."""
     sharding = like.sharding if isinstance(like.sharding, Sharding) else _default_sharding()
+    _check_key_impl(like.dtype, entry)
     return sharded_target(like.shape, like.dtype, sharding)
 
 
 def array_target(like: jax.Array, entry: Any) -> ArrayTarget:
     """A real ``jax.Array`` target: a new array with its shape, dtype and sharding."""
+    _check_key_impl(like.dtype, entry)
     return sharded_target(like.shape, like.dtype, like.sharding)
 
 
