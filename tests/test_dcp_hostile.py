@@ -521,3 +521,87 @@ def test_two_names_of_one_key_are_refused(ckpt, tmp_path):
     _write_md(ckpt, md)
     err = _fails(ckpt, tmp_path / "out", "tree.invalid")
     assert err.leaf == "f32" and "two entries" in str(err) and err.file == str(ckpt / ".metadata")
+
+
+# -- (h) what real DCP saves beyond plain tensors and values; absurd metadata named precisely ---------------
+
+
+def test_bytesio_values_convert_as_their_bytes(tmp_path):
+    """DCP stores an ``io.BytesIO`` leaf (BytesStorageMetadata) as a pickled file object; converting gives its
+    bytes, alone and inside a list DCP pickles whole, next to tensors compared element by element."""
+    import io
+    src = tmp_path / "src"
+    state = {"blob": io.BytesIO(b"\x00loader-state\xff"), "blobs": [io.BytesIO(b"a"), io.BytesIO(b"")],
+             "w": torch.arange(6, dtype=torch.int16).reshape(2, 3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=FileSystemWriter(str(src)), no_dist=True)
+    _convert(src, tmp_path / "out")
+    got = xckpt.load(tmp_path / "out")
+    assert got["blob"] == b"\x00loader-state\xff" and got["blobs"] == [b"a", b""]
+    np.testing.assert_array_equal(got["w"], state["w"].numpy())
+
+
+class _HugeBytes:
+    """Pickles as ``bytes(2**40)``: admitting ``bytes`` for an empty BytesIO must not admit this."""
+
+    def __reduce__(self):
+        return (bytes, (2 ** 40,))
+
+
+def test_value_calling_bytes_with_a_size_is_refused(ckpt, tmp_path):
+    import io
+    buf = io.BytesIO()
+    torch.save([io.BytesIO(b"x"), _HugeBytes()], buf)
+    (ckpt / "__9_0.distcp").write_bytes(buf.getvalue())
+    md = _md(ckpt)
+    md.storage_data[MetadataIndex("step")] = _StorageInfo("__9_0.distcp", 0, len(buf.getvalue()))
+    _write_md(ckpt, md)
+    err = _fails(ckpt, tmp_path / "out", "convert.dcp_value")
+    assert (err.file, err.leaf) == (str(ckpt / "__9_0.distcp"), "step"), err
+
+
+def _one_tensor_md(ckpt, size, chunks) -> None:
+    """Rewrite the checkpoint's ``f32`` as a tensor of ``size`` stored as ``chunks`` ((offsets, sizes) each, all
+    pointing at f32's real bytes)."""
+    md = _md(ckpt)
+    info = md.storage_data.pop(MetadataIndex("f32", torch.Size([0, 0])))
+    old = md.state_dict_metadata["f32"]
+    md.state_dict_metadata["f32"] = dataclasses.replace(
+        old, size=torch.Size(size), chunks=[ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
+    for o, _ in chunks:
+        md.storage_data[MetadataIndex("f32", torch.Size(o))] = info
+    _write_md(ckpt, md)
+
+
+@pytest.mark.parametrize("size, chunks, code", [
+    ([2 ** 40, 2 ** 40], [([0, 0], [2 ** 40, 2 ** 40])], "shape.too_large"),  # more elements than the format has
+    ([2 ** 100, 4], [([0, 0], [2 ** 100, 4])], "shape.too_large"),  # beyond msgpack's integers
+    ([1] * 65, [([0] * 65, [1] * 65)], "convert.dcp_metadata"),  # more dimensions than an array can have
+    ([3, 4], [([0, 0], [3, 4])] * 1000, "convert.dcp_metadata"),  # one chunk listed again and again
+])
+def test_absurd_tensor_metadata_is_refused_naming_file_and_leaf(ckpt, tmp_path, size, chunks, code):
+    """Sizes no array can have, and repeated chunks, are refused while the metadata is checked, with the
+    .metadata file and the tensor named: never a bare msgpack or numpy error, never converted."""
+    _one_tensor_md(ckpt, size, chunks)
+    err = _fails(ckpt, tmp_path / "out", code)
+    assert (err.file, err.leaf) == (str(ckpt / ".metadata"), "f32"), err
+
+
+def test_errors_about_one_entry_name_it(ckpt, tmp_path):
+    """A stored range beyond its file or a missing data file names the entry as well as the file; a tensor of a
+    dtype xckpt lacks (complex32, which real DCP saves) names the tensor and the metadata file."""
+    size = (ckpt / "__0_0.distcp").stat().st_size
+    _retarget(ckpt, "f64", offset=size - 10)
+    err = _fails(ckpt, tmp_path / "out", "chunk.truncated")
+    assert (err.file, err.leaf) == (str(ckpt / "__0_0.distcp"), "f64"), err
+    _retarget(ckpt, "f64", relative_path="__7_7.distcp")
+    err = _fails(ckpt, tmp_path / "out", "chunk.missing")
+    assert (err.file, err.leaf) == (str(ckpt / "__7_7.distcp"), "f64"), err
+    src = tmp_path / "c32"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"ok": torch.ones(2), "half_complex": torch.zeros(3, dtype=torch.complex32)},
+                 storage_writer=FileSystemWriter(str(src)), no_dist=True)
+    err = _fails(src, tmp_path / "out", "dtype.unsupported")
+    assert (err.file, err.leaf) == (str(src / ".metadata"), "half_complex"), err

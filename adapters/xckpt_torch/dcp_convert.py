@@ -18,6 +18,7 @@ Neither direction unpickles anything from an xckpt checkpoint.
 
 from __future__ import annotations
 
+import io
 import shutil
 import zipfile
 from typing import Any
@@ -46,6 +47,7 @@ from xckpt.registry import Shard
 from xckpt.sources.detect import open_checkpoint
 
 from .dcp_metadata import DcpDirectory
+from .dcp_planners import plain_value
 from .dcp_tree import as_leaf, insert, key_of, listify
 from .staging import to_host
 from .tensors import from_numpy, logical_dtype, torch_dtype
@@ -88,8 +90,19 @@ def _read_chunk(d: DcpDirectory, info: _StorageInfo, fqn: str, region: Region, d
     return to_host(t.detach().contiguous())
 
 
+def _empty_bytes(*args: Any) -> bytes:
+    """``bytes()``, as a pickle of empty bytes calls it (protocol 2); any argument (``bytes(2**40)`` would
+    allocate that much) is refused."""
+    if args:
+        raise ValueError("a pickled bytes() call with arguments")
+    return b""
+
+
 def _read_value(d: DcpDirectory, info: _StorageInfo, fqn: str) -> Any:
-    return _torch_load(d, info, f"DCP value {fqn!r}", "convert.dcp_value")
+    """A stored value; besides what a weights-only load admits, an ``io.BytesIO`` (a DCP leaf type, saved
+    as a pickled file object, ``bytes()`` for an empty one), given as its bytes."""
+    with torch.serialization.safe_globals([io.BytesIO, (_empty_bytes, "builtins.bytes")]):
+        return plain_value(_torch_load(d, info, f"DCP value {fqn!r}", "convert.dcp_value"))
 
 
 def dcp_to_xckpt(src: str, dst: str, *, overwrite: bool = False) -> None:
@@ -102,31 +115,42 @@ def dcp_to_xckpt(src: str, dst: str, *, overwrite: bool = False) -> None:
         md = d.read_metadata()  # restricted unpickler; checked
         storage: dict[MetadataIndex, _StorageInfo] = md.storage_data
         mappings = md.planner_data if isinstance(md.planner_data, dict) else {}
-        wanted: list[_StorageInfo] = []
+        wanted: list[tuple[str, _StorageInfo]] = []
         for fqn, smd in md.state_dict_metadata.items():
             if isinstance(smd, TensorStorageMetadata):
-                wanted.extend(storage[MetadataIndex(fqn, c.offsets)] for c in smd.chunks)
+                wanted.extend((fqn, storage[MetadataIndex(fqn, c.offsets)]) for c in smd.chunks)
             else:
-                wanted.append(storage[MetadataIndex(fqn)])
+                wanted.append((fqn, storage[MetadataIndex(fqn)]))
         d.check_ranges(wanted)  # every data file a regular file, every range within it, before reading
         tree: dict[Any, Any] = {}
         for fqn, smd in md.state_dict_metadata.items():
-            if isinstance(smd, TensorStorageMetadata):
-                dt = smd.properties.dtype
-                shape = tuple(int(s) for s in smd.size)
-                shards = []
-                for c in smd.chunks:
-                    region = Region(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
-                    info = storage[MetadataIndex(fqn, c.offsets)]
-                    shards.append(Shard(region, lambda i=info, f=fqn, r=region, t=dt: _read_chunk(d, i, f, r, t)))
-                leaf: Any = LazySource(shape, logical_dtype(dt), shards, {"framework": "torch", "via": "dcp"})
-            elif isinstance(smd, BytesStorageMetadata):
-                leaf = as_leaf(_read_value(d, storage[MetadataIndex(fqn)], fqn))
-            else:  # check_metadata admits no other kind
-                raise UnsupportedError(f"unknown DCP storage metadata {type(smd).__name__}", leaf=fqn)
+            try:
+                leaf = _leaf(d, storage, fqn, smd)
+            except XckptError as exc:  # a dtype xckpt lacks, a value it cannot hold: name the leaf and file
+                raise exc.at(file=d.metadata_file, leaf=fqn) from None
             insert(tree, key_of(fqn, mappings), leaf, file=d.metadata_file)
-        save(listify(tree), dst, coordinator=LocalCoordinator(),
-             options=SaveOptions(overwrite=overwrite, metadata={"converted_from": "torch.distributed.checkpoint"}))
+        try:
+            save(listify(tree), dst, coordinator=LocalCoordinator(),
+                 options=SaveOptions(overwrite=overwrite, metadata={"converted_from": "torch.distributed.checkpoint"}))
+        except XckptError as exc:  # a leaf's chunks that do not tile it, say: the DCP metadata describes it
+            raise (exc.at(file=d.metadata_file) if exc.leaf is not None else exc) from None
+
+
+def _leaf(d: DcpDirectory, storage: dict[MetadataIndex, _StorageInfo], fqn: str, smd: Any) -> Any:
+    """The tree leaf of one DCP entry: a lazily read array, or the value read now."""
+    if isinstance(smd, TensorStorageMetadata):
+        dt = smd.properties.dtype
+        shape = tuple(int(s) for s in smd.size)
+        shards = []
+        for c in smd.chunks:
+            region = Region(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
+            info = storage[MetadataIndex(fqn, c.offsets)]
+            shards.append(Shard(region, lambda i=info, f=fqn, r=region, t=dt: _read_chunk(d, i, f, r, t)))
+        return LazySource(shape, logical_dtype(dt), shards, {"framework": "torch", "via": "dcp"})
+    if isinstance(smd, BytesStorageMetadata):
+        return as_leaf(_read_value(d, storage[MetadataIndex(fqn)], fqn))
+    # check_metadata admits no other kind
+    raise UnsupportedError(f"unknown DCP storage metadata {type(smd).__name__}", leaf=fqn)
 
 
 class _LazyXckptPlanner(DefaultSavePlanner):

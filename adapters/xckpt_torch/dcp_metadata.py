@@ -57,8 +57,9 @@ from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesSt
                                                    Metadata, MetadataIndex, StorageMeta, TensorProperties,
                                                    TensorStorageMetadata)
 
-from xckpt.errors import DataError, ResourceError, UnsafePathError, UnsupportedError, XckptError
+from xckpt.errors import DataError, ResourceError, ShapeError, UnsafePathError, UnsupportedError, XckptError
 from xckpt.format import names
+from xckpt.format.manifest import MAX_ELEMENTS, MAX_RANK
 
 __all__ = ["ADMITTED", "MAX_METADATA_BYTES", "METADATA_NAME", "REFUSED_OPCODES", "DcpDirectory", "MetadataUnpickler",
            "check_metadata", "check_storage_name", "load_metadata", "merge_rank_metadata", "rank_metadata_name"]
@@ -305,8 +306,8 @@ def check_metadata(md: Metadata, *, file: str) -> None:
 
 
 def _check_metadata(md: Metadata, file: str) -> None:
-    def bad(what: str) -> XckptError:
-        return XckptError(f"invalid DCP metadata: {what}", code="convert.dcp_metadata", file=file)
+    def bad(what: str, leaf: str | None = None) -> XckptError:
+        return XckptError(f"invalid DCP metadata: {what}", code="convert.dcp_metadata", file=file, leaf=leaf)
 
     sdm, storage, planner = md.state_dict_metadata, md.storage_data, md.planner_data
     if not isinstance(sdm, dict) or not all(type(k) is str for k in sdm):
@@ -320,35 +321,60 @@ def _check_metadata(md: Metadata, file: str) -> None:
                 index.offset is None or _dims(index.offset)):
             raise bad(f"storage key {index!r:.80} is not a MetadataIndex")
         if type(info) is not _StorageInfo or not (_int(info.offset) and _int(info.length)):
-            raise bad(f"storage entry of {index.fqn!r} is not a _StorageInfo with integer offset and length")
+            raise bad(f"storage entry of {index.fqn!r} is not a _StorageInfo with integer offset and length",
+                      index.fqn)
         check_storage_name(info.relative_path, file=file)
         transforms = getattr(info, "transform_descriptors", None)
         if transforms is not None and (not isinstance(transforms, (list, tuple)) or len(transforms)):
             raise UnsupportedError(f"the data of {index.fqn!r} was written through DCP extensions "
                                    f"{transforms!r:.80}; xckpt reads plain torch.save data only",
-                                   code="convert.dcp_transform", file=file)
+                                   code="convert.dcp_transform", file=file, leaf=index.fqn)
     for fqn, smd in sdm.items():
         path = planner.get(fqn) if planner else None
         if path is not None and not (isinstance(path, (tuple, list)) and all(type(p) in (str, int) for p in path)):
-            raise bad(f"the flattening path of {fqn!r} is not a tuple of names and indices")
+            raise bad(f"the flattening path of {fqn!r} is not a tuple of names and indices", fqn)
         if type(smd) is BytesStorageMetadata:
             if MetadataIndex(fqn) not in storage:
-                raise bad(f"value {fqn!r} has no storage entry")
+                raise bad(f"value {fqn!r} has no storage entry", fqn)
             continue
         if type(smd) is not TensorStorageMetadata:
-            raise bad(f"{fqn!r} has storage metadata of type {type(smd).__name__}")
+            raise bad(f"{fqn!r} has storage metadata of type {type(smd).__name__}", fqn)
         props = smd.properties
         if type(props) is not TensorProperties or not isinstance(getattr(props, "dtype", None), torch.dtype):
-            raise bad(f"tensor {fqn!r} has no dtype")
+            raise bad(f"tensor {fqn!r} has no dtype", fqn)
         if not _dims(smd.size) or not isinstance(smd.chunks, list):
-            raise bad(f"tensor {fqn!r} has an invalid size or chunk list")
+            raise bad(f"tensor {fqn!r} has an invalid size or chunk list", fqn)
+        _check_shape(tuple(smd.size), props.dtype, fqn, file)
+        seen: set[tuple[int, ...]] = set()
         for c in smd.chunks:
             if type(c) is not ChunkStorageMetadata or not (_dims(c.offsets) and _dims(c.sizes)) \
                     or not len(c.offsets) == len(c.sizes) == len(smd.size) \
                     or any(o + s > d for o, s, d in zip(c.offsets, c.sizes, smd.size)):
-                raise bad(f"a chunk of tensor {fqn!r} does not lie within its shape {tuple(smd.size)}")
+                raise bad(f"a chunk of tensor {fqn!r} does not lie within its shape {tuple(smd.size)}", fqn)
+            at = tuple(c.offsets)
+            if at in seen:  # DCP records each chunk once; a repeat would be converted again and again
+                raise bad(f"tensor {fqn!r} lists its chunk at {at} more than once", fqn)
+            seen.add(at)
             if MetadataIndex(fqn, c.offsets) not in storage:
-                raise bad(f"chunk at {tuple(c.offsets)} of tensor {fqn!r} has no storage entry")
+                raise bad(f"chunk at {at} of tensor {fqn!r} has no storage entry", fqn)
+
+
+def _check_shape(shape: tuple[int, ...], dtype: torch.dtype, fqn: str, file: str) -> None:
+    """Refuse a tensor shape no array can have before anything counts its elements: more than
+    :data:`~xckpt.format.manifest.MAX_RANK` dimensions (``convert.dcp_metadata``), a dimension, element
+    or byte count of 2**53 or more (``shape.too_large``, as the xckpt format bounds them)."""
+    if len(shape) > MAX_RANK:
+        raise XckptError(f"invalid DCP metadata: tensor {fqn!r} has {len(shape)} dimensions, more than "
+                         f"{MAX_RANK}", code="convert.dcp_metadata", file=file, leaf=fqn)
+    numel = 1
+    for n in shape:
+        numel = min(numel * n, MAX_ELEMENTS + 1)  # capped: a huge product is never built
+    if any(n >= MAX_ELEMENTS for n in shape) or numel * dtype.itemsize > MAX_ELEMENTS:
+        said = (f"of shape {list(shape)}" if all(n < MAX_ELEMENTS for n in shape)
+                else "with a dimension of 2**53 or more")
+        raise ShapeError(f"tensor {fqn!r} {said} is larger than the xckpt format allows "
+                         "(dimensions below 2**53, at most 2**53 elements and bytes)", code="shape.too_large",
+                         file=file, leaf=fqn)
 
 
 def rank_metadata_name(rank: int) -> str:
@@ -517,14 +543,18 @@ class DcpDirectory:
         os.close(fd)
         return size
 
-    def check_ranges(self, infos: Iterable[_StorageInfo]) -> None:
-        """Check that every stored range lies within its file (``chunk.truncated``), opening each file once."""
+    def check_ranges(self, infos: Iterable[tuple[str, _StorageInfo]]) -> None:
+        """Check that every stored range ``(fqn, info)`` lies within its file (``chunk.truncated``), opening
+        each file once; an error names the file and the fqn of the item that found it."""
         sizes: dict[str, int] = {}
-        for info in infos:
+        for fqn, info in infos:
             name = info.relative_path
-            if name not in sizes:
-                sizes[name] = self.size_of(name)
-            _check_range(info, sizes[name], self.path(name))
+            try:
+                if name not in sizes:
+                    sizes[name] = self.size_of(name)
+                _check_range(info, sizes[name], self.path(name))
+            except XckptError as exc:
+                raise exc.at(leaf=fqn) from None
 
     def item(self, info: _StorageInfo) -> "DcpItem":
         """One stored item as a read-only file of exactly its bytes (read on demand, never held whole),

@@ -19,13 +19,30 @@ from xckpt.format import values
 from xckpt.errors import UnsupportedError
 
 
+def plain_value(value: Any, depth: int = 0) -> Any:
+    """``value`` with each ``io.BytesIO`` (a value DCP stores as such) replaced by its bytes, in dicts, lists
+    and tuples too: what xckpt stores for it (msgpack has no file objects). Containers nested deeper than
+    values may be are left as they are, for the encoder to refuse by name."""
+    if isinstance(value, io.BytesIO):
+        return value.getvalue()
+    if depth > values.MAX_DEPTH:
+        return value
+    if isinstance(value, dict):
+        return {k: plain_value(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain_value(v, depth + 1) for v in value]
+    if type(value) is tuple:  # a namedtuple is left to the encoder
+        return tuple(plain_value(v, depth + 1) for v in value)
+    return value
+
+
 class XckptSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` whose non-tensor items resolve to msgpack bytes, not ``torch.save``."""
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - DCP's name
-        """Tensors unchanged; values msgpack-encoded."""
+        """Tensors unchanged; values msgpack-encoded (an ``io.BytesIO`` as its bytes)."""
         if write_item.type == WriteItemType.BYTE_IO:
-            return io.BytesIO(values.encode(object))
+            return io.BytesIO(values.encode(plain_value(object)))
         return object
 
 
@@ -42,7 +59,10 @@ class XckptLoadPlanner(DefaultLoadPlanner):
 
 
 def set_value(planner: DefaultLoadPlanner, item: ReadItem, value: Any) -> None:
-    """Put a decoded value where ``DefaultLoadPlanner.load_bytes`` would have put an unpickled one."""
+    """Put a decoded value where ``DefaultLoadPlanner.load_bytes`` would have put an unpickled one (bytes
+    where the state dict holds an ``io.BytesIO`` as a new ``io.BytesIO``, as DCP itself gives one back)."""
+    if isinstance(value, bytes) and isinstance(planner.state_dict.get(item.dest_index.fqn), io.BytesIO):
+        value = io.BytesIO(value)
     if planner.flatten_state_dict:
         set_element(planner.original_state_dict, planner.mappings[item.dest_index.fqn], value)
     else:

@@ -34,7 +34,7 @@ from xckpt.format import values
 from xckpt.format.regions import Region
 from xckpt.format.tree import Value, flatten
 
-from .dcp_planners import raw_object
+from .dcp_planners import plain_value, raw_object
 from .dcp_tree import as_leaf, insert, key_of, listify
 from .staging import to_host
 from .tensors import logical_dtype
@@ -178,7 +178,7 @@ class XckptStorageWriter(StorageWriter):
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 try:
-                    blob = values.encode(raw_object(planner, item))
+                    blob = values.encode(plain_value(raw_object(planner, item)))
                 except XckptError as exc:
                     raise UnsupportedError(f"cannot store this value without pickle: {exc.message}",
                                            code="value.unsupported", leaf=item.index.fqn) from exc
