@@ -407,3 +407,28 @@ def test_a_target_object_that_fails_to_restore_itself_is_named(tmp_path):
         xckpt.load(tmp_path / "c", like={"w": torch.zeros(3), "data": Loader()})
     assert info.value.code == "load.restore" and info.value.leaf == "data", info.value
     assert "cannot seek" in str(info.value) and "Loader" in str(info.value)
+
+
+@pytest.mark.parametrize("staging", [None, 0])
+def test_values_a_narrower_target_cannot_hold_are_refused_before_any_target_is_written(tmp_path, staging):
+    """An int64 of 2**40 into int32 would wrap to 0, a float64 of 1e39 become inf in float32, a NaN an arbitrary
+    integer: each is refused naming its leaf, and no in-place target is written, staged or not
+    (``max_staging_bytes=0``); values that fit load exactly, and rounding (float64 into float32) is no refusal."""
+    import ml_dtypes
+
+    tree = {"a": np.array([1, 2**40, -5], np.int64), "f": np.array([1e39, 1.5, np.inf]), "n": np.array([np.nan, 1.0]),
+            "ok": np.array([1, -7, 127], np.int64), "r": np.array([0.1, np.nan, -np.inf])}
+    xckpt.save(tree, tmp_path / "c")
+    kw = {} if staging is None else {"max_staging_bytes": staging}
+    for key, target, shown in (("a", np.zeros(3, np.int32), "1099511627776"), ("f", np.zeros(3, np.float32), "1e+39"),
+                               ("n", np.zeros(2, np.int64), "nan"), ("f", np.zeros(3, ml_dtypes.bfloat16), "1e+39"),
+                               ("a", np.zeros(3, np.uint64), "-5")):
+        first = np.zeros(3, np.int64)
+        with pytest.raises(xckpt.KeyMismatchError) as e:
+            xckpt.load(tmp_path / "c", like={"ok": first, key: target}, partial=True, **kw)
+        assert (e.value.leaf, e.value.file) == (key, str(tmp_path / "c")) and shown in str(e.value), str(e.value)
+        assert (first == 0).all() and (target == 0).all()  # nothing written, to either target
+    out = xckpt.load(tmp_path / "c", like={"ok": np.zeros(3, np.int8), "r": np.zeros(3, np.float32)}, partial=True,
+                     **kw)
+    np.testing.assert_array_equal(out["ok"], np.array([1, -7, 127], np.int8))
+    np.testing.assert_array_equal(out["r"], np.array([0.1, np.nan, -np.inf], np.float32))

@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import ml_dtypes
 import numpy as np
 
 from xckpt import registry
@@ -500,6 +501,13 @@ def _logical(raw: np.ndarray, e: ArrayEntry, dtype: str) -> np.ndarray:
     return arr if dtype == e.dtype else arr.astype(dtypes.numpy_dtype(dtype))
 
 
+def _fits(raw: np.ndarray, p: "_Part") -> None:
+    """:func:`_check_fits` of a part's raw storage data, where its cast narrows (:func:`_narrows`)."""
+    if p.dtype != p.entry.dtype and _narrows(p.entry.dtype, p.dtype):
+        stored = raw.view(dtypes.numpy_dtype(p.entry.dtype)) if dtypes.is_raw(p.entry.dtype) else raw
+        _check_fits(stored, p.entry.dtype, p.dtype, p.entry.key)
+
+
 class _Reads:
     """The reads of one load (see :func:`load` for the guarantees): planned and checked when made, then
     :meth:`check` where needed, :meth:`run` (every read; in-place targets up to the staging bound untouched),
@@ -583,11 +591,20 @@ class _Reads:
             self._built = {i: t.build(results[i]) for i, t in self._jobs if i in self._early}
         if self.unstaged and casts:  # cast reads are not checked by the direct reads' own pass
             self.check()
+            # nor their values: those a target cannot hold are found before anything is read into a target
+            for batch in _batches([c for c in casts if _narrows(c[0].entry.dtype, c[0].dtype)]):
+                raws = [np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype)) for p, _ in batch]
+                ckpt.read([ReadRequest(p.entry, p.region, raw) for (p, _), raw in zip(batch, raws)])
+                for (p, _), raw in zip(batch, raws):
+                    _fits(raw, p)
         ckpt.read(direct, precheck=self.unstaged and not self._checked)
+        for p, _, raw in later:  # staged for in-place targets: every value fits before finish() copies any in
+            _fits(raw, p)
         for batch in _batches(casts):
             raws = [np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype)) for p, _ in batch]
             ckpt.read([ReadRequest(p.entry, p.region, raw) for (p, _), raw in zip(batch, raws)])
             for (p, k), raw in zip(batch, raws):
+                _fits(raw, p)
                 value = _logical(raw, p.entry, p.dtype)
                 if p.out is not None:
                     np.copyto(p.out, value)
@@ -618,6 +635,76 @@ def _check_cast(stored: str, wanted: str, key: Key) -> None:
     if why is not None:
         raise KeyMismatchError(f"the stored {stored} cannot be cast to the target's {wanted}: {why}",
                                mismatched=[key_str(key)], leaf=key_str(key))
+
+
+def _narrows(stored: str, wanted: str) -> bool:
+    """Whether a cast from ``stored`` to ``wanted`` can meet values the target cannot hold: a number target
+    (integer or floating) that does not hold every value of the stored dtype (int64 into int32, float64 into
+    float32 or bfloat16, floats into integers)."""
+    src, dst = np.dtype(dtypes.numpy_dtype(stored)), np.dtype(dtypes.numpy_dtype(wanted))
+    return _limits(dst) is not None and src.kind != "b" and not np.can_cast(src, dst, "safe")
+
+
+def _limits(dst: np.dtype) -> tuple[Any, Any, bool] | None:
+    """``(lowest, highest, integer)`` of the values a number dtype holds (floats: finite ones), else None."""
+    if dst.kind in "iu":
+        info = np.iinfo(dst)
+        return int(info.min), int(info.max), True
+    if dst.kind == "f" or dst.kind == "V" and dst.type in ml_dtypes_floats():
+        finfo = np.finfo(dst) if dst.kind == "f" else ml_dtypes.finfo(dst)
+        return float(finfo.min), float(finfo.max), False
+    return None
+
+
+def ml_dtypes_floats() -> tuple[type, ...]:
+    """The floating types of ml_dtypes (bfloat16, the float8 family and the like) this numpy knows."""
+    return tuple(t for t in (getattr(ml_dtypes, n, None) for n in dir(ml_dtypes)) if isinstance(t, type)
+                 and issubclass(t, np.generic) and np.dtype(t).kind == "V" and _is_ml_float(t))
+
+
+def _is_ml_float(t: type) -> bool:
+    try:
+        ml_dtypes.finfo(t)
+    except (ValueError, TypeError, KeyError):
+        return False
+    return True
+
+
+#: Elements a range check converts at a time (to float64 or int64): bounded memory for any region.
+_CHECK_PIECE = 1 << 20
+
+
+def _check_fits(arr: np.ndarray, stored: str, wanted: str, key: Key) -> None:
+    """Refuse stored values (``arr``, the stored logical dtype) that the target's ``wanted`` dtype cannot hold:
+    beyond its range (an int64 of 2**40 into int32 would wrap to 0; a float64 of 1e39 would become inf in
+    float32), and NaN or infinity into an integer. Rounding (1.5 into an integer, float64 into float32) is a
+    cast's business, not refused."""
+    limits = _limits(np.dtype(dtypes.numpy_dtype(wanted)))
+    if limits is None or arr.size == 0:
+        return
+    lo, hi, integer = limits
+    flat = arr.reshape(-1)
+    for at in range(0, flat.size, _CHECK_PIECE):
+        piece = flat[at:at + _CHECK_PIECE]
+        if piece.dtype.kind in "iub":
+            low, high = int(piece.min()), int(piece.max())
+        else:
+            if piece.dtype.kind != "f":  # bfloat16, float8: exact in float32
+                piece = piece.astype(np.float32)
+            finite = np.isfinite(piece)
+            if integer and not finite.all():
+                bad = piece[~finite][0]
+                raise KeyMismatchError(f"the stored {stored} holds {bad}, which the target's {wanted} cannot hold",
+                                       mismatched=[key_str(key)], leaf=key_str(key))
+            # NaN and infinity stay themselves in a floating target: the finite values must fit
+            low = float(np.min(piece, where=finite, initial=np.inf))
+            high = float(np.max(piece, where=finite, initial=-np.inf))
+            if low > high:  # none finite
+                continue
+        if low < lo or high > hi:
+            raise KeyMismatchError(f"the stored {stored} holds values from {low} to {high}, beyond what the "
+                                   f"target's {wanted} holds ({lo} to {hi}); load into a wider dtype",
+                                   mismatched=[key_str(key)], leaf=key_str(key))
 
 
 def _batches(casts: list[tuple[_Part, int]], limit: int = 64 << 20) -> list[list[tuple[_Part, int]]]:
