@@ -432,3 +432,32 @@ def test_values_a_narrower_target_cannot_hold_are_refused_before_any_target_is_w
                      **kw)
     np.testing.assert_array_equal(out["ok"], np.array([1, -7, 127], np.int8))
     np.testing.assert_array_equal(out["r"], np.array([0.1, np.nan, -np.inf], np.float32))
+
+
+def test_a_result_that_fails_to_build_leaves_in_place_targets_untouched(tmp_path):
+    """A framework's result built from what was read (JAX arrays put on their devices, say) can fail, e.g. out of
+    device memory: the in-place targets of the same load, staged, are not written before every such result is
+    built."""
+    torch = pytest.importorskip("torch")
+    from xckpt import registry
+    from xckpt.registry import ArrayTarget
+
+    class Flaky:
+        """A target whose result cannot be built (a device out of memory)."""
+
+    def flaky_target(like: Flaky, entry) -> ArrayTarget:
+        def build(parts):
+            raise MemoryError("device out of memory")
+        return ArrayTarget(tuple(entry.shape), None, [Region.full(tuple(entry.shape))], build)
+
+    registry.register_target(lambda obj: isinstance(obj, Flaky), flaky_target)
+    xckpt.save({"a": np.arange(4, dtype=np.float32), "b": np.arange(6, dtype=np.int64)}, tmp_path / "c")
+    a = torch.zeros(4)  # filled in place
+    with pytest.raises(BaseException) as e:
+        xckpt.load(tmp_path / "c", like={"a": a, "b": Flaky()})
+    assert "device out of memory" in str(e.value)
+    assert (a == 0).all()  # untouched
+    out = xckpt.load(tmp_path / "c", like={"a": a, "b": np.zeros(6, np.int64)})
+    assert out["a"] is a
+    np.testing.assert_array_equal(a.numpy(), np.arange(4, dtype=np.float32))
+    np.testing.assert_array_equal(out["b"], np.arange(6))

@@ -613,13 +613,20 @@ class _Reads:
         self._results, self._later = results, later
 
     def finish(self) -> dict[int, Any]:
-        """Every read succeeded (on every process): copy the staged regions into their in-place targets;
-        each job's result, by leaf index."""
+        """Every read succeeded (on every process): build the results that are new objects (a framework's
+        arrays put on their devices, which can fail), then copy the staged regions into their in-place
+        targets and build those; each job's result, by leaf index. A failure to build a new result leaves
+        every in-place target untouched."""
+        staged = {p.leaf for p, _, _ in self._later}
+        built = dict(self._built)
+        for i, t in self._jobs:
+            if i not in built and i not in staged:
+                built[i] = t.build(self._results[i])
         for p, k, raw in self._later:
             np.copyto(p.out, _logical(raw, p.entry, p.dtype))
             self._results[p.leaf][k] = p.out
         self._later = []
-        return {i: self._built[i] if i in self._built else t.build(self._results[i]) for i, t in self._jobs}
+        return {i: built[i] if i in built else t.build(self._results[i]) for i, t in self._jobs}
 
 
 def _check_cast(stored: str, wanted: str, key: Key) -> None:
