@@ -368,6 +368,7 @@ def test_a_value_that_cannot_be_stored_is_refused_first_naming_its_leaf(tmp_path
         else:
             xckpt.save_async(tree, tmp_path / "c").wait()
     assert info.value.code == "value.unsupported" and info.value.leaf == "cfg/run/name", info.value
+    assert info.value.file == str(tmp_path / "c"), info.value  # the save it stopped
     assert os.listdir(tmp_path) == []  # nothing was written, not even a temporary directory
 
 

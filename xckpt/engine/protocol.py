@@ -170,7 +170,13 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None, opt
 
     def describe_local() -> dict[str, Any]:
         opts.check()
-        descs, sources = describe(tree)
+        try:
+            descs, sources = describe(tree)
+        except XckptError as exc:  # a leaf that cannot be saved: the error names the save's destination too
+            named = exc.at(file=str(final))
+            if named is exc:
+                raise
+            raise named from exc
         if descs.notes:
             opts.metadata["xckpt.notes"] = descs.notes
         wire = descs.to_wire()
