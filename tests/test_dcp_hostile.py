@@ -169,6 +169,40 @@ def test_real_dcp_converts_exactly(tmp_path, single_file):
     _check_exact(xckpt.load(tmp_path / "out"))
 
 
+def test_dcp_zstandard_compressed_checkpoint_converts_exactly_and_a_bomb_is_refused(tmp_path):
+    """DCP's ZStandard extension (``FileSystemWriter(_extensions=[ZStandard()])``) writes each item as a zstd
+    stream: converted exactly; a stream that expands past its chunk's size (a few bytes standing for a GiB) is
+    ``resource.too_large`` naming the data file, a corrupt one ``chunk.codec``; other extensions stay refused."""
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    import zstandard
+
+    src = tmp_path / "src"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_state(), storage_writer=FileSystemWriter(str(src), _extensions=[ZStandard()]),
+                 planner=_SplitPlanner(), no_dist=True)
+    md = _md(src)
+    assert {tuple(i.transform_descriptors) for i in md.storage_data.values()} == {("stream.zstd/1",)}
+    _convert(src, tmp_path / "out")
+    _check_exact(xckpt.load(tmp_path / "out"))
+
+    data = src / "__0_0.distcp"
+    f32 = md.storage_data[next(k for k in md.storage_data if k.fqn == "f32")]
+    bomb = zstandard.ZstdCompressor().compress(bytes(1 << 30))  # 1 GiB of zeros in a few dozen KiB
+    with open(data, "ab") as f:
+        at = f.tell()
+        f.write(bomb)
+    _retarget(src, "f32", offset=at, length=len(bomb))
+    err = _fails(src, tmp_path / "out2", "resource.too_large")
+    assert (err.file, err.leaf) == (str(data), "f32"), err
+    _retarget(src, "f32", offset=at, length=40)  # the stream cut short
+    err = _fails(src, tmp_path / "out3", "chunk.codec")
+    assert (err.file, err.leaf) == (str(data), "f32"), err
+    _retarget(src, "f32", offset=f32.offset, length=f32.length, transform_descriptors=["stream.zstd/2"])
+    _fails(src, tmp_path / "out4", "convert.dcp_transform")
+
+
 def test_real_metadata_uses_only_admitted_globals(base):
     """Every global in a real ``.metadata`` is admitted, and the restricted load equals pickle's."""
     data = (base / ".metadata").read_bytes()

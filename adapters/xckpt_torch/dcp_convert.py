@@ -18,10 +18,11 @@ Neither direction unpickles anything from an xckpt checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import shutil
 import zipfile
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -40,24 +41,50 @@ from xckpt.engine.copy import LazySource, read_region
 from xckpt.engine.protocol import save
 from xckpt.engine.storage import Location
 from xckpt.errors import UnsupportedError, XckptError
+from xckpt.format.codecs import zstd_stream_decompress
 from xckpt.format.manifest import ArrayEntry
 from xckpt.format.regions import Region
 from xckpt.format.tree import is_namedtuple, unflatten
 from xckpt.registry import Shard
 from xckpt.sources.detect import open_checkpoint
 
-from .dcp_metadata import DcpDirectory
+from .dcp_metadata import DcpDirectory, zstd_compressed
 from .dcp_planners import plain_value
 from .dcp_tree import as_leaf, insert, key_of, listify
 from .staging import to_host
 from .tensors import from_numpy, logical_dtype, torch_dtype
 
 
-def _torch_load(d: DcpDirectory, info: _StorageInfo, what: str, code: str) -> Any:
-    """``torch.load(weights_only=True)`` of one stored item, read through a file of its bytes (each tensor
-    read straight into its own memory), refusing zip members that are not stored uncompressed
-    (``torch.save`` never compresses; a compressed member could expand without bound)."""
+#: The most bytes a stored value compressed by DCP's ZStandard extension may expand to.
+MAX_VALUE_BYTES = 1 << 30
+#: Bytes a torch.save archive of one tensor holds besides the tensor's own (its pickle, records, directory).
+ARCHIVE_OVERHEAD = 1 << 20
+
+
+@contextlib.contextmanager
+def _item(d: DcpDirectory, info: _StorageInfo, limit: int) -> Iterator[Any]:
+    """One stored item as a file of its torch.save bytes: read on demand, or, written through DCP's ZStandard
+    extension, decompressed into memory up to ``limit`` bytes (``resource.too_large`` past it)."""
     with d.item(info) as f:
+        if not zstd_compressed(info):
+            yield f
+            return
+        try:
+            data = zstd_stream_decompress(f.read(), limit)
+        except XckptError as exc:
+            raise (f.truncated or exc.at(file=f.path)) from None
+        plain = io.BytesIO(data)
+        plain.truncated = None  # type: ignore[attr-defined]
+        plain.path = f.path  # type: ignore[attr-defined]
+        yield plain
+
+
+def _torch_load(d: DcpDirectory, info: _StorageInfo, what: str, code: str, limit: int) -> Any:
+    """``torch.load(weights_only=True)`` of one stored item, read through a file of its bytes (each tensor
+    read straight into its own memory; decompressed first when DCP's ZStandard extension wrote it, at most
+    ``limit`` bytes), refusing zip members that are not stored uncompressed (``torch.save`` never compresses;
+    a compressed member could expand without bound)."""
+    with _item(d, info, limit) as f:
         try:
             with zipfile.ZipFile(f) as z:
                 packed = [i.filename for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED]
@@ -80,7 +107,7 @@ def _torch_load(d: DcpDirectory, info: _StorageInfo, what: str, code: str) -> An
 
 def _read_chunk(d: DcpDirectory, info: _StorageInfo, fqn: str, region: Region, dtype: torch.dtype) -> np.ndarray:
     what = f"DCP chunk at {region.offsets} of {fqn!r}"
-    t = _torch_load(d, info, what, "convert.dcp_chunk")
+    t = _torch_load(d, info, what, "convert.dcp_chunk", region.numel * dtype.itemsize + ARCHIVE_OVERHEAD)
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dtype != dtype \
             or tuple(t.shape) != tuple(region.sizes):
         desc = (f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
@@ -102,7 +129,7 @@ def _read_value(d: DcpDirectory, info: _StorageInfo, fqn: str) -> Any:
     """A stored value; besides what a weights-only load admits, an ``io.BytesIO`` (a DCP leaf type, saved
     as a pickled file object, ``bytes()`` for an empty one), given as its bytes."""
     with torch.serialization.safe_globals([io.BytesIO, (_empty_bytes, "builtins.bytes")]):
-        return plain_value(_torch_load(d, info, f"DCP value {fqn!r}", "convert.dcp_value"))
+        return plain_value(_torch_load(d, info, f"DCP value {fqn!r}", "convert.dcp_value", MAX_VALUE_BYTES))
 
 
 def dcp_to_xckpt(src: str, dst: str, *, overwrite: bool = False) -> None:

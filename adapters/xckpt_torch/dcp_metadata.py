@@ -288,6 +288,15 @@ def _dims(v: Any) -> bool:
     return isinstance(v, (tuple, list)) and all(_int(x) for x in v)
 
 
+#: The one DCP extension whose data xckpt reads: ``ZStandard`` (a zstd stream of the torch.save data).
+ZSTD_TRANSFORM = "stream.zstd/1"
+
+
+def zstd_compressed(info: _StorageInfo) -> bool:
+    """Whether a stored item was written through DCP's ``ZStandard`` extension (checked by :func:`check_metadata`)."""
+    return list(getattr(info, "transform_descriptors", None) or []) == [ZSTD_TRANSFORM]
+
+
 def check_metadata(md: Metadata, *, file: str) -> None:
     """Check the parts of DCP metadata conversion uses (``convert.dcp_metadata``; ``path.unsafe`` for
     storage paths; ``convert.dcp_transform`` for stored data written through a DCP extension).
@@ -325,9 +334,11 @@ def _check_metadata(md: Metadata, file: str) -> None:
                       index.fqn)
         check_storage_name(info.relative_path, file=file)
         transforms = getattr(info, "transform_descriptors", None)
-        if transforms is not None and (not isinstance(transforms, (list, tuple)) or len(transforms)):
+        if transforms is not None and (not isinstance(transforms, (list, tuple))
+                                       or len(transforms) and list(transforms) != [ZSTD_TRANSFORM]):
             raise UnsupportedError(f"the data of {index.fqn!r} was written through DCP extensions "
-                                   f"{transforms!r:.80}; xckpt reads plain torch.save data only",
+                                   f"{transforms!r:.80}; xckpt reads plain torch.save data, and that data "
+                                   f"compressed by DCP's ZStandard extension ({ZSTD_TRANSFORM!r}) only",
                                    code="convert.dcp_transform", file=file, leaf=index.fqn)
     for fqn, smd in sdm.items():
         path = planner.get(fqn) if planner else None
