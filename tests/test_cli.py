@@ -525,3 +525,100 @@ def test_ls_of_one_checkpoint_lists_it_alone(tmp_path: Path, capsys: pytest.Capt
     rc, out = _cli(capsys, "ls", "--json", str(tmp_path / "c"))
     got = json.loads(out)["checkpoints"]
     assert [(c["name"], (c["error"] or {}).get("code")) for c in got] == [("c", "manifest.json")], got
+
+
+# -- found in an audit of the command line ---------------------------------------------------------------
+
+
+def _all_unicode(obj: Any) -> bool:
+    """Whether every string of a parsed JSON document (keys too) is valid Unicode (no lone surrogate)."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+            return True
+        except UnicodeEncodeError:
+            return False
+    if isinstance(obj, dict):
+        return all(_all_unicode(k) and _all_unicode(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return all(_all_unicode(v) for v in obj)
+    return True
+
+
+def test_json_output_names_files_that_are_not_utf8_in_valid_unicode(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A file name that is not UTF-8 came out as a lone surrogate escape ("\\udcff"), which strict JSON
+    parsers refuse; its undecodable bytes are now written as the text \\xff."""
+    ckpt = tmp_path / "c"
+    xckpt.save({"w": np.ones(3, np.float32)}, ckpt)
+    os.close(os.open(os.fsencode(ckpt) + b"/left\xffhere", os.O_CREAT | os.O_WRONLY, 0o644))
+    os.rename(ckpt, os.fsdecode(os.fsencode(tmp_path) + b"/ck\xfe"))
+    ckpt = Path(os.fsdecode(os.fsencode(tmp_path) + b"/ck\xfe"))
+    for args, rc_want in ((["validate", "--json", str(ckpt)], 0), (["ls", "--json", str(tmp_path)], 0),
+                          (["inspect", "--json", str(ckpt)], 0), (["diff", "--json", str(ckpt), str(ckpt)], 0)):
+        rc, out = _cli(capsys, *args)
+        assert rc == rc_want, (args, out)
+        assert "\\udc" not in out, out
+        got = json.loads(out)
+        assert _all_unicode(got), got
+    rc, out = _cli(capsys, "validate", "--json", str(ckpt))
+    files = [f["file"] for f in json.loads(out)["findings"]]
+    assert files == [str(tmp_path) + "/ck\\xfe/left\\xffhere"], files
+
+
+def test_json_of_a_deeply_nested_sharding_entry(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A manifest's sharding entry nesting 800 levels (the parser takes it, a load too) made `inspect --json`
+    die with a RecursionError traceback while printing it."""
+    ckpt = tmp_path / "c"
+    xckpt.save({"w": np.ones(3, np.float32)}, ckpt)
+    manifest = ckpt / "xckpt.json"
+    raw = manifest.read_text()
+    assert raw.count('"sharding":{') == 1
+    manifest.write_text(raw.replace('"sharding":{', '"sharding":{"x":' + "[" * 800 + "]" * 800 + ","))
+    assert xckpt.load(ckpt)["w"].tolist() == [1.0, 1.0, 1.0]
+    rc, out = _cli(capsys, "inspect", "--json", str(ckpt))
+    assert rc == 0
+    got = json.loads(out)["leaves"][0]["sharding"]["x"]
+    for _ in range(799):
+        got = got[0]
+    assert got == []
+
+
+def test_diff_compares_int64_and_float_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An int64 array against a float64 one was compared in float64, where 2**53 + 1 equals 2.0**53: token ids
+    written as floats by mistake came out as holding the same values."""
+    ids = np.array([2**53 + 1, 2**62 + 1, 7, -(2**63)], np.int64)
+    xckpt.save({"ids": ids, "n": np.array([2**64 - 1, 5], np.uint64)}, tmp_path / "a")
+    xckpt.save({"ids": ids.astype(np.float64), "n": np.array([2.0**64, 5.0])}, tmp_path / "b")
+    rc, out = _cli(capsys, "diff", "--values", "--json", str(tmp_path / "a"), str(tmp_path / "b"))
+    leaves = {v["key"]: v for v in json.loads(out)["values"]["leaves"]}
+    assert rc == 1
+    assert (leaves["ids"]["differing"], leaves["ids"]["max_abs_diff"], leaves["ids"]["equal"]) == (2, 1.0, False)
+    assert (leaves["n"]["differing"], leaves["n"]["max_abs_diff"], leaves["n"]["equal"]) == (1, 1.0, False)
+    same = compare_pieces(np.array([2**53, 3, -(2**63)], np.int64), np.array([2.0**53, 3.0, -(2.0**63)], np.float32))
+    assert same["equal"] and same["differing"] == 0
+    nan = compare_pieces(np.array([1, 2], np.uint64), np.array([np.nan, np.inf]))
+    assert nan == {"elements": 2, "differing": 2, "max_abs_diff": "inf", "max_rel_diff": None, "equal": False}
+
+
+def test_relative_difference_of_huge_floats_of_opposite_signs(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """|a - b| overflows to inf for 1e308 and -1e308, and the relative difference (at most 2) came out "inf"."""
+    xckpt.save({"x": np.array([1e308, 1.0, -3e307])}, tmp_path / "a")
+    xckpt.save({"x": np.array([-1e308, 1.0, 3e307])}, tmp_path / "b")
+    rc, out = _cli(capsys, "diff", "--values", "--json", str(tmp_path / "a"), str(tmp_path / "b"))
+    x = json.loads(out)["values"]["leaves"][0]
+    assert rc == 1 and x["differing"] == 2 and x["max_rel_diff"] == 2.0, x
+
+
+def test_validate_a_dangling_link_is_status_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A path that is a link to nothing cannot be opened (status 2, as a missing path), not an invalid
+    checkpoint (status 1, manifest.missing); a link to a checkpoint is still validated through it."""
+    os.symlink(tmp_path / "gone", tmp_path / "dangling")
+    capsys.readouterr()
+    assert cli_main(["validate", "--json", str(tmp_path / "dangling")]) == 2
+    got = capsys.readouterr()
+    assert got.out == "" and got.err.startswith("error: [io.read]") and got.err.count("\n") == 1, got
+    xckpt.save({"w": np.ones(3, np.float32)}, tmp_path / "c")
+    os.symlink(tmp_path / "c", tmp_path / "link")
+    assert cli_main(["validate", str(tmp_path / "link")]) == 0

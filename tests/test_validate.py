@@ -281,3 +281,111 @@ def test_any_corruption_of_any_file_gives_findings_never_a_crash(tmp_path: Path,
             np.testing.assert_array_equal(loaded[key], original[key])
             assert loaded[key].dtype == original[key].dtype
         assert loaded["step"] == original["step"]
+
+
+# -- found in an audit of the validator ----------------------------------------------------------------
+
+
+def test_the_same_defect_in_two_leaves_is_reported_for_each(tmp_path: Path) -> None:
+    """Findings were deduplicated by code and file alone: the manifest.path_name of a second leaf (same file,
+    xckpt.json) was dropped."""
+    ckpt = tmp_path / "c"
+    xckpt.save({"w": np.ones(3, np.float32), "b": np.zeros(2, np.float32)}, ckpt)
+
+    def rename(m: dict[str, Any]) -> None:
+        for e in m["leaves"]:
+            os.rename(ckpt / e["path"], ckpt / ("x" + e["path"]))
+            e["path"] = "x" + e["path"]
+
+    _edit_json(ckpt / naming.MANIFEST, rename)
+    report = xckpt.validate(ckpt)
+    named = sorted(f.leaf for f in report.findings if f.code == "manifest.path_name")
+    assert named == ["b", "w"], report.findings
+
+
+def test_links_and_special_files_name_their_leaf(tmp_path: Path) -> None:
+    """A link or FIFO inside an array's directory is reported once, naming the leaf (the directory walk's
+    finding, which had no leaf, hid the read's, which had it)."""
+    ckpt = tmp_path / "c"
+    xckpt.save({"model": {"w": np.ones((4, 4), np.float32), "b": np.zeros(2, np.float32)}}, ckpt)
+    os.remove(ckpt / "model.w" / "zarr.json")
+    os.mkfifo(ckpt / "model.w" / "zarr.json")
+    (ckpt / "model.b" / "c" / "0").unlink()
+    os.symlink("/etc/passwd", ckpt / "model.b" / "c" / "0")
+    report = xckpt.validate(ckpt, deep=True)
+    got = sorted((f.code, f.leaf, f.file) for f in report.findings)
+    assert got == [("path.link", "model/b", str(ckpt / "model.b" / "c" / "0")),
+                   ("path.special", "model/w", str(ckpt / "model.w" / "zarr.json"))], got
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="drops root's permission override with setpriv")
+def test_a_directory_that_cannot_be_listed_is_a_finding(tmp_path: Path) -> None:
+    """It stopped the validation with a traceback from xckpt.validate() (exit 2, "cannot be opened", from the
+    command line) instead of a finding; the rest of the checkpoint is still checked."""
+    import subprocess
+    import sys
+
+    ckpt = tmp_path / "c"
+    xckpt.save({"w": np.ones((4, 4), np.float32), "b": np.zeros(2, np.float32)}, ckpt)
+    os.symlink("/etc/passwd", ckpt / "b" / "c" / "link")
+    os.chmod(ckpt / "w" / "c", 0)
+    try:
+        out = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--", sys.executable,
+                              "-m", "xckpt", "validate", "--json", str(ckpt)], capture_output=True, text=True,
+                             timeout=120)
+    finally:
+        os.chmod(ckpt / "w" / "c", 0o755)
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    got = sorted((f["code"], f["leaf"], f["file"]) for f in json.loads(out.stdout)["findings"])
+    assert got == [("chunk.unexpected", "b", str(ckpt / "b" / "c" / "link")),
+                   ("io.read", "w", str(ckpt / "w" / "c")),
+                   ("path.link", "b", str(ckpt / "b" / "c" / "link"))], got
+
+
+def test_deep_validation_checks_inner_chunks_outside_the_array(tmp_path: Path) -> None:
+    """'v' (10 elements, chunks of 4, inner chunks of 2): its last chunk object holds one inner chunk in the
+    array and one wholly outside it. Deep validation crc-checked only the first: a stored inner chunk with a
+    wrong crc32c went unreported."""
+    from xckpt.format import shard
+
+    ckpt = _copy(SHARDED, tmp_path / "c")
+    gen = json.loads((ckpt / naming.MANIFEST).read_text())["generation"]
+    name = "v/c/2"
+    old = (ckpt / name).read_bytes()
+    first = old[:20]  # inner chunk 0: 2 int64 and their crc32c
+    payload = np.array([5, 6], "<i8").tobytes()
+    second = payload + (crc32c.crc32c(payload) ^ 1).to_bytes(4, "little")
+    index = np.array([[0, 20], [20, 20]], "<u8").tobytes()
+    index += crc32c.crc32c(index).to_bytes(4, "little")
+    tag = shard.place_tag(shard.place_of(gen, name), np.frombuffer(index, np.uint8)).tobytes()
+    (ckpt / name).write_bytes(first + second + tag + index)
+    assert xckpt.validate(ckpt).ok  # the index is sound
+    assert xckpt.load(ckpt)["v"].tolist() == (np.arange(10) * 3 - 7).tolist()  # no read touches it
+    report = xckpt.validate(ckpt, deep=True)
+    assert [(f.code, f.file, f.leaf) for f in report.findings] == [("chunk.crc32c", str(ckpt / name), "v")]
+
+
+def test_deep_validation_reads_a_large_inner_chunk_in_pieces(tmp_path: Path) -> None:
+    """One 48 MiB inner chunk was read whole into memory to check its crc32c; now in bounded pieces (a flipped
+    byte in its middle is still found)."""
+    import tracemalloc
+
+    ckpt = tmp_path / "c"
+    xckpt.save({"w": np.arange(12 << 20, dtype=np.float32)}, ckpt, inner_chunk_bytes=64 << 20)
+    assert json.loads((ckpt / naming.MANIFEST).read_text())["leaves"][0]["inner_chunk_shape"] == [12 << 20]
+    tracemalloc.start()
+    try:
+        report = xckpt.validate(ckpt, deep=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert report.ok and report.bytes_checked == (48 << 20) + 4
+    assert peak < 24 << 20, peak  # pieces of 16 MiB
+    chunk = ckpt / "w" / "c" / "0"
+    with open(chunk, "r+b") as f:
+        f.seek(30 << 20)
+        byte = f.read(1)
+        f.seek(30 << 20)
+        f.write(bytes([byte[0] ^ 1]))
+    assert [f.code for f in xckpt.validate(ckpt, deep=True).findings] == ["chunk.crc32c"]

@@ -98,7 +98,46 @@ def _print_json(obj: Any) -> None:
     """Print ``obj`` as strict JSON, which any parser reads (:func:`xckpt.format.jsonobj.finite`; other objects
     as strings)."""
     from xckpt.format import jsonobj
-    print(json.dumps(jsonobj.finite(obj), indent=1, default=str, allow_nan=False))
+    # a manifest's free-form members (sharding, metadata) may nest as deep as the parser takes (about 1000
+    # levels), and printing walks them recursively, several frames a level
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, _JSON_RECURSION_LIMIT))
+    try:
+        text = json.dumps(_unicode(jsonobj.finite(obj)), indent=1, default=lambda x: _unicode(str(x)),
+                          allow_nan=False)
+    finally:
+        sys.setrecursionlimit(limit)
+    print(text)
+
+
+#: Recursion limit while :func:`_print_json` runs: enough for the deepest document the JSON parser returns.
+_JSON_RECURSION_LIMIT = 10_000
+
+
+def _unicode(obj: Any) -> Any:
+    """``obj`` with every string (dict keys too) valid Unicode: a file name that is not UTF-8, which Python holds
+    with lone surrogates (``\\udcff``, which strict JSON parsers refuse), gets its undecodable bytes as ``\\xff``."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+            return obj
+        except UnicodeEncodeError:
+            return obj.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace") \
+                if _escapes_only(obj) else obj.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(obj, dict):
+        return {_unicode(k): _unicode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_unicode(v) for v in obj]
+    return obj
+
+
+def _escapes_only(text: str) -> bool:
+    """Whether the lone surrogates of ``text`` are all ``surrogateescape``'s (undecodable bytes of a file name)."""
+    try:
+        text.encode("utf-8", "surrogateescape")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -107,8 +146,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from xckpt.engine.storage import Location
     from xckpt.validate import validate
     loc = Location.of(args.path)
-    if loc.is_local and not os.path.lexists(loc.local_path):
-        raise XckptError(f"{args.path}: no such file or directory", code="io.read", file=str(loc))
+    if loc.is_local:
+        try:
+            os.stat(loc.local_path)  # through a link (the root may be one): a dangling one opens nothing either
+        except FileNotFoundError:
+            raise XckptError(f"{args.path}: no such file or directory", code="io.read", file=str(loc)) from None
+        except OSError:
+            pass  # the store says why (a link loop, a permission)
     with r.spinner(f"validating {args.path}" + (" (every chunk's crc32c)" if args.deep else ""),
                    enabled=args.deep and r.progress_enabled()):
         report = validate(args.path, deep=args.deep)

@@ -199,6 +199,10 @@ def _accumulate(a: np.ndarray, b: np.ndarray, st: _Stats) -> None:
     if {a.dtype.kind, b.dtype.kind} == {"i", "u"} and np.dtype(np.uint64) in (a.dtype, b.dtype):
         _accumulate_signed_unsigned(a, b, st)  # no common numpy type holds both exactly
         return
+    if {a.dtype.kind, b.dtype.kind} in ({"i", "f"}, {"u", "f"}) and max(a.dtype.itemsize, b.dtype.itemsize) == 8 \
+            and (a if a.dtype.kind != "f" else b).dtype.itemsize == 8:
+        _accumulate_int64_float(a, b, st)  # float64 does not hold every 64-bit integer
+        return
     work, exact = _common(a.dtype, b.dtype)
     fa, fb = a.reshape(-1), b.reshape(-1)
     st.elements += fa.size
@@ -221,7 +225,8 @@ def _accumulate(a: np.ndarray, b: np.ndarray, st: _Stats) -> None:
             else:
                 d = np.abs(x - y).astype(np.float64)
                 den = np.maximum(np.abs(x), np.abs(y)).astype(np.float64)
-                st.add_max(_nanmax(d), _nanmax(d / den))
+                # each side scaled first: x - y overflows for huge values of opposite signs, the ratio never does
+                st.add_max(_nanmax(d), _nanmax(np.abs(x / den - y / den).astype(np.float64)))
 
 
 def _nan_equal(x: Any, y: Any) -> Any:
@@ -257,6 +262,36 @@ def _accumulate_signed_unsigned(a: np.ndarray, b: np.ndarray, st: _Stats) -> Non
             xn, yn = x[neg].astype(object), y[neg].astype(object)
             d = yn - xn
             st.add_max(int(d.max()), float((d / np.maximum(-xn, yn)).max()))
+
+
+def _accumulate_int64_float(a: np.ndarray, b: np.ndarray, st: _Stats) -> None:
+    """:func:`_accumulate` of a 64-bit integer array and a float one, exactly: an element is equal only when the
+    float is that very integer (``2**53 + 1`` is not ``2.0**53``, which it is in float64). The absolute difference
+    is exact (as a float) where the float is an integer in the integer type's range."""
+    ints, floats = (a, b) if b.dtype.kind == "f" else (b, a)
+    fi, ff = ints.reshape(-1), floats.reshape(-1)
+    lo, hi = (0.0, 2.0**64) if fi.dtype.kind == "u" else (-(2.0**63), 2.0**63)
+    st.elements += fi.size
+    with np.errstate(all="ignore"):
+        for s in range(0, fi.size, _BLOCK):
+            x, y = fi[s:s + _BLOCK], ff[s:s + _BLOCK].astype(np.float64)
+            whole = np.isfinite(y) & (y == np.floor(y)) & (y >= lo) & (y < hi)  # y converts to x's type exactly
+            yi = np.where(whole, y, 0).astype(fi.dtype)
+            ne = ~whole | (yi != x)
+            n = int(np.count_nonzero(ne))
+            if n == 0:
+                continue
+            st.differing += n
+            x, y, yi, whole = x[ne], y[ne], yi[ne], whole[ne]
+            xf = x.astype(np.float64)
+            d = np.abs(xf - y)
+            # exact even for 64-bit integers: the true difference is below 2**64 and wraps into uint64
+            d[whole] = (np.maximum(x[whole], yi[whole]).astype(np.uint64)
+                        - np.minimum(x[whole], yi[whole]).astype(np.uint64)).astype(np.float64)
+            big = np.isfinite(y) & (y == np.floor(y)) & ~whole  # a whole float beyond the integer type: Python ints
+            if big.any():
+                d[big] = [float(abs(int(p) - int(q))) for p, q in zip(x[big].tolist(), y[big].tolist())]
+            st.add_max(_nanmax(d), _nanmax(d / np.maximum(np.abs(xf), np.abs(y))))
 
 
 def _num(x: float | int | None) -> float | int | str | None:

@@ -3,8 +3,9 @@
 Every finding has a stable code (listed in the spec) and names the file and leaf.
 Without ``deep``, only metadata and shard indexes are read: every offset in every
 shard index is checked against the object's size before it is trusted
-(:func:`xckpt.format.shard.parse_index`). With ``deep``, every inner chunk's crc32c is
-recomputed, one chunk at a time. Nothing is read through a link or from a special file:
+(:func:`xckpt.format.shard.parse_index`). With ``deep``, the crc32c of every stored inner
+chunk (those wholly outside the array too) is recomputed, an uncompressed one in pieces of at most
+:data:`CRC_PIECE_BYTES`, so that memory stays bounded. Nothing is read through a link or from a special file:
 every read goes through the checkpoint's store, and so does the directory walk
 (:meth:`~xckpt.engine.storage.LocalStore.walk`).
 """
@@ -20,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from xckpt.engine.read import ReadRequest, read_regions
-from xckpt.engine.storage import LocalStore, Location, Store
-from xckpt.errors import XckptError, XckptWarning
+from xckpt.engine.storage import LocalStore, Location, Store, entry_kind
+from xckpt.errors import IntegrityError, XckptError, XckptWarning
 from xckpt.format import names as naming, orbax_view as orbax_files, shard, zarr
 from xckpt.format.manifest import ArrayEntry, Manifest, StoredArray, ValueEntry
 from xckpt.format.regions import Region, chunk_indices
@@ -122,31 +123,49 @@ def validate(path: Any, deep: bool = False) -> Report:
 
 
 def _dedupe(report: Report) -> None:
-    """One finding per code and file (a link is found both by the directory walk and by the read refusing it)."""
-    seen: set[tuple[str, str | None]] = set()
+    """One finding per code, file and leaf (a link is found both by the directory walk and by the read refusing
+    it); a finding without a leaf is dropped where the same code and file were found with one."""
+    with_leaf = {(f.code, f.file) for f in report.findings if f.leaf}
+    seen: set[tuple[str, str | None, str | None]] = set()
     kept = []
     for f in report.findings:
-        if (f.code, f.file) not in seen:
-            seen.add((f.code, f.file))
+        if f.leaf is None and (f.code, f.file) in with_leaf:
+            continue
+        if (f.code, f.file, f.leaf) not in seen:
+            seen.add((f.code, f.file, f.leaf))
             kept.append(f)
     report.findings[:] = kept
 
 
 def _check_files(store: LocalStore, m: Manifest, report: Report) -> None:
-    """Plain files and directories only (found by a walk that never follows a link); warn about
-    top-level names nothing refers to."""
+    """Plain files and directories only (found by walks that never follow a link), each finding naming the
+    leaf whose top-level name holds the file; warn about top-level names nothing refers to. A directory that
+    cannot be listed is an ``io.read`` finding, and the other top-level names are still walked."""
     add = report.findings.append
-    top: set[str] = set()
-    for name, kind in store.walk():
-        file = str(store.location.child(name))
-        if "/" not in name:
-            top.add(name)
-        if kind == "link":
-            add(Finding("path.link", f"symbolic link to {_readlink(file)!r}; a checkpoint must hold plain files "
-                        "only", file))
-        elif kind not in ("file", "dir"):
-            add(Finding("path.special", f"a {kind}, not a regular file or directory", file))
-    for name in sorted(top - m.top_names()):
+    owner = {e.path: key_str(e.key) for e in m.arrays()}
+    owner.update((e.orbax_path, key_str(e.key)) for e in m.leaves if isinstance(e, ValueEntry) and e.orbax_path)
+    try:
+        with os.scandir(store.pinned_path()) as it:
+            top = sorted((entry.name, entry_kind(entry)) for entry in it)
+    except OSError as exc:
+        add(Finding("io.read", f"cannot list {store.root}: {exc.strerror}", store.root))
+        return
+    for first, first_kind in top:
+        leaf = owner.get(first)
+        subtree = [(first, first_kind)]
+        if first_kind == "dir":
+            try:
+                subtree.extend(store.walk(first))
+            except XckptError as exc:  # a directory that cannot be listed; what was walked before it still counts
+                add(Finding(exc.code, exc.message, exc.file, leaf))
+        for name, kind in subtree:
+            file = str(store.location.child(name))
+            if kind == "link":
+                add(Finding("path.link", f"symbolic link to {_readlink(file)!r}; a checkpoint must hold plain files "
+                            "only", file, leaf))
+            elif kind not in ("file", "dir"):
+                add(Finding("path.special", f"a {kind}, not a regular file or directory", file, leaf))
+    for name in sorted({name for name, _ in top} - m.top_names()):
         add(Finding("path.unexpected", "no leaf of the manifest refers to this name", str(store.location.child(name)),
                     severity="warning"))
 
@@ -240,7 +259,12 @@ def _check_array(loc: Location, store: Store, e: ArrayEntry, a: StoredArray, dee
     if why is not None:
         add(Finding("array.metadata_mismatch", why, str(loc.child(f"{a.path}/zarr.json")), leaf))
         return
-    stored = set(store.list(a.path + "/"))
+    try:  # the store's own walk: a directory it cannot list is a finding, not every chunk reported missing
+        stored = {n for n, kind in store.walk(a.path) if kind != "dir"} if isinstance(store, LocalStore) else \
+            set(store.list(a.path + "/"))
+    except XckptError as exc:
+        add(Finding(exc.code, exc.message, exc.file, leaf))
+        return
     stored.discard(a.path + "/zarr.json")
     geom = zarr.geometry(e.storage_dtype, a.chunk_shape, a.inner_chunk_shape, e.compression)
     missing = 0
@@ -279,17 +303,41 @@ def _check_shard(loc: Location, store: Store, name: str, geom: shard.Geometry, v
         n_tail = shard.tail_nbytes(geom, place)
         tail = blob.read_tail(min(n_tail, blob.size)) if blob.size is not None else blob.read_tail(n_tail)
         index = shard.parse_index(geom, tail, blob.size, valid, place=place, file=file, leaf=leaf)
-        if deep:
-            for k, _, _ in geom.inner_chunks(valid):
-                off, nbytes = int(index[k, 0]), int(index[k, 1])
-                data = np.empty(nbytes, dtype=np.uint8)
-                blob.read_into(off, data)
+        if deep:  # every stored inner chunk (those outside the array too), in the order of their bytes
+            present = (index[:, 0] != _MISSING) | (index[:, 1] != _MISSING)
+            for off, nbytes in sorted((int(o), int(n)) for o, n in index[present]):
+                if geom.compression == "none":
+                    _check_crc_streamed(blob, off, nbytes, file, leaf)
+                else:  # decoded whole, as a read does
+                    data = np.empty(nbytes, dtype=np.uint8)
+                    blob.read_into(off, data)
+                    shard.open_inner(geom, data, file=file, leaf=leaf)
                 report.bytes_checked += nbytes
-                shard.open_inner(geom, data, file=file, leaf=leaf)
     except XckptError as exc:
         add(Finding(exc.code, exc.message, exc.file or file, exc.leaf or leaf))
     finally:
         blob.close()
+
+
+#: Bytes of an uncompressed inner chunk deep validation reads at a time (its crc32c is computed piece by piece).
+CRC_PIECE_BYTES = 16 << 20
+
+
+def _check_crc_streamed(blob: Any, off: int, nbytes: int, file: str, leaf: str) -> None:
+    """Check the crc32c of the uncompressed inner chunk of ``nbytes`` bytes (its crc32c last) at ``off`` of
+    ``blob``, reading it in pieces of at most :data:`CRC_PIECE_BYTES`: memory stays bounded whatever its size."""
+    end = off + nbytes - 4
+    buf = np.empty(min(CRC_PIECE_BYTES, max(0, end - off)), dtype=np.uint8)
+    crc, pos = 0, off
+    while pos < end:
+        piece = buf[:min(buf.size, end - pos)]
+        blob.read_into(pos, piece)
+        crc = shard.checksum(piece, crc)
+        pos += piece.size
+    stored = np.empty(4, dtype=np.uint8)
+    blob.read_into(end, stored)
+    if crc != int.from_bytes(stored.tobytes(), "little"):
+        raise IntegrityError("inner chunk crc32c does not match", code="chunk.crc32c", file=file, leaf=leaf)
 
 
 def _json(raw: bytes) -> Any:

@@ -203,15 +203,16 @@ class Store(Protocol):
         """Release what the store holds open."""
 
 
-def _kind(entry: os.DirEntry[str]) -> str:
-    """What a directory entry is, without following a link."""
-    if entry.is_symlink():
-        return "link"
-    if entry.is_dir(follow_symlinks=False):
-        return "dir"
-    if entry.is_file(follow_symlinks=False):
-        return "file"
+def entry_kind(entry: os.DirEntry[str]) -> str:
+    """What a directory entry is (``link``, ``dir``, ``file``, ``fifo``, ``socket``, ``device`` or ``other``),
+    from the listing or ``lstat``: a link is never followed, and an entry that cannot be looked at is ``other``."""
     try:
+        if entry.is_symlink():
+            return "link"
+        if entry.is_dir(follow_symlinks=False):
+            return "dir"
+        if entry.is_file(follow_symlinks=False):
+            return "file"
         mode = entry.stat(follow_symlinks=False).st_mode
     except OSError:
         return "other"
@@ -630,7 +631,7 @@ class LocalStore:
                     os.close(stack.pop()[0])
                     continue
                 name = f"{rel}/{entry.name}" if rel else entry.name
-                kind = _kind(entry)
+                kind = entry_kind(entry)
                 yield name, kind
                 if kind == "dir":
                     try:
