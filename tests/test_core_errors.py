@@ -81,12 +81,16 @@ def test_missing_chunk(ckpt):
     assert info.value.file.endswith("params.w/c/0/0")  # the missing chunk object itself
 
 
-def test_truncated_chunk(ckpt):
+@pytest.mark.parametrize("keep", [20, -40], ids=["shorter_than_its_index", "its_last_bytes_lost"])
+def test_truncated_chunk(ckpt, keep):
+    """A chunk object cut short is chunk.truncated for a load and a validator alike, also when it still holds more
+    bytes than its index (its last bytes, read as the index, would only fail the index's crc32c)."""
     f = _shard_file(ckpt)
-    f.write_bytes(f.read_bytes()[:20])
+    f.write_bytes(f.read_bytes()[:keep])
     with pytest.raises(DataError) as info:
         xckpt.load(ckpt)
     assert info.value.code == "chunk.truncated" and info.value.leaf == "params/w"
+    assert "chunk.truncated" in xckpt.validate(ckpt).codes()
 
 
 def test_crc_mismatch(ckpt):

@@ -400,6 +400,14 @@ def parse_index(geom: Geometry, tail: bytes | np.ndarray, size: int | None, vali
     if size < need_bytes:
         raise DataError(f"object has {size} bytes, less than its {need_bytes}-byte shard index",
                         code="chunk.truncated", file=file, leaf=leaf)
+    if known and geom.compression == "none":  # an uncompressed object has at least its inner chunks' bytes: one
+        # cut short is told so (its tail, read as the index, would only fail the index's crc32c)
+        # (the place tag not counted: an object without one is told so by the tag check, chunk.place)
+        least = math.prod(-(-v // i) for v, i in zip(valid, geom.inner_shape)) * (geom.inner_nbytes + _CRC) \
+            + geom.index_nbytes
+        if size < least:
+            raise DataError(f"object has {size} bytes, less than the {least} of its inner chunks and index",
+                            code="chunk.truncated", file=file, leaf=leaf)
     raw = np.frombuffer(tail, dtype=np.uint8) if isinstance(tail, bytes) else tail
     if raw.size != need_bytes:
         raise DataError("shard index is truncated", code="chunk.truncated", file=file, leaf=leaf)
