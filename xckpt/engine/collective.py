@@ -148,13 +148,14 @@ class ThreadCoordinator:
 
 
 def pack(obj: Any) -> bytes:
-    """msgpack-encode a plain object (lists, dicts, str, int, float, bool, None, bytes)."""
-    return msgpack.packb(obj, use_bin_type=True)
+    """msgpack-encode a plain object (lists, dicts, str, int, float, bool, None, bytes); a string holding a file
+    name's undecodable bytes (Python's ``surrogateescape``: a path that is not UTF-8) goes with them."""
+    return msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogateescape")
 
 
 def unpack(data: bytes) -> Any:
     """Inverse of :func:`pack`."""
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, unicode_errors="surrogateescape")
 
 
 def wait_warn_s() -> float:
