@@ -104,7 +104,9 @@ def _local(d: DTensor, pieces: Sequence[tuple[Region, tuple[slice, ...]]], expec
             local = d.to_local().detach()
     if expect is not None and expect != tuple(local.shape) and pieces:
         raise UnsupportedError(f"DTensor local tensor has shape {tuple(local.shape)} but placements "
-                               f"{list(d.placements)} give {expect} (padded local tensors are not supported)",
+                               f"{list(d.placements)} give {expect}: padded local tensors are not supported, nor an "
+                               "uneven _StridedShard whose split torch made in another order than its placements "
+                               "read (FSDP2 over tensor parallel with a dimension the meshes do not divide)",
                                code="dtensor.local_shape")
     return local
 
