@@ -30,7 +30,7 @@ from xckpt.format.tree import key_str
 #: Objects at most this large are read with one request.
 SMALL_OBJECT = 64 << 10
 #: Small objects (and ``zarr.json`` files) an object store is asked for at once (:meth:`Store.prefetch`): at
-#: most 16 MiB of small objects, or 256 MiB of ``zarr.json`` files as large as a reader takes, held at a time.
+#: most 16 MiB of them held at a time.
 PREFETCH_WINDOW = 256
 #: Small objects a checking pass (``precheck``) keeps, read and checked, for the filling pass, at most.
 MAX_KEPT_BYTES = 64 << 20
@@ -173,7 +173,8 @@ def _check_arrays(store: Store, arrays: Sequence[_Array], file: Callable[[str], 
     total = 0
     for at in range(0, len(arrays), PREFETCH_WINDOW):
         window = arrays[at:at + PREFETCH_WINDOW]
-        got = store.prefetch([f"{a.path}/{zarr_format.METADATA}" for a in window], zarr_format.MAX_METADATA_BYTES)
+        # (those above SMALL_OBJECT, which real ones never are, are read one by one under their own bound)
+        got = store.prefetch([f"{a.path}/{zarr_format.METADATA}" for a in window], SMALL_OBJECT)
         total += sum(_check_array(store, a, file, got.get(f"{a.path}/{zarr_format.METADATA}")) for a in window)
     return total
 
