@@ -604,7 +604,8 @@ class _Reads:
             raws = [np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype)) for p, _ in batch]
             ckpt.read([ReadRequest(p.entry, p.region, raw) for (p, _), raw in zip(batch, raws)])
             for (p, k), raw in zip(batch, raws):
-                _fits(raw, p)
+                if not self.unstaged:  # (unstaged, every value was checked before the direct reads)
+                    _fits(raw, p)
                 value = _logical(raw, p.entry, p.dtype)
                 if p.out is not None:
                     np.copyto(p.out, value)
@@ -653,28 +654,18 @@ def _narrows(stored: str, wanted: str) -> bool:
 
 
 def _limits(dst: np.dtype) -> tuple[Any, Any, bool] | None:
-    """``(lowest, highest, integer)`` of the values a number dtype holds (floats: finite ones), else None."""
+    """``(lowest, highest, integer)`` of the values a number dtype holds (floats, ml_dtypes' bfloat16 and float8
+    included: finite ones), else None."""
     if dst.kind in "iu":
         info = np.iinfo(dst)
         return int(info.min), int(info.max), True
-    if dst.kind == "f" or dst.kind == "V" and dst.type in ml_dtypes_floats():
-        finfo = np.finfo(dst) if dst.kind == "f" else ml_dtypes.finfo(dst)
-        return float(finfo.min), float(finfo.max), False
-    return None
-
-
-def ml_dtypes_floats() -> tuple[type, ...]:
-    """The floating types of ml_dtypes (bfloat16, the float8 family and the like) this numpy knows."""
-    return tuple(t for t in (getattr(ml_dtypes, n, None) for n in dir(ml_dtypes)) if isinstance(t, type)
-                 and issubclass(t, np.generic) and np.dtype(t).kind == "V" and _is_ml_float(t))
-
-
-def _is_ml_float(t: type) -> bool:
+    if dst.kind not in "fV":
+        return None
     try:
-        ml_dtypes.finfo(t)
-    except (ValueError, TypeError, KeyError):
-        return False
-    return True
+        finfo = np.finfo(dst) if dst.kind == "f" else ml_dtypes.finfo(dst)
+    except (ValueError, TypeError, KeyError):  # a structured or raw dtype: no range
+        return None
+    return float(finfo.min), float(finfo.max), False
 
 
 #: Elements a range check converts at a time (to float64 or int64): bounded memory for any region.

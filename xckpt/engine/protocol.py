@@ -173,10 +173,7 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None, opt
         try:
             descs, sources = describe(tree)
         except XckptError as exc:  # a leaf that cannot be saved: the error names the save's destination too
-            named = exc.at(file=str(final))
-            if named is exc:
-                raise
-            raise named from exc
+            raise exc.at(file=str(final)) from None
         if descs.notes:
             opts.metadata["xckpt.notes"] = descs.notes
         wire = descs.to_wire()

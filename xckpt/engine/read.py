@@ -236,17 +236,19 @@ def _read_object(store: Store, obj: _Object, scratch: _Scratch, file: Callable[[
     n_tail = shard.tail_nbytes(geom, place)
     try:
         whole = None
-        size = len(fetched) if fetched is not None else blob.size if blob is not None else None
         if fetched is not None:
             whole = np.frombuffer(fetched, dtype=np.uint8)
-            tail = whole[len(fetched) - n_tail:] if len(fetched) >= n_tail else whole
-        elif blob is not None and blob.size is not None and (blob.size <= SMALL_OBJECT or blob.size < n_tail):
-            whole = np.empty(blob.size, dtype=np.uint8)
-            blob.read_into(0, whole)
-            tail = whole[blob.size - n_tail:] if blob.size >= n_tail else whole
         else:
             assert blob is not None
-            tail = blob.read_tail(n_tail)
+            if blob.size is not None and (blob.size <= SMALL_OBJECT or blob.size < n_tail):
+                whole = np.empty(blob.size, dtype=np.uint8)
+                blob.read_into(0, whole)
+        if whole is not None:
+            size: int | None = whole.size
+            tail = whole[whole.size - n_tail:] if whole.size >= n_tail else whole
+        else:
+            assert blob is not None
+            size, tail = blob.size, blob.read_tail(n_tail)
         index = shard.parse_index(geom, tail, size, obj.valid, place=place)
         done = whole.size if whole is not None else tail.size
         if not fill:
