@@ -106,16 +106,21 @@ def _array_info(raw: bytes, zarr3: bool, file: str, leaf: str) -> ArrayInfo:
     shape = _ints(meta.get("shape"), "shape", file, leaf)
     if zarr3:
         grid = meta.get("chunk_grid")
-        chunk_raw = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) else None
+        grid_conf = grid.get("configuration") if isinstance(grid, dict) else None
+        chunk_raw = grid_conf.get("chunk_shape") if isinstance(grid_conf, dict) else None
         chunk = _ints(chunk_raw, "chunk_grid chunk_shape", file, leaf, positive=True)
         dtype = _zarr3_dtype(meta.get("data_type"), file, leaf)
         inner, compression = chunk, "none"
         codecs = meta.get("codecs") if isinstance(meta.get("codecs"), list) else []
-        for c in codecs:
+        for c in list(codecs):
             if isinstance(c, dict) and c.get("name") == "sharding_indexed":
-                conf = c.get("configuration", {})
+                conf = c.get("configuration")
+                if not isinstance(conf, dict):
+                    raise ManifestError(f"sharding_indexed configuration is {conf!r:.100}, not an object",
+                                        code="array.metadata", file=file, leaf=leaf)
                 inner = _ints(conf.get("chunk_shape"), "sharding_indexed chunk_shape", file, leaf, positive=True)
-                codecs = conf.get("codecs", [])
+                inner_codecs = conf.get("codecs")
+                codecs = inner_codecs if isinstance(inner_codecs, list) else []
         names = [c.get("name") for c in codecs if isinstance(c, dict) and c.get("name") not in ("bytes", "crc32c")]
         compression = "+".join(str(n) for n in names) or "none"
     else:
@@ -164,14 +169,15 @@ def entry_for(ckpt: OrbaxCheckpoint, rec: Record, info: ArrayInfo | None,
     """The manifest entry that stands for the Orbax record ``rec`` (array, scalar, string or none)."""
     if rec.value_type in ARRAY_TYPES + ("scalar",) and not rec.skip:
         assert info is not None
+        path = ckpt.entry_path(rec.name)
         if rec.value_type == "scalar" and info.shape == ():
-            ckpt.scalar_dtypes[rec.name] = info.dtype
-            return ValueEntry(rec.key, scalar_type(info.dtype), rec.name)
+            ckpt.scalar_dtypes[path] = info.dtype
+            return ValueEntry(rec.key, scalar_type(info.dtype), path)
         detail: dict[str, Any] = {"framework": "jax", "source": "orbax", "value_type": rec.value_type}
         if rec.write_shape is not None:
             detail["write_shape"] = rec.write_shape
         detail.update(sharding or {})
-        return ArrayEntry(rec.key, rec.name, info.shape, info.dtype, info.dtype, info.chunk_shape,
+        return ArrayEntry(rec.key, path, info.shape, info.dtype, info.dtype, info.chunk_shape,
                           info.inner_chunk_shape, info.compression, detail)
     if rec.value_type == "string":
         return ValueEntry(rec.key, "str")

@@ -46,6 +46,9 @@ from xckpt.interop.orbax.ocdbt import KeyIndex, index_databases, process_databas
 
 
 STRINGS = "_strings.json"
+#: How a ``/`` of an Orbax array name is written in its entry's path (``%`` as ``%25``: see
+#: :meth:`OrbaxCheckpoint.entry_path`).
+NESTED_SEP = "%2F"
 
 
 
@@ -70,10 +73,27 @@ class OrbaxCheckpoint:
         self.strict_fill = strict_fill
         #: Where each key is, when the OCDBT databases of a multi-process save were never merged (else None).
         self.unmerged = unmerged
-        #: The stored dtype of each scalar's 0-d array, by array name.
+        #: The stored dtype of each scalar's 0-d array, by its entry's path.
         self.scalar_dtypes: dict[str, str] = {}
+        #: Orbax's own name of each array whose name holds ``/`` (stored in nested directories) or ``%``, by entry path.
+        self._stored: dict[str, str] = {}
         self._context = ts.Context({"cache_pool": {"total_bytes_limit": 0},
                                     "cache_pool#ocdbt": {"total_bytes_limit": _OCDBT_CACHE_BYTES}})
+
+    def entry_path(self, name: str) -> str:
+        """The path of the entry for the Orbax array ``name``: the name itself, or for a name holding ``/``
+        (a key such as Haiku's ``mlp/~/linear_0``, which Orbax stores in nested directories) or ``%`` the
+        name with each ``%`` written ``%25`` and each ``/`` ``%2F``, since an entry's path is one plain
+        name (and no two arrays' paths can then be the same: ``a/b`` is ``a%2Fb``, ``a%2Fb`` is ``a%252Fb``)."""
+        if "/" not in name and "%" not in name:
+            return name
+        path = name.replace("%", "%25").replace("/", NESTED_SEP)
+        self._stored[path] = name
+        return path
+
+    def stored_name(self, path: str) -> str:
+        """Orbax's name (its directory, or OCDBT key prefix) of the array whose entry path is ``path``."""
+        return self._stored.get(path, path)
 
     def values(self) -> dict[int, Any]:
         """Value leaves by leaf index: scalars read from their 0-d arrays, strings, None."""
@@ -84,6 +104,7 @@ class OrbaxCheckpoint:
     def kvstore_spec(self, path: str = "") -> dict[str, Any]:
         """The kvstore spec of ``path`` (a directory) inside the checkpoint, through OCDBT if used (through
         the per-process databases holding its keys when they were never merged)."""
+        path = self.stored_name(path)
         if not self.ocdbt:
             return self.store.kvstore(path)
         if self.unmerged is not None:
@@ -124,7 +145,7 @@ class OrbaxCheckpoint:
 
     def read(self, requests: Sequence[ReadRequest], *, precheck: bool = False) -> int:
         """Fill each request's output through TensorStore, as Orbax itself reads."""
-        read_views(requests, self.open_array, lambda e: str(self.loc.child(e.path)))
+        read_views(requests, self.open_array, lambda e: str(self.loc.child(self.stored_name(e.path))))
         return sum(r.out.nbytes for r in requests)
 
     def check(self, requests: Sequence[ReadRequest]) -> None:
@@ -141,7 +162,7 @@ class OrbaxCheckpoint:
     def metadata_file(self, name: str) -> str:
         """The display path of an array's zarr metadata file (inside OCDBT when it is used)."""
         meta = "zarr.json" if self.zarr3 else ".zarray"
-        return str(self.loc.child(f"{name}/{meta}")) + (" (in OCDBT)" if self.ocdbt else "")
+        return str(self.loc.child(f"{self.stored_name(name)}/{meta}")) + (" (in OCDBT)" if self.ocdbt else "")
 
 
 def open_orbax(path: Any, *, committed: bool | None = None) -> OrbaxCheckpoint:
@@ -187,7 +208,10 @@ def _open(loc: Location, store: Store, committed: bool | None = None) -> OrbaxCh
     records = read_records(meta, meta_file)
     top_dirs: set[str] | None = None
     if isinstance(store, LocalStore):
-        arrays_at = {r.name: key_str(r.key) for r in records if r.value_type in ARRAY_TYPES + ("scalar",)}
+        arrays_at: dict[str, str] = {}
+        for r in records:  # an array named a/b is stored below the top-level directory a
+            if r.value_type in ARRAY_TYPES + ("scalar",):
+                arrays_at.setdefault(r.name.split("/", 1)[0], key_str(r.key))
         top_dirs = set()
         check_tree(store, arrays_at, top_dirs)
     if committed is None:
@@ -269,12 +293,12 @@ def read_values(ckpt: OrbaxCheckpoint) -> dict[int, Any]:
         try:
             reads.append((i, e, entry, fut.result().read()))
         except Exception as exc:  # noqa: BLE001
-            raise translate(exc, entry, str(ckpt.loc.child(entry.path))) from exc
+            raise translate(exc, entry, str(ckpt.loc.child(ckpt.stored_name(entry.path)))) from exc
     for i, e, entry, fut in reads:
         try:
             value = np.asarray(fut.result())
         except Exception as exc:  # noqa: BLE001
-            raise translate(exc, entry, str(ckpt.loc.child(entry.path))) from exc
+            raise translate(exc, entry, str(ckpt.loc.child(ckpt.stored_name(entry.path)))) from exc
         out[i] = {"bool": bool, "int": int, "float": float, "complex": complex}[e.type](value.item())
     return out
 
@@ -291,13 +315,30 @@ def _strings(loc: Location, store: Store) -> dict[str, Any]:
     return obj
 
 
+def _lookup(strings: dict[str, Any], name: str) -> tuple[bool, Any]:
+    """``(found, value)`` of the string ``name`` in ``_strings.json``, looked up as Orbax writes it: at the JSON
+    pointer ``/<name>``, so a ``/`` in a key nests (``{"sl": {"ash": ...}}`` for the key ``sl/ash``) and
+    ``~1`` / ``~0`` stand for ``/`` / ``~``."""
+    node: Any = strings
+    for token in name.split("/"):
+        token = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif (isinstance(node, list) and token.isascii() and token.isdigit() and len(token) < 19
+              and int(token) < len(node)):
+            node = node[int(token)]
+        else:
+            return False, None
+    return True, node
+
+
 def _string(loc: Location, strings: dict[str, Any], e: ValueEntry) -> str:
     name = ".".join(str(k) for k in e.key)
     file = str(loc.child(STRINGS))
-    if name not in strings:
+    found, value = (True, strings[name]) if name in strings else _lookup(strings, name)
+    if not found:
         raise DataError(f"string {name!r} is missing from {STRINGS}", code="orbax.strings_missing",
                         file=file, leaf=key_str(e.key))
-    value = strings[name]
     if not isinstance(value, str):
         raise ManifestError(f"{STRINGS} holds {type(value).__name__} for {name!r}, not a string",
                             code="orbax.strings_invalid", file=file, leaf=key_str(e.key))

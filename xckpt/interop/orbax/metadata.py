@@ -28,7 +28,9 @@ EMPTY_TYPES = {"Dict": "dict", "List": "list", "Tuple": "tuple", "NamedTuple": "
 NONE_TYPES = ("None", "placeholder")
 
 
-_INDEX = re.compile(r"^(0|[1-9][0-9]*)$")
+#: A sequence index: a decimal integer without leading zeros, of at most 18 digits (so ``int`` always takes it,
+#: and no longer one could be an index of a list that fits in memory).
+_INDEX = re.compile(r"^(0|[1-9][0-9]{0,17})$")
 
 
 @dataclass
@@ -110,7 +112,7 @@ def _key_parts(tree_key: str, km: Any, file: str) -> list[tuple[str, int]]:
             raise ManifestError(f"key_metadata entry {k!r} of {tree_key} needs a str key and key_type 1 or 2",
                                 code="orbax.invalid", file=file, leaf=tree_key)
         if k["key_type"] == KEY_SEQUENCE and not _INDEX.match(k["key"]):
-            raise ManifestError(f"sequence key {k['key']!r} of {tree_key} is not an index",
+            raise ManifestError(f"sequence key {k['key'][:100]!r} of {tree_key} is not an index",
                                 code="orbax.invalid", file=file, leaf=tree_key)
         parts.append((k["key"], k["key_type"]))
     return parts
@@ -249,13 +251,18 @@ def finish(node: dict[str, Any], key: Key) -> tuple[Node, list[Record]]:
 
 
 def check_names(records: list[Record], file: str) -> None:
-    """Array names must stay inside the checkpoint and be distinct, before any is read."""
+    """Array names must stay inside the checkpoint and be distinct, before any is read.
+
+    A name may hold ``/`` (a dict key such as Haiku's ``mlp/~/linear_0``: Orbax stores the array in nested
+    directories) when every part of it is a plain name (no ``..``, ``.`` or empty part) and the first part
+    is not one of the checkpoint's own files.
+    """
     seen: dict[str, Key] = {}
     for rec in records:
         leaf = key_str(rec.key)
         naming.check_relative(rec.name, file=file, leaf=leaf)
-        if "/" in rec.name or rec.name in naming.RESERVED:
-            raise UnsafePathError(f"array name {rec.name!r} must be one plain name, not reserved",
+        if rec.name.split("/", 1)[0] in naming.RESERVED:
+            raise UnsafePathError(f"array name {rec.name!r} is (or is below) a reserved name",
                                   file=file, leaf=leaf)
         if rec.name in seen:
             raise ManifestError(f"leaves {key_str(seen[rec.name])!r} and {leaf!r} are both stored as "
