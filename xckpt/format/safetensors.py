@@ -20,7 +20,7 @@ import json
 import math
 import posixpath
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 from xckpt.errors import ManifestError, ShapeError, UnsafePathError, UnsupportedError, XckptError
 from xckpt.format import dtypes
@@ -95,34 +95,65 @@ def _fail(cls: type[XckptError], code: str, message: str, file: str, tensor: str
     raise cls(message, code=code, file=file, leaf=tensor)
 
 
-def _no_duplicates(code: str, file: str, what: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
-    """An ``object_pairs_hook`` refusing a member given twice (``json`` would keep the last silently)."""
+class _Duplicated(dict):  # type: ignore[type-arg]
+    """A parsed JSON object that holds, itself or at some depth, a member given twice (``json`` would keep
+    the last silently). ``path``: the member names leading to the object that repeats one (list levels
+    left out), then the name repeated."""
 
-    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in pairs:
+    path: tuple[str, ...] = ()
+
+
+def _duplicate_in(v: Any) -> tuple[str, ...] | None:
+    """The path of a member given twice inside a parsed value (see :class:`_Duplicated`), None if there is none.
+    Lists are searched without recursion: objects below them are already tagged by :func:`_objects`."""
+    if isinstance(v, _Duplicated):
+        return v.path
+    if not isinstance(v, list):
+        return None
+    stack = [v]
+    while stack:
+        for x in stack.pop():
+            if isinstance(x, _Duplicated):
+                return x.path
+            if isinstance(x, list):
+                stack.append(x)
+    return None
+
+
+def _objects(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The ``object_pairs_hook``: an object, tagged (:class:`_Duplicated`) when it, or an object inside it,
+    gives a member twice, so that the caller can tell which tensor the repeat belongs to."""
+    out: dict[str, Any] = {}
+    path: tuple[str, ...] | None = None
+    for k, v in pairs:
+        if path is None:
             if k in out:
-                _fail(ManifestError, code, f"{what} {k!r} is given twice", file,
-                      None if k in _ENTRY_MEMBERS else k)
-            out[k] = v
+                path = (k,)
+            else:
+                inner = _duplicate_in(v)
+                if inner is not None:
+                    path = (k,) + inner
+        out[k] = v
+    if path is None:
         return out
+    tagged = _Duplicated(out)
+    tagged.path = path
+    return tagged
 
-    return hook
 
-
-def _load_json(raw: bytes, *, file: str, code: str, what: str, duplicate_code: str, duplicate_what: str) -> Any:
+def _load_json(raw: bytes, *, file: str, code: str, what: str) -> tuple[Any, tuple[str, ...] | None]:
+    """Parse UTF-8 JSON; returns the value and the path of a member given twice in it (None when none is)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         _fail(ManifestError, code, f"{what} is not UTF-8: {exc}", file)
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates(duplicate_code, file, duplicate_what))
-    except XckptError:
-        raise
+        obj = json.loads(text, object_pairs_hook=_objects)
     except RecursionError:
         _fail(ManifestError, code, f"{what} nests too deeply to be parsed", file)
     except ValueError as exc:  # JSONDecodeError, and an integer beyond Python's 4300 digits
         _fail(ManifestError, code, f"{what} is not valid JSON: {str(exc)[:200]}", file)
+    return obj, _duplicate_in(obj) if isinstance(obj, dict) else None
 
 
 def header_length(prefix: bytes, file_size: int | None, *, file: str) -> int:
@@ -220,10 +251,15 @@ def parse_header(raw: bytes, file_size: int | None, *, file: str) -> Header:
               f"({file_size} bytes)", file)
     if not raw.startswith(b"{"):
         _fail(ManifestError, "safetensors.header", "header does not start with '{'", file)
-    obj = _load_json(raw, file=file, code="safetensors.header", what="header", duplicate_code="safetensors.duplicate",
-                     duplicate_what="header member")
+    obj, duplicate = _load_json(raw, file=file, code="safetensors.header", what="header")
     if not isinstance(obj, dict):
         _fail(ManifestError, "safetensors.header", f"header is a JSON {type(obj).__name__}, not an object", file)
+    if duplicate is not None:  # a tensor named twice, or a member repeated inside one's entry: that tensor
+        top = duplicate[0]
+        where = METADATA_KEY if top == METADATA_KEY else f"the entry of {top!r}"
+        _fail(ManifestError, "safetensors.duplicate",
+              f"the name {top!r} is given twice" if len(duplicate) == 1 else
+              f"member {duplicate[-1]!r} is given twice in {where}", file, None if top == METADATA_KEY else top)
     buffer_size = None if file_size is None else file_size - data_start
     metadata = obj.get(METADATA_KEY)
     if METADATA_KEY in obj and (not isinstance(metadata, dict) or not all(
@@ -268,10 +304,14 @@ def parse_index(raw: bytes, *, file: str) -> dict[str, str]:
     ``weight_map`` object of strings, a file name that is not a plain ``*.safetensors`` name in the
     directory) or ``safetensors.duplicate`` (a tensor named twice).
     """
-    obj = _load_json(raw, file=file, code="safetensors.index", what="index", duplicate_code="safetensors.duplicate",
-                     duplicate_what="index member or tensor")
+    obj, duplicate = _load_json(raw, file=file, code="safetensors.index", what="index")
     if not isinstance(obj, dict):
         _fail(ManifestError, "safetensors.index", f"index is a JSON {type(obj).__name__}, not an object", file)
+    if duplicate is not None:  # only a name repeated in weight_map is a tensor's
+        tensor = duplicate[1] if len(duplicate) == 2 and duplicate[0] == "weight_map" else None
+        _fail(ManifestError, "safetensors.duplicate",
+              f"weight_map lists the tensor {tensor!r} twice" if tensor is not None else
+              f"index member {'.'.join(duplicate)!r} is given twice", file, tensor)
     wm = obj.get("weight_map")
     if not isinstance(wm, dict):
         _fail(ManifestError, "safetensors.index", "index has no weight_map object", file)

@@ -53,6 +53,8 @@ from xckpt.format.safetensors import (INDEX_FILE, MAX_INDEX_BYTES, PREFIX_BYTES,
 PIECE_BYTES = 16 << 20
 #: About the bytes of one chunk of the TensorStore views (:meth:`SafetensorsCheckpoint.open_array`).
 VIEW_CHUNK_BYTES = 4 << 20
+#: Offsets of byte runs turned into Python ints at a time (a narrow region of a tall tensor has millions).
+_OFFSETS_AT_ONCE = 4096
 #: ``__metadata__["format"]`` -> the framework recorded as the producer.
 _FRAMEWORKS = {"pt": "torch", "np": "numpy", "tf": "tensorflow", "flax": "jax", "mlx": "mlx", "paddle": "paddle"}
 
@@ -175,7 +177,8 @@ class SafetensorsCheckpoint:
         for req in requests:
             if req.region.is_empty():
                 continue
-            if req.entry.dtype == "bool" and bool((req.out.view(np.uint8) > 1).any()):
+            # max(), not (out > 1).any(): no temporary the size of the tensor
+            if req.entry.dtype == "bool" and int(req.out.view(np.uint8).max()) > 1:
                 t = self._where(req.entry)
                 raise DataError("a BOOL tensor holds bytes other than 0 and 1", code="safetensors.data",
                                 file=t.file.path, leaf=t.info.name)
@@ -254,8 +257,9 @@ def byte_runs(base: int, shape: tuple[int, ...], itemsize: int, region: Region) 
 
 def _read_runs(blob: Blob, starts: np.ndarray, run: int, dst: np.ndarray) -> int:
     """Read runs of ``run`` bytes at ``starts`` one after the other into the bytes ``dst``."""
-    for k, s in enumerate(starts.tolist()):
-        blob.read_into(s, dst[k * run:(k + 1) * run])
+    for first in range(0, len(starts), _OFFSETS_AT_ONCE):  # Python ints for a block of offsets at a time
+        for k, s in enumerate(starts[first:first + _OFFSETS_AT_ONCE].tolist(), first):
+            blob.read_into(s, dst[k * run:(k + 1) * run])
     return len(starts) * run
 
 
@@ -392,7 +396,13 @@ def _read_index(store: Store, dir_loc: Location, name: str) -> dict[str, str]:
                                 code="safetensors.index", file=path)
         if blob.size is not None:
             buf = np.empty(blob.size, dtype=np.uint8)
-            blob.read_into(0, buf)
+            try:
+                blob.read_into(0, buf)
+            except XckptError as exc:
+                if exc.code != "chunk.truncated":
+                    raise
+                raise DataError(f"index is shorter than when it was opened: {exc.message}",
+                                code="safetensors.truncated", file=path) from None
             raw: bytes | None = buf.tobytes()
         else:
             raw = store.read(name)
