@@ -115,6 +115,22 @@ def test_ls_a_directory_of_checkpoints(tmp_path: Path, capsys: pytest.CaptureFix
     assert "no such directory" in capsys.readouterr().err
 
 
+def test_ls_of_numbered_exports_lists_them_as_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Folders named by numbers holding safetensors exports are not a run's steps (none is an xckpt or Orbax
+    checkpoint): they are listed as the checkpoints they are, not as a run of incomplete steps."""
+    from safetensors.numpy import save_file
+
+    for step in (5, 6):
+        (tmp_path / str(step)).mkdir()
+        save_file({"w": np.full(3, float(step), np.float32)}, str(tmp_path / str(step) / "model.safetensors"))
+    got = json.loads(_cli(capsys, "ls", "--json", str(tmp_path))[1])
+    assert got["steps"] == []
+    assert [(c["name"], c["format"], c["leaves"], c["error"]) for c in got["checkpoints"]] == [
+        ("5", "safetensors", 1, None), ("6", "safetensors", 1, None)]
+    rc, out = _cli(capsys, "ls", str(tmp_path))
+    assert rc == 0 and "Checkpoints in" in out and "incomplete" not in out
+
+
 def test_ls_and_validate_a_checkpoint_a_step_and_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint whose tree is a list (array folders "0", "1") is listed alone, not as a run of steps;

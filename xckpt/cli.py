@@ -302,6 +302,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         steps, checkpoints = [], [itself]
     else:
         steps = list_steps(args.root, step_format_fixed_length=args.step_format_fixed_length)
+        if not any(s.committed for s in steps):  # not a run (numbered exports of another tool, say): its checkpoints
+            steps = []
         checkpoints = [] if steps else _list_checkpoints(str(args.root))
     if args.json:
         _print_json({"root": str(args.root), "steps": [asdict(s) for s in steps], "checkpoints": checkpoints})

@@ -16,6 +16,7 @@ import errno
 import functools
 import json
 import math
+import operator
 import os
 import shutil
 import signal
@@ -26,7 +27,7 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 from xckpt import registry
@@ -140,6 +141,9 @@ def _step_info(step: int, path: str, *, sizes: bool = True) -> StepInfo:
         item_loc = src.loc
     finally:
         src.close()
+    if fmt not in RUN_FORMATS:  # another tool's files (a Hugging Face export in run/1000/): not a step's checkpoint,
+        # so never the latest step, never deleted
+        return StepInfo(step, path, False, None, tree_size(path) if sizes else None, None, {}, None)
     item = item_loc.local_path if item_loc.is_local else path
     item_meta = meta if meta is not None else _json_object(os.path.join(item, names.ORBAX_CHECKPOINT_METADATA))
     manifest_file = os.path.join(item, names.MANIFEST)
@@ -167,6 +171,30 @@ def _step_info(step: int, path: str, *, sizes: bool = True) -> StepInfo:
         metrics = dict(meta["metrics"])  # type: ignore[index]
     return StepInfo(step, path, committed, commit_time, tree_size(path) if sizes else None,
                     leaves if committed else None, metrics if committed else {}, fmt if committed else None)
+
+
+#: The formats a run's step holds (:attr:`StepInfo.format`): what xckpt's and Orbax's ``CheckpointManager`` write.
+RUN_FORMATS = ("xckpt", "orbax")
+
+#: What :func:`_signature` looks at in a step directory, besides the directory itself and its item's.
+_STEP_FILES = (names.ORBAX_CHECKPOINT_METADATA, names.COMMIT, names.MANIFEST, f"{METRICS_ITEM}/{METRICS_ITEM}")
+#: ... and in the step's item directory (``default/``, or the step itself).
+_ITEM_FILES = (names.MANIFEST, names.ORBAX_METADATA, names.ORBAX_CHECKPOINT_METADATA)
+
+
+def _stat_key(path: str) -> tuple[int, int, int, int, int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _signature(path: str, item: str) -> tuple[Any, ...]:
+    """What changes when the step directory ``path`` is replaced, or the files :func:`_step_info` reads in it or
+    in its item directory ``item`` are added, replaced or removed (a committed step itself never changes)."""
+    return (tuple(_stat_key(os.path.join(path, n)) for n in ("",) + _STEP_FILES)
+            + tuple(_stat_key(os.path.join(item, n)) for n in ("",) + _ITEM_FILES))
 
 
 def _step_dirs(root: str, width: int | None) -> list[tuple[int, str]]:
@@ -207,6 +235,36 @@ def _width(step_format_fixed_length: int | None) -> int | None:
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise ValueError(f"step_format_fixed_length must be a positive integer or None, not {n!r}")
     return n
+
+
+def _item_dir(path: str) -> str:
+    """The item directory of the step directory ``path`` that :func:`_signature` looks into: ``default/`` when
+    there is one (a ``CheckpointManager`` step), else the step itself (a checkpoint at its top)."""
+    item = os.path.join(path, names.DEFAULT_ITEM)
+    st = _stat_key(item)
+    return item if st is not None and stat.S_ISDIR(st[0]) else path
+
+
+#: The longest name the manager gives a step's directory while it works on it (``.<step>.xckpt-deleting-<token>``).
+_AUX_NAME_BYTES = len("..xckpt-deleting-") + 32
+
+
+def _as_step(step: Any, width: int | None = None) -> int:
+    """A step as a Python int: an ``int`` or an integer scalar of numpy, JAX or torch (``operator.index``), not a
+    bool, not negative, and short enough to name the step's directories (``width``: the run's
+    ``step_format_fixed_length``); else ValueError."""
+    try:
+        value = None if isinstance(step, bool) else operator.index(step)
+    except TypeError:
+        value = None
+    if value is None or isinstance(value, bool) or value < 0:
+        raise ValueError(f"a step is a non-negative integer, not {step!r}")
+    value = int(value)
+    if value.bit_length() > 1024 or len(_step_name(value, width)) + _AUX_NAME_BYTES > names.MAX_NAME_BYTES:
+        shown = value if value.bit_length() <= 1024 else f"of {value.bit_length()} bits"
+        raise ValueError(f"step {shown} is too large: its directories would be named by more than "
+                         f"{names.MAX_NAME_BYTES - _AUX_NAME_BYTES} digits, longer than a file name may be")
+    return value
 
 
 # -- the manager -------------------------------------------------------------------------------------
@@ -362,6 +420,8 @@ class CheckpointManager:
         self.coordinator: Coordinator = coordinator if coordinator is not None else LocalCoordinator()
         self._lock = threading.Lock()
         self._reading: dict[int, int] = {}  # step -> restores of it in progress in this process
+        # step directory -> (its _signature, what it holds): committed steps read already (they never change)
+        self._infos: dict[str, tuple[tuple[Any, ...], StepInfo]] = {}
         self._inflight: _InFlight | None = None
         self._requested = False  # a save was asked for on this process (request_save, or the signal)
         self._signalled = False  # the preemption signal arrived on this process
@@ -428,8 +488,8 @@ class CheckpointManager:
         process's are kept. A step that is already in ``root`` is an error (``manager.step_exists``).
         """
         self._check_open()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"a step is a non-negative integer, not {step!r}")
+        # a numpy, JAX or torch integer as an int (it is recorded in the manifest)
+        step = _as_step(step, self.step_format_fixed_length)
         if not force and not self.should_save(step):
             return False
         self._finish()  # the previous save: its outcome agreed on by every process
@@ -636,13 +696,43 @@ class CheckpointManager:
 
     def all_steps(self, *, sizes: bool = True) -> list[StepInfo]:
         """The committed steps in ``root``, oldest first, with commit time, size and metrics."""
-        return [s for s in list_steps(self.root, sizes=sizes, step_format_fixed_length=self.step_format_fixed_length)
-                if s.committed]
+        steps = [s for s in self._listing() if s.committed]
+        return [replace(s, size_bytes=tree_size(s.path)) for s in steps] if sizes else steps
 
     def latest_step(self) -> int | None:
         """The newest committed step in ``root``, or None."""
-        steps = self.all_steps(sizes=False)
-        return steps[-1].step if steps else None
+        for step, path in reversed(_step_dirs(self.root, self.step_format_fixed_length)):
+            if self._info(step, path).committed:
+                return step
+        return None
+
+    def _info(self, step: int, path: str) -> StepInfo:
+        """What the step directory ``path`` holds (:func:`_step_info`, sizes not computed). A committed step is
+        read once: it never changes, and is read again only when its directory or the files read in it are
+        replaced, added or removed (:func:`_signature`), so that a run of thousands of steps is not opened whole
+        at each save's retention."""
+        sig = _signature(path, _item_dir(path))
+        with self._lock:
+            hit = self._infos.get(path)
+        if hit is not None and hit[0] == sig and hit[1].step == step:
+            return hit[1]
+        info = _step_info(step, path, sizes=False)
+        with self._lock:
+            if info.committed and _signature(path, _item_dir(path)) == sig:  # (unchanged while it was read)
+                self._infos[path] = (sig, info)
+            else:
+                self._infos.pop(path, None)
+        return info
+
+    def _listing(self) -> list[StepInfo]:
+        """Every step directory in ``root`` (:meth:`_info`), oldest first; forgets steps no longer there."""
+        dirs = _step_dirs(self.root, self.step_format_fixed_length)
+        infos = [self._info(step, path) for step, path in dirs]
+        present = {path for _, path in dirs}
+        with self._lock:
+            for path in [p for p in self._infos if p not in present]:
+                del self._infos[path]
+        return infos
 
     def step_path(self, step: int) -> str:
         """The directory of ``step``: ``root/<step>`` (zero-padded with ``step_format_fixed_length``)."""
@@ -656,29 +746,53 @@ class CheckpointManager:
         ``manager.no_step``. Retention never deletes a step while this process restores it.
         """
         self._check_open()
-        if step is None:
-            step = self.latest_step() if self.coordinator.rank == collective.ROOT else None
-            if self.coordinator.world_size > 1:
-                step = collective.broadcast(self.coordinator, step, what="CheckpointManager.restore")
+        with contextlib.ExitStack() as held:
             if step is None:
-                raise NotACheckpointError(f"{self.root} holds no committed step", code="manager.no_step",
-                                          file=self.root)
-        with self.reading(step) as path:
+                step = self._hold_latest(held) if self.coordinator.rank == collective.ROOT else None
+                if self.coordinator.world_size > 1:
+                    step = collective.broadcast(self.coordinator, step, what="CheckpointManager.restore")
+                if step is None:
+                    raise NotACheckpointError(f"{self.root} holds no committed step", code="manager.no_step",
+                                              file=self.root)
+            else:
+                step = _as_step(step, self.step_format_fixed_length)
+            path = held.enter_context(self.reading(step))
             return load(path, like, mapping=mapping, coordinator=self.coordinator, **load_options)
+
+    def _hold_latest(self, held: contextlib.ExitStack) -> int | None:
+        """The newest committed step, kept from retention (until ``held`` closes) before it could be deleted: a
+        save in flight may commit a newer step, and its retention delete this one, while it is being chosen."""
+        while True:
+            step = self.latest_step()
+            if step is None:
+                return None
+            self._hold(step)
+            path = self.step_path(step)
+            if os.path.isdir(path) and not os.path.islink(path):  # not deleted before it was held
+                held.callback(self._release, step)
+                return step
+            self._release(step)
+
+    def _hold(self, step: int) -> None:
+        with self._lock:
+            self._reading[step] = self._reading.get(step, 0) + 1
+
+    def _release(self, step: int) -> None:
+        with self._lock:
+            self._reading[step] -= 1
+            if not self._reading[step]:
+                del self._reading[step]
 
     @contextlib.contextmanager
     def reading(self, step: int) -> Iterator[str]:
         """Keep ``step`` from being deleted by this manager while the block runs (what :meth:`restore` does);
         gives the step's directory, for reading its files some other way."""
-        with self._lock:
-            self._reading[step] = self._reading.get(step, 0) + 1
+        step = _as_step(step, self.step_format_fixed_length)
+        self._hold(step)
         try:
             yield self.step_path(step)
         finally:
-            with self._lock:
-                self._reading[step] -= 1
-                if not self._reading[step]:
-                    del self._reading[step]
+            self._release(step)
 
     # -- what to keep ------------------------------------------------------------------------------
 
@@ -687,8 +801,12 @@ class CheckpointManager:
 
     def steps_to_delete(self, steps: list[StepInfo] | None = None) -> list[int]:
         """The committed steps retention would delete now (see the class documentation)."""
-        committed = [s for s in (self.all_steps(sizes=False) if steps is None else steps) if s.committed]
-        if self._keeps_all() or len(committed) < 2:
+        if self._keeps_all():
+            return []
+        if steps is None and self.keep_younger_than_s is None and self.keep_best is None:
+            return self._by_position()
+        committed = [s for s in (self._listing() if steps is None else steps) if s.committed]
+        if len(committed) < 2:
             return []
         keep = {committed[-1].step}
         if self.max_to_keep is not None:
@@ -714,6 +832,19 @@ class CheckpointManager:
             keep.update(step for _, step in scored[:self.keep_best])
         return [s.step for s in committed if s.step not in keep]
 
+    def _by_position(self) -> list[int]:
+        """:meth:`steps_to_delete` with only ``max_to_keep`` and ``keep_period``: what a step holds is read for the
+        newest committed ones and for those neither rule keeps, not for the steps ``keep_period`` keeps."""
+        dirs = _step_dirs(self.root, self.step_format_fixed_length)
+        newest = max(1, self.max_to_keep or 1)
+        kept, older = 0, len(dirs)
+        while older and kept < newest:  # the newest committed step, and the last max_to_keep
+            older -= 1
+            kept += self._info(*dirs[older]).committed
+        return [step for step, path in dirs[:older]
+                if not (self.keep_period is not None and step % self.keep_period == 0)
+                and self._info(step, path).committed]
+
     def _apply_retention(self) -> list[int]:
         """Delete what retention does not keep (the coordinating process); returns the steps deleted."""
         if self._keeps_all():
@@ -726,26 +857,28 @@ class CheckpointManager:
         for step in self.steps_to_delete():
             if step in busy:
                 continue
-            with self._lock:
-                if step in self._reading:
-                    continue
-                self._delete_step(step)
-            gone.append(step)
+            with self._lock:  # (a restore holds the step first, or finds it gone)
+                aside = None if step in self._reading else self._move_aside(step)
+            if aside is not None:  # removed outside the lock: a restore of another step does not wait for it
+                shutil.rmtree(aside, ignore_errors=True)
+                gone.append(step)
         return gone
 
-    def _delete_step(self, step: int) -> None:
-        """Move a committed step aside (it leaves the listing at once), then remove it."""
+    def _move_aside(self, step: int) -> str | None:
+        """Move a committed step out of the run (it leaves the listing at once); returns where it went, to be
+        removed, or None when it is not a committed checkpoint the manager recognises, or cannot be moved."""
         path = self.step_path(step)
         info = _step_info(step, path, sizes=False) if os.path.isdir(path) and not os.path.islink(path) else None
         if info is None or not info.committed:
-            return  # only a committed checkpoint it recognises
+            return None  # only a committed checkpoint it recognises
         aside = os.path.join(self.root, f".{step}.xckpt-deleting-{uuid.uuid4().hex}")
         try:
             atomic.move_new(path, aside)
         except OSError:
-            return
+            return None
+        self._infos.pop(path, None)
         atomic.sync_dir(self.root)
-        shutil.rmtree(aside, ignore_errors=True)
+        return aside
 
     def _remove_leftovers(self) -> None:
         """Remove what dead saves left in ``root``: xckpt's stale leftovers, the manager's staged steps whose
