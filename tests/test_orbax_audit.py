@@ -272,3 +272,32 @@ def test_a_hostile_ocdbt_manifest_is_a_specific_error(plain_ckpts: dict[str, Pat
         exc = info.value
         assert exc.code == "array.metadata" and exc.leaf in ("w", "step"), str(exc)
         assert exc.file is not None and exc.file.startswith(str(path / exc.leaf)), str(exc)
+
+
+@pytest.mark.parametrize("edit", ["skip_deserialize", "use_ocdbt", "fill_value", "key_type_true", "key_type_float"])
+def test_a_flag_or_key_type_of_another_json_type_is_invalid(plain_ckpts: dict[str, Path], tmp_path: Path,
+                                                          edit: str) -> None:
+    """``"false"`` (a string) was taken for true by ``bool()``: skip_deserialize "false" skipped the leaf; a
+    key_type of ``true`` or ``2.0`` passed as 1 or 2. Each is now ``orbax.invalid`` naming ``_METADATA``."""
+    path = _copy(plain_ckpts, "zarr2", tmp_path)
+    meta = json.loads((path / "_METADATA").read_text())
+    rec = meta["tree_metadata"]["('w',)"]
+    leaf: str | None = None
+    if edit == "skip_deserialize":
+        rec["value_metadata"]["skip_deserialize"] = "false"
+        leaf = "w"
+    elif edit == "use_ocdbt":
+        meta["use_ocdbt"] = "false"
+    elif edit == "fill_value":
+        meta["store_array_data_equal_to_fill_value"] = 0
+    else:
+        rec["key_metadata"][0]["key_type"] = True if edit == "key_type_true" else 2.0
+        leaf = "('w',)"
+    (path / "_METADATA").write_text(json.dumps(meta))
+    for fn in (lambda: xckpt.load(path), lambda: xckpt.inspect(path)):
+        _refused(fn, "orbax.invalid", str(path / "_METADATA"), leaf)
+    rec["value_metadata"]["skip_deserialize"] = False
+    rec["key_metadata"][0]["key_type"] = 2
+    meta.update(use_ocdbt=False, store_array_data_equal_to_fill_value=False)
+    (path / "_METADATA").write_text(json.dumps(meta))
+    np.testing.assert_array_equal(xckpt.load(path)["w"], np.arange(32, dtype=np.float32).reshape(8, 4))

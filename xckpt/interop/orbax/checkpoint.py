@@ -41,7 +41,8 @@ from xckpt.format.tree import key_str
 from xckpt.interop.orbax.arrays import ARRAY_TYPES, entry_for, read_array_infos, read_shardings
 from xckpt.format.jsonobj import parse_json
 from xckpt.interop.orbax.files import check_tree
-from xckpt.interop.orbax.metadata import OCDBT_MANIFEST, apply_rich_types, build_tree, check_names, finish, parse_metadata, read_records
+from xckpt.interop.orbax.metadata import (OCDBT_MANIFEST, apply_rich_types, build_tree, check_names, finish,
+                                          parse_flag, parse_metadata, read_records)
 from xckpt.interop.orbax.ocdbt import KeyIndex, index_databases, process_databases, top_directories
 
 
@@ -221,14 +222,16 @@ def _open(loc: Location, store: Store, committed: bool | None = None) -> OrbaxCh
                       XckptWarning, stacklevel=4)
     has_ocdbt = store.exists(OCDBT_MANIFEST)
     databases: list[str] = []
-    if not has_ocdbt and (meta.get("use_ocdbt") is True or
-                          (meta.get("use_ocdbt") is None and store.exists(f"ocdbt.process_0/{OCDBT_MANIFEST}"))):
+    use_ocdbt = parse_flag(meta, "use_ocdbt", meta_file, unset=None)  # None: _METADATA does not say
+    strict_fill = bool(parse_flag(meta, "store_array_data_equal_to_fill_value", meta_file))
+    if not has_ocdbt and (use_ocdbt is True or
+                          (use_ocdbt is None and store.exists(f"ocdbt.process_0/{OCDBT_MANIFEST}"))):
         tops = top_dirs if top_dirs is not None else top_directories(store)
         # a merge writes the root database (d/, then manifest.ocdbt): d/ without the manifest is a merge
         # that did not finish, or a damaged checkpoint, not one whose databases were never merged
         if "d" not in tops:
             databases = process_databases(store, tops)
-    if meta.get("use_ocdbt") is True and not has_ocdbt and not databases:
+    if use_ocdbt is True and not has_ocdbt and not databases:
         raise DataError(f"_METADATA says use_ocdbt but {OCDBT_MANIFEST} is missing (an unfinished save or "
                         "merge?), and no unmerged per-process database (ocdbt.process_<i>/manifest.ocdbt, "
                         "without a root d/) stands in for it", code="orbax.ocdbt_missing",
@@ -242,13 +245,13 @@ def _open(loc: Location, store: Store, committed: bool | None = None) -> OrbaxCh
     producer = {"library": "orbax-checkpoint", "framework": "jax"}
     info: dict[str, Any] = {"orbax": {
         "use_ocdbt": has_ocdbt or bool(databases), "use_zarr3": zarr3,
-        "store_array_data_equal_to_fill_value": bool(meta.get("store_array_data_equal_to_fill_value")),
+        "store_array_data_equal_to_fill_value": strict_fill,
         "custom_metadata": meta.get("custom_metadata")}}
     if databases:
         info["orbax"]["unmerged_ocdbt"] = list(databases)
     placeholder = Manifest(tree=tree, leaves=[], producer=producer, metadata=info)
     ckpt = OrbaxCheckpoint(loc, store, placeholder, zarr3=zarr3, ocdbt=has_ocdbt or bool(databases),
-                           strict_fill=bool(meta.get("store_array_data_equal_to_fill_value")))
+                           strict_fill=strict_fill)
     if databases:
         ckpt.unmerged = index_databases(databases, ckpt.ocdbt_spec, ckpt._context,
                                         lambda d: str(loc.child(f"{d}/{OCDBT_MANIFEST}")))

@@ -57,6 +57,18 @@ def parse_metadata(raw: bytes, file: str) -> dict[str, Any]:
     return meta
 
 
+def parse_flag(obj: dict[str, Any], name: str, file: str, leaf: str | None = None, *,
+               unset: bool | None = False) -> bool | None:
+    """The boolean member ``name`` of ``obj`` (``unset`` when it is missing or null); anything else, such as
+    the string ``"false"`` (which ``bool()`` would take for true), is ``orbax.invalid``."""
+    value = obj.get(name)
+    if value is None:
+        return unset
+    if not isinstance(value, bool):
+        raise ManifestError(f"{name} is {value!r:.100}, not a boolean", code="orbax.invalid", file=file, leaf=leaf)
+    return value
+
+
 def read_records(meta: dict[str, Any], file: str) -> list[Record]:
     """One checked :class:`Record` per entry of ``tree_metadata``."""
     out = []
@@ -75,7 +87,8 @@ def read_records(meta: dict[str, Any], file: str) -> list[Record]:
             raise ManifestError(f"value_type is {value_type!r}, not a string", code="orbax.invalid",
                                 file=file, leaf=key_str(key))
         ws = vm.get("write_shape")
-        out.append(Record(key, ".".join(k for k, _ in parts), value_type, bool(vm.get("skip_deserialize")),
+        out.append(Record(key, ".".join(k for k, _ in parts), value_type,
+                          bool(parse_flag(vm, "skip_deserialize", file, key_str(key))),
                            list(ws) if isinstance(ws, list) else None))
     return out
 
@@ -108,7 +121,7 @@ def _key_parts(tree_key: str, km: Any, file: str) -> list[tuple[str, int]]:
     parts = []
     for k in km:
         if not isinstance(k, dict) or not isinstance(k.get("key"), str) or \
-                k.get("key_type") not in (KEY_SEQUENCE, KEY_DICT):
+                type(k.get("key_type")) is not int or k["key_type"] not in (KEY_SEQUENCE, KEY_DICT):  # not True, 2.0
             raise ManifestError(f"key_metadata entry {k!r} of {tree_key} needs a str key and key_type 1 or 2",
                                 code="orbax.invalid", file=file, leaf=tree_key)
         if k["key_type"] == KEY_SEQUENCE and not _INDEX.match(k["key"]):
