@@ -96,6 +96,10 @@ class OrbaxCheckpoint:
         """Orbax's name (its directory, or OCDBT key prefix) of the array whose entry path is ``path``."""
         return self._stored.get(path, path)
 
+    def array_dir(self, path: str) -> str:
+        """The display path of the directory of the array whose entry path is ``path`` (for errors)."""
+        return str(self.loc.child(self.stored_name(path)))
+
     def values(self) -> dict[int, Any]:
         """Value leaves by leaf index: scalars read from their 0-d arrays, strings, None."""
         if self._values is None:
@@ -146,7 +150,7 @@ class OrbaxCheckpoint:
 
     def read(self, requests: Sequence[ReadRequest], *, precheck: bool = False) -> int:
         """Fill each request's output through TensorStore, as Orbax itself reads."""
-        read_views(requests, self.open_array, lambda e: str(self.loc.child(self.stored_name(e.path))))
+        read_views(requests, self.open_array, lambda e: self.array_dir(e.path))
         return sum(r.out.nbytes for r in requests)
 
     def check(self, requests: Sequence[ReadRequest]) -> None:
@@ -163,7 +167,7 @@ class OrbaxCheckpoint:
     def metadata_file(self, name: str) -> str:
         """The display path of an array's zarr metadata file (inside OCDBT when it is used)."""
         meta = "zarr.json" if self.zarr3 else ".zarray"
-        return str(self.loc.child(f"{self.stored_name(name)}/{meta}")) + (" (in OCDBT)" if self.ocdbt else "")
+        return f"{self.array_dir(name)}/{meta}" + (" (in OCDBT)" if self.ocdbt else "")
 
 
 def open_orbax(path: Any, *, committed: bool | None = None) -> OrbaxCheckpoint:
@@ -296,12 +300,12 @@ def read_values(ckpt: OrbaxCheckpoint) -> dict[int, Any]:
         try:
             reads.append((i, e, entry, fut.result().read()))
         except Exception as exc:  # noqa: BLE001
-            raise translate(exc, entry, str(ckpt.loc.child(ckpt.stored_name(entry.path)))) from exc
+            raise translate(exc, entry, ckpt.array_dir(entry.path)) from exc
     for i, e, entry, fut in reads:
         try:
             value = np.asarray(fut.result())
         except Exception as exc:  # noqa: BLE001
-            raise translate(exc, entry, str(ckpt.loc.child(ckpt.stored_name(entry.path)))) from exc
+            raise translate(exc, entry, ckpt.array_dir(entry.path)) from exc
         out[i] = {"bool": bool, "int": int, "float": float, "complex": complex}[e.type](value.item())
     return out
 
