@@ -147,7 +147,8 @@ def load(path: Any, like: Any = None, *, strict: bool = True, partial: bool = Fa
     first, copied in once every read succeeded). Larger in-place loads check every stored
     object's index before writing anything and then read in place, so that only a corrupt
     inner chunk can stop them half way (the error names it). ``max_bytes`` bounds the bytes
-    a load may bring into memory.
+    a load may bring into memory (by default the memory this process may use: the machine's, its
+    address-space limit or its cgroup's, whichever is least; more is ``resource.too_large``).
 
     In a job of several processes (``coordinator``, by default the running ``torch.distributed``
     or ``jax.distributed`` job's, as for :func:`~xckpt.save`) the load is collective: the
@@ -571,7 +572,10 @@ class _Reads:
             for k, p in enumerate(ps):
                 same = p.dtype == p.entry.dtype
                 if p.out is None and same:
-                    raw = empty(p.region.sizes, dtypes.numpy_dtype(p.entry.storage_dtype))
+                    try:
+                        raw = empty(p.region.sizes, dtypes.numpy_dtype(p.entry.storage_dtype))
+                    except ResourceError as exc:
+                        raise exc.at(file=str(ckpt.loc.child(p.entry.path)), leaf=key_str(p.entry.key)) from None
                     (first if i in self._early else direct).append(ReadRequest(p.entry, p.region, raw))
                     results[i][k] = _logical(raw, p.entry, p.dtype)
                 elif p.out is not None and self.atomic:

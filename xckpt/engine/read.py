@@ -21,7 +21,7 @@ import numpy as np
 from xckpt.engine.storage import Blob, Store
 from xckpt.engine import threads as pools
 from xckpt.engine.hostcopy import stream_copy
-from xckpt.errors import DataError, IntegrityError, XckptError
+from xckpt.errors import DataError, IntegrityError, ResourceError, XckptError
 from xckpt.format import shard, zarr as zarr_format
 from xckpt.format.manifest import ArrayEntry, StoredArray
 from xckpt.format.regions import Region, chunks_of, intersect
@@ -42,22 +42,45 @@ ALIGNMENT = 64
 
 
 def memory_limit() -> int:
-    """This machine's physical memory in bytes (the most a load reads into memory unless told otherwise)."""
+    """The most bytes a load reads into memory unless told otherwise: this machine's physical memory, or
+    less where the process is held to less (its address-space limit, ``RLIMIT_AS``; its cgroup's
+    ``memory.max``, a container's limit)."""
+    limits = [1 << 40]
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        limits = [os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")]
     except (ValueError, OSError):
-        return 1 << 40
+        pass
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY and soft > 0:
+            limits.append(soft)
+    except (ImportError, ValueError, OSError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max", "rb") as f:
+            text = f.read(64).strip()
+        if text.isdigit():
+            limits.append(int(text))
+    except OSError:
+        pass
+    return min(limits)
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A new uninitialised array whose data starts on a :data:`ALIGNMENT`-byte boundary.
 
     Loaded arrays are made this way, so a framework can adopt them without a copy (``jax.device_put``
-    on a CPU device does, for such arrays).
+    on a CPU device does, for such arrays). Memory the system refuses is ``resource.too_large``.
     """
     dtype = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(n + ALIGNMENT, dtype=np.uint8)
+    try:
+        raw = np.empty(n + ALIGNMENT, dtype=np.uint8)
+    except MemoryError:
+        raise ResourceError(f"cannot allocate {n} bytes for an array of shape {list(shape)}: the system refuses "
+                            "that much memory") from None
     start = -raw.ctypes.data % ALIGNMENT
     return raw[start:start + n].view(dtype).reshape(shape)
 

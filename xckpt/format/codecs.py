@@ -23,8 +23,12 @@ def zstd_compress(data: Any) -> bytes:
 def zstd_decompress(data: Any, expected: int) -> bytes:
     """Undo :func:`zstd_compress`; refuses a frame that is corrupt or does not hold ``expected`` bytes."""
     z = _zstd()
+    data = bytes(data)
     try:
-        out = z.ZstdDecompressor().decompress(bytes(data), max_output_size=expected)
+        declared = z.frame_content_size(data)  # the decoder allocates what the header declares: check it first
+        if declared not in (-1, expected):
+            raise DataError(f"zstd frame declares {declared} bytes, expected {expected}", code="chunk.codec")
+        out = z.ZstdDecompressor().decompress(data, max_output_size=expected)
     except z.ZstdError as exc:
         raise DataError(f"zstd frame cannot be decoded: {exc}", code="chunk.codec") from None
     if len(out) != expected:
