@@ -103,10 +103,11 @@ def test_gc_removes_a_killed_manager_step_save_and_keeps_a_live_one(tmp_path, mo
 
         found = {(c.leftover.name, c.leftover.kind): c.action
                  for c in xckpt.gc(root, older_than_s=3600, dry_run=True)}
-        assert found == {("3", "step"): "kept", ("5", "step"): "kept", ("7", "deleting"): "would remove"}
+        # step 3's lease names a process of this machine that no longer runs: dead at once, however young
+        assert found == {("3", "step"): "would remove", ("5", "step"): "kept", ("7", "deleting"): "would remove"}
         # gc of a step's path: only that step's leftovers
         assert [(c.leftover.path, c.action) for c in xckpt.gc(root / "3", older_than_s=3600, dry_run=True)] == [
-            (str(root / dead[0]), "kept")]
+            (str(root / dead[0]), "would remove")]
         assert _entries(root) == before
 
         time.sleep(1.3)  # the dead save's staged step is now older than 1 s; the live one's lease is renewed
@@ -127,7 +128,7 @@ def test_gc_removes_a_killed_manager_step_save_and_keeps_a_live_one(tmp_path, mo
 
 
 @pytest.mark.parametrize("point", ["before_status", "after_publish"])
-def test_xckpt_gc_cli_removes_a_killed_manager_save_at_once_with_older_than_0(tmp_path, capsys, point):
+def test_xckpt_gc_cli_removes_a_killed_save_at_once_and_another_machines_with_older_than_0(tmp_path, capsys, point):
     root = tmp_path / "run"
     _kill_worker(root, point)
     left = [e for e in _entries(root) if e not in ("1", "2")]
@@ -135,10 +136,23 @@ def test_xckpt_gc_cli_removes_a_killed_manager_save_at_once_with_older_than_0(tm
     size = sum(f.stat().st_size for f in (root / left[0]).rglob("*") if f.is_file())
     assert size > 1_000_000  # step 3's arrays (a: 1.2 MB)
 
-    assert cli_main(["gc", str(root)]) == 0  # default age, an hour: the dead save's step is still fresh
+    # the same staged step, as a save on another machine would leave it: its lease cannot be judged from here
+    other = f".4.xckpt-step-{TOKEN}"
+    shutil.copytree(root / left[0], root / other)
+    leases = [f for f in (root / other).iterdir() if ".xckpt-lease-" in f.name]
+    assert len(leases) == 1, _entries(root / other)
+    record = json.loads(leases[0].read_text())
+    leases[0].write_text(json.dumps(dict(record, host=record["host"] + "-elsewhere")))
+
+    # default age, an hour: the killed save's step goes at once (its lease names a process of this machine that
+    # no longer runs); the other machine's step is still fresh
+    assert cli_main(["gc", str(root)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[-1] == "1 leftovers, removed 0, kept 1 live" and out[0].split()[:3] == ["kept", "step", "live"]
-    assert _entries(root) == [left[0], "1", "2"]
+    assert out[-1] == "2 leftovers, removed 1, kept 1 live", out
+    assert out[0].split()[:3] == ["removed", "step", "dead"] and out[0].endswith(str(root / left[0]))
+    assert out[1].split()[:3] == ["kept", "step", "live"] and out[1].endswith(str(root / other))
+    assert _entries(root) == [other, "1", "2"]
+    left = [other]
 
     time.sleep(0.05)
     assert cli_main(["gc", str(root), "--older-than", "0"]) == 0

@@ -271,7 +271,14 @@ def test_a_hostile_ocdbt_manifest_is_a_specific_error(plain_ckpts: dict[str, Pat
             fn()
         exc = info.value
         assert exc.code == "array.metadata" and exc.leaf in ("w", "step"), str(exc)
-        assert exc.file is not None and exc.file.startswith(str(path / exc.leaf)), str(exc)
+        # the file TensorStore could not read: the data file the manifest points past, or the manifest itself;
+        # where it names no file inside the checkpoint, the array being read
+        named = {"offset_past_file": str(path / "d" / name), "length_huge": str(path / "d" / name),
+                 "versions_huge": str(path / "manifest.ocdbt")}.get(case)
+        if named is not None:
+            assert exc.file == named, str(exc)
+        else:
+            assert exc.file is not None and exc.file.startswith(str(path / exc.leaf)), str(exc)
 
 
 @pytest.mark.parametrize("edit", ["skip_deserialize", "use_ocdbt", "fill_value", "key_type_true", "key_type_float"])

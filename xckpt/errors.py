@@ -32,8 +32,18 @@ class XckptError(Exception):
         """This error with its ``file`` and ``leaf`` filled in where they were not known yet."""
         if (self.file or not file) and (self.leaf or not leaf):
             return self
+        return self._copy(self.message, self.file or file, self.leaf or leaf)
+
+    def naming(self, file: str, message: str | None = None) -> "XckptError":
+        """This error naming ``file`` instead of its own (and saying ``message``, where given); code and leaf stay."""
+        if file == self.file and (message is None or message == self.message):
+            return self
+        return self._copy(self.message if message is None else message, file, self.leaf)
+
+    def _copy(self, message: str, file: str | None, leaf: str | None) -> "XckptError":
+        """A copy of this error (same type, code and extra attributes) with this message, file and leaf."""
         err = type(self).__new__(type(self))
-        XckptError.__init__(err, self.message, code=self.code, file=self.file or file, leaf=self.leaf or leaf)
+        XckptError.__init__(err, message, code=self.code, file=file, leaf=leaf)
         err.__dict__.update({k: v for k, v in self.__dict__.items() if k not in err.__dict__})
         return err
 

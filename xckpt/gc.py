@@ -45,7 +45,8 @@ def gc(path: Any, *, older_than_s: float | None = None, dry_run: bool = False) -
     destination is missing is the checkpoint itself: it is restored, never removed, and left
     alone while the save that moved it aside is alive. A directory that is the root of a
     :class:`xckpt.CheckpointManager` run also yields the manager's leftovers: a staged step is
-    dead when no live lease is inside it and it was untouched for ``older_than_s``; an
+    dead when no live lease is inside it and it was untouched for ``older_than_s``, or at once when
+    its save's lease names a process of this machine that no longer runs (a save killed here); an
     interrupted deletion always is. ``dry_run`` only reports ("would remove", "would restore"). A
     leftover that cannot be removed (a permission) is reported as "failed", with why; the others are still
     removed. A path whose directory does not exist is ``io.read``.

@@ -882,7 +882,8 @@ class CheckpointManager:
 
     def _remove_leftovers(self) -> None:
         """Remove what dead saves left in ``root``: xckpt's stale leftovers, the manager's staged steps whose
-        save is dead (no live lease inside, untouched for ``XCKPT_STALE_AFTER_S``), unfinished deletions
+        save is dead (no live lease inside and untouched for ``XCKPT_STALE_AFTER_S``; or, at once, a lease
+        naming a process of this machine that no longer runs: a save killed here), unfinished deletions
         (:func:`xckpt.engine.claims.scan_steps`, the rule ``xckpt gc`` applies too); never this manager's
         own step in flight."""
         root = Location(self.root)

@@ -16,7 +16,8 @@ is never touched.
 
 A :class:`xckpt.CheckpointManager` leaves its own kind beside the steps of a run
 (:data:`MANAGER_LEFTOVER`, :func:`scan_steps`): the rule that judges them is here too, shared by
-the manager's cleanup before each save and by ``xckpt gc``.
+the manager's cleanup before each save and by ``xckpt gc``. A staged step whose save's lease names a
+process of this machine that no longer runs is dead at once, as a side copy's save is (:func:`lease_live`).
 """
 
 from __future__ import annotations
@@ -337,7 +338,10 @@ def scan_steps(directory: Location, *, stale_after: float | None = None, name: s
 
     A staged step (``step``) is dead when no live leftover is inside it (its save's lease, see :func:`scan`)
     and neither it nor any entry at its top was modified for ``stale_after`` seconds: its save died, or
-    died before moving it into place. A step being deleted (``deleting``) is always dead: it left the run's
+    died before moving it into place. It is dead at once, however recent, when its save's lease names a
+    process of this machine that no longer runs (:func:`_save_gone`, the rule :func:`lease_live` applies): a
+    save killed here; a lease of another machine, or of a process that runs, keeps it until the age rule
+    above says otherwise. A step being deleted (``deleting``) is always dead: it left the run's
     listing when its deletion began, and an interrupted deletion is finished by whoever finds it. Its age
     is that of its newest modification. A link, or anything not a directory, is never one.
     """
@@ -362,9 +366,22 @@ def scan_steps(directory: Location, *, stale_after: float | None = None, name: s
         if m["kind"] == "deleting":
             stale = True
         else:
-            stale = age > limit and all(x.stale for x in scan(Location(path), stale_after=limit))
+            inside = scan(Location(path), stale_after=limit)
+            stale = (age > limit and all(x.stale for x in inside)) or _save_gone(inside)
         out.append(Leftover(path, m["kind"], m["step"], m["token"], age, stale))
     return sorted(out, key=lambda x: x.path)
+
+
+def _save_gone(inside: list[Leftover]) -> bool:
+    """Whether the leftovers found inside a staged step (:func:`scan`) are those of a save that is dead at once:
+    it holds a lease, every lease there is stale or names a process of this machine that no longer runs
+    (:func:`_lease_gone`), and everything else there is stale or belongs to such a lease's generation.
+    A lease that is missing (released meanwhile), unreadable or of another machine never makes it so."""
+    leases = [x for x in inside if x.kind == "lease"]
+    if not leases:
+        return False
+    dead = {(x.name, x.generation) for x in leases if x.stale or _lease_gone(x.path)}
+    return len(dead) == len(leases) and all(x.stale or (x.name, x.generation) in dead for x in inside)
 
 
 def _scan_claims(directory: Location, limit: float, now: float, name: str | None) -> list[Leftover]:
@@ -532,6 +549,12 @@ def lease_live(final: Location, generation: str, *, stale_after: float | None = 
     seen = _mtime(path)
     if seen is None or time.time() - seen > limit:
         return False
+    return not _lease_gone(path)
+
+
+def _lease_gone(path: str) -> bool:
+    """Whether the local lease file ``path`` names a process of this machine that no longer runs
+    (:func:`_owner_gone`). One that is missing, a link, or cannot be read does not."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
@@ -539,8 +562,8 @@ def lease_live(final: Location, generation: str, *, stale_after: float | None = 
         finally:
             os.close(fd)
     except OSError:
-        return True
-    return not _owner_gone(record)
+        return False
+    return _owner_gone(record)
 
 
 #: Files one of which a side copy holds when it is a whole checkpoint (xckpt, DCP, safetensors).

@@ -23,9 +23,10 @@ items (Orbax v1 checkpoints, ``CheckpointManager`` step directories) are found a
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -33,7 +34,7 @@ import tensorstore as ts
 from xckpt.engine.read import ReadRequest, memory_limit
 from xckpt.engine.storage import LocalStore, Location, Store
 from xckpt.engine.views import read_views, translate
-from xckpt.errors import DataError, ManifestError, NotACheckpointError, ResourceError, XckptWarning
+from xckpt.errors import DataError, ManifestError, NotACheckpointError, ResourceError, XckptError, XckptWarning
 from xckpt.format import dtypes, manifest as manifest_mod, names as naming
 from xckpt.format.manifest import ArrayEntry, Entry, Manifest, ValueEntry
 from xckpt.format.tree import key_str
@@ -43,7 +44,8 @@ from xckpt.format.jsonobj import parse_json
 from xckpt.interop.orbax.files import check_tree
 from xckpt.interop.orbax.metadata import (OCDBT_MANIFEST, apply_rich_types, build_tree, check_names, finish,
                                           parse_flag, parse_metadata, read_records)
-from xckpt.interop.orbax.ocdbt import KeyIndex, index_databases, process_databases, top_directories
+from xckpt.interop.orbax.ocdbt import (KeyIndex, index_databases, naming_damaged_file, process_databases,
+                                       top_directories)
 
 
 STRINGS = "_strings.json"
@@ -149,9 +151,31 @@ class OrbaxCheckpoint:
         return ts.open(self.array_spec(entry), open=True, read=True, context=self._context)
 
     def read(self, requests: Sequence[ReadRequest], *, precheck: bool = False) -> int:
-        """Fill each request's output through TensorStore, as Orbax itself reads."""
-        read_views(requests, self.open_array, lambda e: self.array_dir(e.path))
+        """Fill each request's output through TensorStore, as Orbax itself reads (a damaged OCDBT database
+        file is named: :meth:`ocdbt_error`)."""
+        with self.naming_damaged():
+            read_views(requests, self.open_array, lambda e: self.array_dir(e.path))
         return sum(r.out.nbytes for r in requests)
+
+    def ocdbt_error(self, exc: XckptError, cause: BaseException | None = None) -> XckptError:
+        """``exc`` naming as its file the OCDBT database file (a ``manifest.ocdbt``, or a data file under ``d/``)
+        whose damage the TensorStore error ``cause`` (default: ``exc``'s cause) reported, rather than the array
+        it was reading (which stays its leaf); ``exc`` itself when there was none (or the checkpoint does not
+        use OCDBT)."""
+        if not self.ocdbt:
+            return exc
+        return naming_damaged_file(exc, self.store.kvstore().get("path", ""), self.loc, cause)
+
+    @contextlib.contextmanager
+    def naming_damaged(self) -> Iterator[None]:
+        """Raise the :class:`~xckpt.errors.XckptError` that the block raises as :meth:`ocdbt_error` makes it."""
+        try:
+            yield
+        except XckptError as exc:
+            err = self.ocdbt_error(exc)
+            if err is exc:
+                raise
+            raise err from exc.__cause__
 
     def check(self, requests: Sequence[ReadRequest]) -> None:
         """Nothing ahead: TensorStore checks what it reads (see :meth:`Source.check`)."""
@@ -256,12 +280,15 @@ def _open(loc: Location, store: Store, committed: bool | None = None) -> OrbaxCh
     placeholder = Manifest(tree=tree, leaves=[], producer=producer, metadata=info)
     ckpt = OrbaxCheckpoint(loc, store, placeholder, zarr3=zarr3, ocdbt=has_ocdbt or bool(databases),
                            strict_fill=strict_fill)
+    # a damaged database file is named, rather than the database or the array being read (ocdbt_error)
     if databases:
-        ckpt.unmerged = index_databases(databases, ckpt.ocdbt_spec, ckpt._context,
-                                        lambda d: str(loc.child(f"{d}/{OCDBT_MANIFEST}")))
+        with ckpt.naming_damaged():
+            ckpt.unmerged = index_databases(databases, ckpt.ocdbt_spec, ckpt._context,
+                                            lambda d: str(loc.child(f"{d}/{OCDBT_MANIFEST}")))
     stored = [r for r in ordered if r.value_type in ARRAY_TYPES + ("scalar",) and not r.skip]
     check_names(stored, meta_file)
-    arrays = read_array_infos(ckpt, stored)
+    with ckpt.naming_damaged():
+        arrays = read_array_infos(ckpt, stored)
     shardings = read_shardings(loc, store)
     leaves: list[Entry] = []
     for rec in ordered:
@@ -300,12 +327,12 @@ def read_values(ckpt: OrbaxCheckpoint) -> dict[int, Any]:
         try:
             reads.append((i, e, entry, fut.result().read()))
         except Exception as exc:  # noqa: BLE001
-            raise translate(exc, entry, ckpt.array_dir(entry.path)) from exc
+            raise ckpt.ocdbt_error(translate(exc, entry, ckpt.array_dir(entry.path)), exc) from exc
     for i, e, entry, fut in reads:
         try:
             value = np.asarray(fut.result())
         except Exception as exc:  # noqa: BLE001
-            raise translate(exc, entry, ckpt.array_dir(entry.path)) from exc
+            raise ckpt.ocdbt_error(translate(exc, entry, ckpt.array_dir(entry.path)), exc) from exc
         out[i] = {"bool": bool, "int": int, "float": float, "complex": complex}[e.type](value.item())
     return out
 

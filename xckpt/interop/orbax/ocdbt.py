@@ -17,6 +17,11 @@ the keys of every per-process database (:func:`index_databases`) and opens each 
 a TensorStore ``kvstack`` key-value store whose layers send each run of keys to the database
 that holds them (:meth:`KeyIndex.spec`). A key found in several databases is read from the
 first, in the order of :func:`process_databases`.
+
+When a database itself is damaged (its ``manifest.ocdbt``, or a B-tree node in one of its data files under
+``d/``, cut short, garbled, missing), TensorStore's error names the file it could not read or decode, by the
+path it was given (on Linux, through ``/proc/self/fd``): :func:`naming_damaged_file` makes the xckpt error
+name that file, as the checkpoint's reader displays it.
 """
 
 from __future__ import annotations
@@ -28,12 +33,20 @@ from typing import Any
 
 import tensorstore as ts
 
-from xckpt.engine.storage import Store
-from xckpt.errors import DataError
+from xckpt.engine.storage import Location, Store
+from xckpt.errors import DataError, XckptError
 
 #: A per-process database directory, as Orbax names it (``ocdbt.process_0``, ``ocdbt.process_replica_3``).
 PROCESS_DIR = re.compile(r"^ocdbt\.process_(replica_)?([A-Za-z0-9]+)$")
 OCDBT_MANIFEST = "manifest.ocdbt"
+#: A file of an OCDBT database, by its path in the checkpoint: the manifest or a data file (``d/<name>``: B-tree
+#: nodes and values) of the root database or of a per-process one.
+_DATABASE_FILE = re.compile(r"(?:ocdbt\.process_(?:replica_)?[A-Za-z0-9]+/)?(?:manifest\.ocdbt|d/[^/]+)")
+#: A name TensorStore quotes in an error (a ``"`` in it escaped).
+_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
+#: What follows a key read from an OCDBT database, quoted (``"w/0.0" in OCDBT database at ...``: an array's key,
+#: not a file).
+_KEY_OF_DATABASE = " in OCDBT database"
 
 
 def _order(name: str) -> tuple[int, int, str]:
@@ -126,3 +139,33 @@ def index_databases(databases: list[str], db_spec: Callable[[str], dict[str, Any
             owner.setdefault(key, i)  # the first database holding a key is the one read
     keys = sorted(owner)
     return KeyIndex(databases, keys, [owner[k] for k in keys])
+
+
+def damaged_file(text: str, base: str, root: Location) -> str | None:
+    """The display path (below ``root``) of the OCDBT database file that the TensorStore error ``text`` says it
+    could not read or decode: the first quoted name that is ``base`` (the path of the checkpoint's directory
+    that TensorStore was given, its kvstore spec's ``path``) followed by a database file's path in the
+    checkpoint (:data:`_DATABASE_FILE`). None when it names none (a chunk's key, a database's directory)."""
+    for m in _QUOTED.finditer(text):
+        name = m.group(1)
+        if text.startswith(_KEY_OF_DATABASE, m.end()):
+            continue
+        if name.startswith(base) and _DATABASE_FILE.fullmatch(name[len(base):]):
+            return str(root.child(name[len(base):]))
+    return None
+
+
+def naming_damaged_file(err: XckptError, base: str, root: Location,
+                        cause: BaseException | None = None) -> XckptError:
+    """``err``, an error reading an OCDBT checkpoint raised from the TensorStore error ``cause`` (default:
+    ``err``'s cause; without one, ``err``'s message is read), naming as its ``file`` the database file that
+    error says is damaged (:func:`damaged_file`), and in its message the file's display path instead of the
+    one TensorStore was given; ``code`` and ``leaf`` (the array being read, if any) stay. ``err`` itself when
+    TensorStore named no database file."""
+    cause = cause if cause is not None else err.__cause__
+    text = str(cause) if cause is not None and not isinstance(cause, XckptError) else err.message
+    file = damaged_file(text, base, root)
+    if file is None:
+        return err
+    message = err.message.replace(f'"{base}', f'"{str(root).rstrip("/")}/') if base else err.message
+    return err.naming(file, message)
