@@ -123,8 +123,8 @@ def test_name_collision_and_bad_keys_refused(tmp_path):
     with pytest.raises(TreeError, match="would both be stored as 'a.b'") as info:
         xckpt.save({"a.b": np.ones(1), "a": {"b": np.ones(1)}}, tmp_path / "c")
     assert info.value.code == "tree.name_collision"
-    with pytest.raises(TreeError, match="path separator"):
-        xckpt.save({"a/b": np.ones(1)}, tmp_path / "d")
+    with pytest.raises(TreeError, match="backslash"):
+        xckpt.save({"a\\b": np.ones(1)}, tmp_path / "d")
     with pytest.raises(TreeError, match="reserved"):
         xckpt.save({"_METADATA": np.ones(1)}, tmp_path / "e")
     with pytest.raises(TreeError, match="cannot save a leaf of type"):

@@ -1,4 +1,4 @@
-"""The validator: does a directory conform to the xckpt spec (``spec/xckpt-1.2.md``)?
+"""The validator: does a directory conform to the xckpt spec (``spec/xckpt-1.3.md``)?
 
 Every finding has a stable code (listed in the spec) and names the file and leaf.
 Without ``deep``, only metadata and shard indexes are read: every offset in every
@@ -139,33 +139,41 @@ def _dedupe(report: Report) -> None:
 
 def _check_files(store: LocalStore, m: Manifest, report: Report) -> None:
     """Plain files and directories only (found by walks that never follow a link), each finding naming the
-    leaf whose top-level name holds the file; warn about top-level names nothing refers to. A directory that
-    cannot be listed is an ``io.read`` finding, and the other top-level names are still walked."""
+    leaf whose stored path holds the file; warn about names nothing refers to: at the top level, and in the
+    directories a nested path lies in (format 1.3). A directory that cannot be listed is an ``io.read``
+    finding, and the other top-level names are still walked."""
     add = report.findings.append
-    owner = {e.path: key_str(e.key) for e in m.arrays()}
-    owner.update((e.orbax_path, key_str(e.key)) for e in m.leaves if isinstance(e, ValueEntry) and e.orbax_path)
+    owner = {path: key_str(key) for path, key in m.stored_paths()}
+    between = {p for path in owner for p in naming.parents(path)}  # directories a nested path lies in
+
+    def owned(name: str) -> str | None:  # the leaf whose stored path holds ``name``
+        return owner.get(name) or next((owner[p] for p in reversed(list(naming.parents(name))) if p in owner), None)
+
     try:
         with os.scandir(store.pinned_path()) as it:
             top = sorted((entry.name, entry_kind(entry)) for entry in it)
     except OSError as exc:
         add(Finding("io.read", f"cannot list {store.root}: {exc.strerror}", store.root))
         return
+    unexpected = sorted({name for name, _ in top} - m.top_names())
     for first, first_kind in top:
-        leaf = owner.get(first)
         subtree = [(first, first_kind)]
         if first_kind == "dir":
             try:
                 subtree.extend(store.walk(first))
             except XckptError as exc:  # a directory that cannot be listed; what was walked before it still counts
-                add(Finding(exc.code, exc.message, exc.file, leaf))
+                add(Finding(exc.code, exc.message, exc.file, owned(first)))
         for name, kind in subtree:
             file = str(store.location.child(name))
+            leaf = owned(name)
             if kind == "link":
                 add(Finding("path.link", f"symbolic link to {_readlink(file)!r}; a checkpoint must hold plain files "
                             "only", file, leaf))
             elif kind not in ("file", "dir"):
                 add(Finding("path.special", f"a {kind}, not a regular file or directory", file, leaf))
-    for name in sorted({name for name, _ in top} - m.top_names()):
+            if "/" in name and name.rpartition("/")[0] in between and name not in between and name not in owner:
+                unexpected.append(name)
+    for name in unexpected:
         add(Finding("path.unexpected", "no leaf of the manifest refers to this name", str(store.location.child(name)),
                     severity="warning"))
 
@@ -397,8 +405,8 @@ def _check_orbax(loc: Location, store: Store, m: Manifest, vals: dict[int, Any] 
     if vals is None:
         return  # values unreadable (already reported): nothing to compare the strings and mirrors with
     if strings:
-        _check_strings(loc, store, {".".join(str(p) for p in e.key): vals[i] for i, e in enumerate(m.leaves)
-                                    if orbax_files.in_strings(e)}, report)
+        _check_strings(loc, store, orbax_files.strings_object({e.key: vals[i] for i, e in enumerate(m.leaves)
+                                                               if orbax_files.in_strings(e)}), report)
     for i, e in enumerate(m.leaves):
         if isinstance(e, ValueEntry):
             _check_mirror(loc, store, e, vals[i], deep, report, gen)
@@ -428,7 +436,7 @@ def _check_checkpoint_metadata(loc: Location, store: Store, report: Report) -> N
         report.findings.append(Finding("orbax.checkpoint_metadata", f"{name}: {what}", file))
 
 
-def _check_strings(loc: Location, store: Store, expected: dict[str, str], report: Report) -> None:
+def _check_strings(loc: Location, store: Store, expected: dict[str, Any], report: Report) -> None:
     file = str(loc.child("_strings.json"))
     got = _read_json_file(loc, store, "_strings.json", report, invalid="orbax.strings_invalid",
                           missing=("orbax.strings_missing", "_strings.json is missing; Orbax cannot restore the "

@@ -325,9 +325,20 @@ def valid_segmented(path: str) -> tuple[Any, str]:
                               "(rows 0-12 and 13-25, chunks of 7 rows), one object per shard")
 
 
+def valid_nested_names(path: str) -> tuple[Any, str]:
+    """Format 1.3: keys holding '/' (Haiku's module names) stored in nested directories."""
+    tree = {"mlp/~/linear_0": {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.array([0.5, -1.0])},
+            "mlp/~/linear_1": {"w": np.arange(4, dtype=np.int16).reshape(4, 1)},
+            "opt/count": 7, "run/name": "exp", "mlp": {"scale": np.array([2.0], dtype=np.float32)}}
+    save(tree, path)
+    return tree, ("format 1.3: keys holding '/' nest their storage names in directories as Orbax stores them "
+                  "('mlp/~/linear_0.w' is the array in mlp/~/linear_0.w/, beside mlp.scale/; the int 'opt/count' "
+                  "mirrored at opt/count; the string 'run/name' at the JSON pointer /run/name of _strings.json)")
+
+
 VALID: dict[str, Callable[[str], tuple[Any, str]]] = {
     "dtypes": valid_dtypes, "nested_values": valid_nested_values, "empty_and_scalar": valid_empty_and_scalar,
-    "sharded": valid_sharded, "zstd": valid_zstd, "segmented": valid_segmented,
+    "sharded": valid_sharded, "zstd": valid_zstd, "segmented": valid_segmented, "nested_names": valid_nested_names,
 }
 
 
@@ -607,8 +618,14 @@ INVALID: dict[str, Invalid] = {
                     lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(path="../w"))),
     "path_absolute": ("path.unsafe", False, True, "an absolute array path '/tmp/w'",
                       lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(path="/tmp/w"))),
-    "path_nested": ("path.unsafe", False, True, "an array path 'sub/w' with a separator",
+    "path_nested": ("path.unsafe", False, True, "an array path 'sub/w' with a separator in a format 1.2 manifest "
+                    "(paths nest from 1.3)",
                     lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(path="sub/w"))),
+    "path_inside_another": ("manifest.path_collision", False, True,
+                            "format 1.3: array 'b' stored at 'w/c/b', inside array 'w''s directory",
+                            lambda p: (os.rename(os.path.join(p, "b"), os.path.join(p, "w", "c", "b")),
+                                       edit_manifest(p, lambda m: (m.update(version="1.3"),
+                                                                   leaf(m, ["b"]).update(path="w/c/b"))))),
     "path_reserved": ("path.unsafe", False, True, "an array path that is a reserved name ('_METADATA')",
                       lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(path="_METADATA"))),
     "path_name": ("manifest.path_name", False, "chunk.place",

@@ -410,8 +410,8 @@ def _scan_claims(directory: Location, limit: float, now: float, name: str | None
 
 
 #: A name a save may write below its top level (3.2, 4, 4.2, 7): a leaf's (or a segment's) ``zarr.json`` and
-#: chunk objects, and the Orbax marker. A storage name never starts with ``.`` nor holds ``/``.
-_BELOW_TOP = re.compile(r"[^/.][^/]*/(?:[0-9]+/)?(?:zarr\.json|c(?:/[0-9]+)*)|" + re.escape(orbax_view.MARKER))
+#: chunk objects, and the Orbax marker. No part of a storage name (a nested one, 1.3, has several) starts with ``.``.
+_BELOW_TOP = re.compile(r"(?:[^/.][^/]*/)+(?:zarr\.json|c(?:/[0-9]+)*)|" + re.escape(orbax_view.MARKER))
 
 
 def _own_objects(keys: Iterable[str]) -> list[str]:

@@ -30,7 +30,8 @@ from xckpt.engine.storage import Location, Store
 from xckpt.engine.write import MAX_INFLIGHT_BYTES, ChunkWriter
 from xckpt.errors import CollectiveError, SaveError, XckptError
 from xckpt.format import dtypes, names, orbax_view, safetensors, values as values_format, zarr
-from xckpt.format.manifest import ArrayEntry, Entry, Manifest, StoredArray, ValueEntry, parse as parse_manifest
+from xckpt.format.manifest import ArrayEntry, Entry, Manifest, StoredArray, ValueEntry, parse as parse_manifest, \
+    version_for
 from xckpt.format.regions import chunk_indices
 from xckpt.format.tree import Key
 
@@ -473,7 +474,7 @@ def build_manifest(plan: GlobalPlan, values: dict[int, Any], opts: SaveOptions, 
             entries.append(ValueEntry(key, plan.kinds[i], mirror))
     meta = dict(opts.metadata)
     return Manifest(tree=plan.tree, leaves=entries, producer=producer, values=values_info, metadata=meta,
-                    generation=generation)
+                    version=version_for(entries), generation=generation)
 
 
 def producer_of(plan: GlobalPlan, opts: SaveOptions) -> dict[str, Any]:

@@ -5,7 +5,7 @@ the document checks every field (JSON integers only where the spec says integer,
 member the format does not define, bounds before any arithmetic), then the parts are
 checked against each other (tree and leaves agree, paths stay inside the checkpoint,
 segments tile their leaf) before anything else is trusted. The same rules are published
-as a JSON Schema (``spec/manifest-1.2.schema.json``); the test suite holds the two to agreeing.
+as a JSON Schema (``spec/manifest-1.3.schema.json``); the test suite holds the two to agreeing.
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ from xckpt.format.tree import MAX_DEPTH, Key, Node, iter_nodes, key_str
 from xckpt.format.values import VALUE_TYPES
 
 FORMAT = "xckpt"
-#: The version this writer writes.
+#: The version this writer writes (:func:`version_for`: 1.3 only for a checkpoint a 1.2 reader cannot read).
 VERSION = "1.2"
+#: The version whose stored paths may nest in directories (a key component holding ``/``).
+NESTED_VERSION = "1.3"
 #: Versions this reader reads (1.1 added segmented arrays and the generation; 1.2 requires the
-#: generation and tags every chunk object with its place, see :mod:`xckpt.format.shard`).
-SUPPORTED_VERSIONS = ("1.0", "1.1", "1.2")
+#: generation and tags every chunk object with its place, see :mod:`xckpt.format.shard`; 1.3 lets
+#: a stored path nest, see :mod:`xckpt.format.names`).
+SUPPORTED_VERSIONS = ("1.0", "1.1", "1.2", "1.3")
 #: A save's generation: 128 random bits, as lowercase hex.
 GENERATION = re.compile(r"[0-9a-f]{32}")
 #: Largest number of elements (and of bytes) a leaf may declare: 2**53, JSON's exact-integer range.
@@ -199,11 +202,16 @@ class Manifest:
         """Leaves indexed by key."""
         return {e.key: e for e in self.leaves}
 
+    def stored_paths(self) -> list[tuple[str, Key]]:
+        """Every stored path with its leaf's key: each array's directory and each value's Orbax mirror."""
+        return [(e.path, e.key) if isinstance(e, ArrayEntry) else (e.orbax_path, e.key) for e in self.leaves
+                if isinstance(e, ArrayEntry) or e.orbax_path]
+
     def top_names(self) -> set[str]:
         """The names at the checkpoint's top level that belong to it: the reserved files, every array's
-        directory and every value's Orbax mirror; anything else there was put by hand."""
-        return set(names.RESERVED) | {e.path for e in self.arrays()} | \
-            {e.orbax_path for e in self.leaves if isinstance(e, ValueEntry) and e.orbax_path}
+        directory and every value's Orbax mirror (the first part of one that nests); anything else there
+        was put by hand."""
+        return set(names.RESERVED) | {path.partition("/")[0] for path, _ in self.stored_paths()}
 
 
 # -- parsing ------------------------------------------------------------------------------------
@@ -562,18 +570,33 @@ def check_consistency(m: Manifest, file: str = names.MANIFEST) -> None:
         if isinstance(e, ValueEntry):
             has_values = True
             if e.orbax_path is not None:
-                _check_path(e.orbax_path, e.key, paths, file)
+                _check_path(e.orbax_path, e.key, paths, m.version, file)
             continue
-        _check_path(e.path, e.key, paths, file)
+        _check_path(e.path, e.key, paths, m.version, file)
     if has_values and m.values is None:
         raise ManifestError("value leaves are listed but no values file is", code="manifest.values", file=file)
+    clash = names.nesting(m.stored_paths()) if any("/" in p for p in paths) else None
+    if clash is not None:
+        raise ManifestError(f"path {clash[2]!r} lies in the directory of leaf {key_str(clash[0])!r}'s path",
+                            code="manifest.path_collision", file=file, leaf=key_str(clash[1]))
 
 
-def _check_path(path: str, key: Key, paths: dict[str, Key], file: str) -> None:
+def version_for(leaves: list[Entry]) -> str:
+    """The version a writer writes for these leaves: :data:`VERSION`, or :data:`NESTED_VERSION` where a
+    stored path nests (which a 1.2 reader refuses), so that every checkpoint a 1.2 reader can read says 1.2."""
+    nested = any("/" in (e.path if isinstance(e, ArrayEntry) else e.orbax_path or "") for e in leaves)
+    return NESTED_VERSION if nested else VERSION
+
+
+def _check_path(path: str, key: Key, paths: dict[str, Key], version: str, file: str) -> None:
     leaf = key_str(key)
     names.check_relative(path, file=file, leaf=leaf)
-    if "/" in path or path in names.RESERVED:
-        raise UnsafePathError(f"array path {path!r} must be one plain name, not reserved", file=file, leaf=leaf)
+    parts = path.split("/")
+    if len(parts) > 1 and version in ("1.0", "1.1", "1.2"):
+        raise UnsafePathError(f"array path {path!r} must be one plain name in format {version} (paths nest from 1.3)",
+                              file=file, leaf=leaf)
+    if parts[0] in names.RESERVED:
+        raise UnsafePathError(f"array path {path!r} is (or lies in) a reserved name", file=file, leaf=leaf)
     if path in paths:
         raise ManifestError(f"path {path!r} is used by two leaves", code="manifest.path_collision",
                             file=file, leaf=leaf)

@@ -1,13 +1,16 @@
 """Storage names of array leaves and the checks that keep them inside a checkpoint.
 
 An array leaf is stored in the directory named by its key joined with ``.``,
-the name Orbax gives it too (``model.layers.0.weight``).
+the name Orbax gives it too (``model.layers.0.weight``). A key component holding ``/``
+(Haiku's module names: ``mlp/~/linear_0``) makes the name nest in directories, as Orbax
+stores it too (``mlp/~/linear_0.w``; format 1.3): each part is a plain name, and no
+storage name may lie inside another's directory.
 """
 
 from __future__ import annotations
 
 import posixpath
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from xckpt.errors import TreeError, UnsafePathError
 from xckpt.format.tree import Key, key_str
@@ -22,8 +25,11 @@ ORBAX_SHARDING = "_sharding"
 ORBAX_MARKER_DIR = ".orbax_marker"
 #: The file that makes a directory a committed torch DCP checkpoint (written by ``xckpt convert --to dcp``).
 DCP_METADATA = ".metadata"
-#: Longest storage name of a stored path, in UTF-8 bytes (a file name on ext4, XFS, tmpfs, APFS, NTFS).
+#: Longest part of a stored path, in UTF-8 bytes (a file name on ext4, XFS, tmpfs, APFS, NTFS).
 MAX_NAME_BYTES = 255
+#: Longest storage name that nests (parts joined with ``/``), in UTF-8 bytes: far from a path's limit (4,096
+#: bytes on Linux) wherever the checkpoint lies.
+MAX_PATH_BYTES = 1024
 #: The item a checkpoint manager's step directory holds its checkpoint in (Orbax's default item name).
 DEFAULT_ITEM = "default"
 #: What each rank writes instead when DCP saves without collectives (``use_collectives=False``): rank 0's.
@@ -34,18 +40,20 @@ RESERVED = frozenset({MANIFEST, VALUES, COMMIT, ORBAX_METADATA, ORBAX_CHECKPOINT
 
 
 def storage_name(key: Key) -> str:
-    """The directory name of the array at ``key`` (components joined with ``.``)."""
+    """The directory name of the array at ``key`` (components joined with ``.``; a ``/`` in a component
+    nests it: every part between two ``/`` a plain name, not hidden, the first not reserved)."""
     name = ".".join(str(k) for k in key)
     if not key or not name:
         raise TreeError("a bare array at the root of a tree has no storage name; wrap it in a dict",
                         leaf=key_str(key))
     for k in key:
         text = str(k)
-        if "/" in text or "\\" in text or "\x00" in text:
-            raise TreeError(f"key component {text!r} contains a path separator or NUL",
-                            leaf=key_str(key))
-    if name in (".", "..") or name.startswith(".") or name in RESERVED:
-        raise TreeError(f"storage name {name!r} is reserved or hidden", leaf=key_str(key))
+        if "\\" in text or "\x00" in text:
+            raise TreeError(f"key component {text!r} contains a backslash or NUL", leaf=key_str(key))
+    parts = name.split("/")
+    if any(not p or p.startswith(".") for p in parts) or parts[0] in RESERVED:
+        where = "" if len(parts) == 1 else f" (a part between '/' is empty or hidden: {name!r} nests in directories)"
+        raise TreeError(f"storage name {name!r} is reserved or hidden{where}", leaf=key_str(key))
     return name
 
 
@@ -56,26 +64,55 @@ def path_name(key: Key) -> str:
     if ":" in name:
         raise TreeError(f"key {key_str(key)!r} holds ':', which a stored path may not (readers refuse it: a drive or "
                         "a stream on some file systems); rename it", leaf=key_str(key))
-    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
-        raise TreeError(f"the storage name of this key is {len(name.encode('utf-8', 'surrogatepass'))} bytes long, more "
-                        f"than the {MAX_NAME_BYTES} a file name may have on common file systems; shorten it",
-                        leaf=key_str(key))
+    longest = max(len(p.encode("utf-8", "surrogatepass")) for p in name.split("/"))
+    if longest > MAX_NAME_BYTES:
+        raise TreeError(f"the storage name of this key has a part {longest} bytes long, more than the "
+                        f"{MAX_NAME_BYTES} a file name may have on common file systems; shorten it", leaf=key_str(key))
+    if "/" in name and len(name.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        raise TreeError(f"the storage name of this key nests {len(name.encode('utf-8', 'surrogatepass'))} bytes "
+                        f"deep, more than the {MAX_PATH_BYTES} a stored path may have; shorten it", leaf=key_str(key))
     return name
 
 
-def check_unique(keys: Iterable[Key]) -> dict[Key, str]:
-    """Storage names of ``keys``; raise when two keys would share one name."""
+def parents(name: str) -> Iterator[str]:
+    """The directories a stored path lies in, outermost first (``a/b/c``: ``a``, ``a/b``)."""
+    i = name.find("/")
+    while i != -1:
+        yield name[:i]
+        i = name.find("/", i + 1)
+
+
+def nesting(names: Iterable[tuple[str, Key]]) -> tuple[Key, Key, str] | None:
+    """Of ``(stored name, key)`` pairs, the first two keys whose names share one place, as
+    ``(earlier key, later key, name)``: the same name, or one name inside the other's directory
+    (``a`` and ``a/b``); None when every name has a place of its own."""
     seen: dict[str, Key] = {}
-    names: dict[Key, str] = {}
-    for key in keys:
-        name = storage_name(key)
-        if name in seen:
-            raise TreeError(
-                f"leaves {key_str(seen[name])!r} and {key_str(key)!r} would both be stored as "
-                f"{name!r} (Orbax names arrays by joining keys with '.'); rename one",
-                code="tree.name_collision", leaf=key_str(key))
+    dirs: dict[str, Key] = {}
+    for name, key in names:
+        other = seen.get(name, dirs.get(name))
+        if other is None:
+            other = next((seen[p] for p in parents(name) if p in seen), None)
+        if other is not None:
+            return other, key, name
         seen[name] = key
-        names[key] = name
+        for p in parents(name):
+            dirs.setdefault(p, key)
+    return None
+
+
+def check_unique(keys: Iterable[Key]) -> dict[Key, str]:
+    """Storage names of ``keys``; raise when two keys would share one name, or one would lie in the
+    other's directory."""
+    names = {key: storage_name(key) for key in keys}
+    clash = nesting((name, key) for key, name in names.items())
+    if clash is not None:
+        first, key, name = clash
+        how = ("would both be stored as" if storage_name(first) == name
+               else "would be stored one inside the other's directory, at")
+        raise TreeError(
+            f"leaves {key_str(first)!r} and {key_str(key)!r} {how} {name!r} (Orbax names arrays by joining keys "
+            "with '.', and a '/' in a key nests the name in directories); rename one",
+            code="tree.name_collision", leaf=key_str(key))
     return names
 
 

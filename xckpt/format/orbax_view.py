@@ -112,9 +112,21 @@ def files(metadata: bytes, string_values: dict[Key, str]) -> dict[str, bytes]:
         MARKER: MARKER_ZARRAY,
     }
     if string_values:
-        out["_strings.json"] = json.dumps({".".join(str(p) for p in key): text
-                                           for key, text in string_values.items()}).encode()
+        out["_strings.json"] = json.dumps(strings_object(string_values)).encode()
     return out
+
+
+def strings_object(string_values: dict[Key, str]) -> dict[str, Any]:
+    """What ``_strings.json`` holds: each string at the JSON pointer of its storage name, where Orbax
+    looks it up (a name that nests in directories, ``run/name``, nests in objects: ``{"run": {"name": ...}}``)."""
+    strings: dict[str, Any] = {}
+    for key, text in string_values.items():
+        *outer, last = ".".join(str(p) for p in key).split("/")
+        node = strings
+        for part in outer:  # storage names never nest in one another (names.check_unique)
+            node = node.setdefault(part, {})
+        node[last] = text
+    return strings
 
 
 def in_strings(e: Entry) -> bool:
