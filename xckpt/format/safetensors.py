@@ -19,7 +19,9 @@ from __future__ import annotations
 import json
 import math
 import posixpath
+import re
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, NoReturn
 
 from xckpt.errors import ManifestError, ShapeError, UnsafePathError, UnsupportedError, XckptError
@@ -55,9 +57,17 @@ DTYPES: dict[str, str] = {st: name for st, name in {
 }.items() if name in dtypes.LOGICAL_DTYPES}
 
 _ENTRY_MEMBERS = ("dtype", "shape", "data_offsets")
+#: safetensors dtype -> (the same name, as this table holds it; the xckpt dtype; bytes per element): a checked
+#: entry shares these strings instead of keeping the header's copy of them, one per tensor.
+_DTYPE_FACTS: dict[str, tuple[str, str, int]] = {st: (st, name, dtypes.itemsize(name)) for st, name in DTYPES.items()}
+#: A JSON escape of a UTF-16 surrogate: the only way a header that is valid UTF-8 can hold a string that is not
+#: valid Unicode (a lone surrogate). A header without one needs no name checked for it.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+#: The order the tiling check walks the tensors in: by their offsets.
+_BY_OFFSETS = attrgetter("begin", "end")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorInfo:
     """One tensor of a safetensors file, checked: its place in the data buffer and what it holds."""
 
@@ -93,6 +103,19 @@ class Header:
 
 def _fail(cls: type[XckptError], code: str, message: str, file: str, tensor: str | None = None) -> NoReturn:
     raise cls(message, code=code, file=file, leaf=tensor)
+
+
+class _Repeated(Exception):
+    """Raised by :func:`_unique` at the first JSON object that gives a member twice: the header is then parsed
+    again with :func:`_objects`, which finds where (see :func:`_load_json`)."""
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The ``object_pairs_hook`` of the first parse: an object, or :class:`_Repeated` when it gives a member twice."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise _Repeated
+    return out
 
 
 class _Duplicated(dict):  # type: ignore[type-arg]
@@ -141,14 +164,22 @@ def _objects(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return tagged
 
 
-def _load_json(raw: bytes, *, file: str, code: str, what: str) -> tuple[Any, tuple[str, ...] | None]:
-    """Parse UTF-8 JSON; returns the value and the path of a member given twice in it (None when none is)."""
+def _load_json(raw: bytes | bytearray, *, file: str, code: str, what: str) -> tuple[Any, tuple[str, ...] | None]:
+    """Parse UTF-8 JSON; returns the value and the path of a member given twice in it (None when none is).
+
+    The document is parsed once with :func:`_unique`, which only tells whether some object repeats a member
+    (and stops there); only then is it parsed again with :func:`_objects`, which tags where. Both parses meet
+    the same syntax errors in the same place (the hooks change no syntax), so the outcome is that of the
+    second parse alone."""
     try:
-        text = raw.decode("utf-8")
+        text = str(raw, "utf-8")
     except UnicodeDecodeError as exc:
         _fail(ManifestError, code, f"{what} is not UTF-8: {exc}", file)
     try:
-        obj = json.loads(text, object_pairs_hook=_objects)
+        try:
+            return json.loads(text, object_pairs_hook=_unique), None
+        except _Repeated:
+            obj = json.loads(text, object_pairs_hook=_objects)
     except RecursionError:
         _fail(ManifestError, code, f"{what} nests too deeply to be parsed", file)
     except ValueError as exc:  # JSONDecodeError, and an integer beyond Python's 4300 digits
@@ -180,9 +211,28 @@ def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _shape(v: Any, itemsize: int, file: str, name: str) -> tuple[int, ...]:
+#: What :func:`_shape` found of a shape already checked in a header: the shape (one tuple shared by every tensor
+#: of that shape), its elements, and its elements with empty dimensions counted as 1 (what any chunking may hold).
+_ShapeFacts = tuple[tuple[int, ...], int, int]
+
+
+def _shape(v: Any, itemsize: int, file: str, name: str, seen: dict[tuple[int, ...], _ShapeFacts]
+           ) -> tuple[tuple[int, ...], int]:
+    """The shape ``v`` of tensor ``name`` and its number of elements, checked: a list of at most
+    :data:`MAX_RANK` JSON integers ``>= 0`` (not ``1.0``, not ``true``) of at most :data:`MAX_ELEMENTS` bytes
+    (no dimension multiplied past it: a hostile header's 4000-digit dimensions are refused, not multiplied).
+    ``seen`` keeps the facts of the shapes already checked in this header (found only once each element is
+    known to be an integer: ``[1.0]`` never meets the facts of ``[1]``)."""
     if not isinstance(v, list):
         _fail(ShapeError, "safetensors.shape", f"shape is {json.dumps(v)[:60]}, not a list of integers", file, name)
+    if all(type(d) is int for d in v):
+        facts = seen.get(tuple(v))
+        if facts is not None:
+            bound = facts[2]
+            if bound * itemsize > MAX_ELEMENTS:
+                _fail(ShapeError, "safetensors.shape",
+                      f"shape {v} has more than {MAX_ELEMENTS} bytes, more than xckpt reads", file, name)
+            return facts[0], facts[1]
     if len(v) > MAX_RANK:
         _fail(ShapeError, "safetensors.shape", f"shape has {len(v)} dimensions, more than {MAX_RANK}", file, name)
     bound = 1  # elements, with empty dimensions counted as 1: what any chunking of it may hold
@@ -194,28 +244,32 @@ def _shape(v: Any, itemsize: int, file: str, name: str) -> tuple[int, ...]:
         if bound * itemsize > MAX_ELEMENTS:
             _fail(ShapeError, "safetensors.shape",
                   f"shape {v} has more than {MAX_ELEMENTS} bytes, more than xckpt reads", file, name)
-    return tuple(v)
+    shape = tuple(v)
+    facts = seen[shape] = (shape, math.prod(shape), bound)
+    return shape, facts[1]
 
 
-def _entry(name: str, v: Any, buffer_size: int | None, file: str) -> TensorInfo:
+def _entry(name: str, v: Any, buffer_size: int | None, file: str, seen: dict[tuple[int, ...], _ShapeFacts],
+           check_name: bool = True) -> TensorInfo:
+    """The entry ``v`` of tensor ``name``, checked (``check_name``: its Unicode too; ``seen``: see :func:`_shape`)."""
     if not name:
         _fail(ManifestError, "safetensors.header", "a tensor has an empty name", file)
-    if not is_unicode(name):
+    if check_name and not is_unicode(name):
         _fail(ManifestError, "safetensors.header", f"tensor name {name!r} is not valid Unicode", file)
     if not isinstance(v, dict):
         _fail(ManifestError, "safetensors.header", f"entry is {type(v).__name__}, not an object", file, name)
-    missing = [k for k in _ENTRY_MEMBERS if k not in v]
-    extra = [k for k in v if k not in _ENTRY_MEMBERS]
-    if missing or extra:
+    if len(v) != len(_ENTRY_MEMBERS) or not all(k in v for k in _ENTRY_MEMBERS):
+        missing = [k for k in _ENTRY_MEMBERS if k not in v]
+        extra = [k for k in v if k not in _ENTRY_MEMBERS]
         _fail(ManifestError, "safetensors.header",
               f"entry must have exactly {list(_ENTRY_MEMBERS)}: missing {missing}, unknown {extra}", file, name)
     st = v["dtype"]
-    if not isinstance(st, str) or st not in DTYPES:
+    facts = _DTYPE_FACTS.get(st) if isinstance(st, str) else None
+    if facts is None:
         _fail(UnsupportedError, "safetensors.dtype",
               f"dtype {json.dumps(st)[:40]} is not one xckpt reads ({', '.join(DTYPES)})", file, name)
-    dtype = DTYPES[st]
-    itemsize = dtypes.itemsize(dtype)
-    shape = _shape(v["shape"], itemsize, file, name)
+    st, dtype, itemsize = facts
+    shape, numel = _shape(v["shape"], itemsize, file, name, seen)
     offs = v["data_offsets"]
     if not isinstance(offs, list) or len(offs) != 2 or not all(_int(o) and o >= 0 for o in offs):
         _fail(ManifestError, "safetensors.offsets",
@@ -224,7 +278,7 @@ def _entry(name: str, v: Any, buffer_size: int | None, file: str) -> TensorInfo:
     if begin > end:
         _fail(ManifestError, "safetensors.offsets", f"data_offsets [{begin}, {end}] ends before it begins",
               file, name)
-    want = math.prod(shape) * itemsize
+    want = numel * itemsize
     if end - begin != want:
         _fail(ManifestError, "safetensors.offsets",
               f"data_offsets [{begin}, {end}] hold {end - begin} bytes, but shape {list(shape)} of {st} takes {want}",
@@ -235,7 +289,7 @@ def _entry(name: str, v: Any, buffer_size: int | None, file: str) -> TensorInfo:
     return TensorInfo(name, st, dtype, shape, begin, end)
 
 
-def parse_header(raw: bytes, file_size: int | None, *, file: str) -> Header:
+def parse_header(raw: bytes | bytearray, file_size: int | None, *, file: str) -> Header:
     """Parse and check the ``N`` header bytes of a safetensors file of ``file_size`` bytes.
 
     ``file_size`` None (an object store that does not tell sizes) skips the checks against the
@@ -249,7 +303,7 @@ def parse_header(raw: bytes, file_size: int | None, *, file: str) -> Header:
     if file_size is not None and file_size < data_start:
         _fail(ManifestError, "safetensors.header", f"header of {len(raw)} bytes goes beyond the end of the file "
               f"({file_size} bytes)", file)
-    if not raw.startswith(b"{"):
+    if raw[:1] != b"{":
         _fail(ManifestError, "safetensors.header", "header does not start with '{'", file)
     obj, duplicate = _load_json(raw, file=file, code="safetensors.header", what="header")
     if not isinstance(obj, dict):
@@ -265,9 +319,15 @@ def parse_header(raw: bytes, file_size: int | None, *, file: str) -> Header:
     if METADATA_KEY in obj and (not isinstance(metadata, dict) or not all(
             isinstance(v, str) and is_unicode(v) and is_unicode(k) for k, v in metadata.items())):
         _fail(ManifestError, "safetensors.header", f"{METADATA_KEY} is not an object of strings", file)
-    tensors = {name: _entry(name, v, buffer_size, file) for name, v in obj.items() if name != METADATA_KEY}
+    # entries are checked in the header's order, the first wrong one raising its error; a name needs its own
+    # Unicode check only where the header holds a surrogate escape, the one way valid UTF-8 holds a lone surrogate
+    check_names = _SURROGATE_ESCAPE.search(raw) is not None
+    seen: dict[tuple[int, ...], _ShapeFacts] = {}
+    tensors = {name: _entry(name, v, buffer_size, file, seen, check_names)
+               for name, v in obj.items() if name != METADATA_KEY}
+    del obj, seen
     expected, previous = 0, None
-    for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+    for t in sorted(tensors.values(), key=_BY_OFFSETS):
         if t.begin < expected:
             _fail(ManifestError, "safetensors.offsets", f"data_offsets [{t.begin}, {t.end}] overlap those of "
                   f"{previous.name!r} [{previous.begin}, {previous.end}]", file, t.name)  # type: ignore[union-attr]

@@ -55,6 +55,10 @@ PIECE_BYTES = 16 << 20
 VIEW_CHUNK_BYTES = 4 << 20
 #: Offsets of byte runs turned into Python ints at a time (a narrow region of a tall tensor has millions).
 _OFFSETS_AT_ONCE = 4096
+#: Most read tasks that one job of the I/O pool runs, one after the other: the regions smaller than
+#: :data:`PIECE_BYTES` are read in jobs of up to that many tasks or about that many bytes (a job of its own for
+#: each tiny tensor would cost more than reading it).
+_TASKS_PER_JOB = 512
 #: ``__metadata__["format"]`` -> the framework recorded as the producer.
 _FRAMEWORKS = {"pt": "torch", "np": "numpy", "tf": "tensorflow", "flax": "jax", "mlx": "mlx", "paddle": "paddle"}
 
@@ -111,7 +115,7 @@ class _File:
     header: Header
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Tensor:
     """Where a leaf's bytes are."""
 
@@ -130,12 +134,14 @@ class SafetensorsCheckpoint:
     format = "safetensors"
 
     def __init__(self, loc: Location, store: Store, files: list[_File], manifest: Manifest,
-                 tensors: dict[Key, _Tensor]) -> None:
+                 tensors: dict[Key, _File] | None) -> None:
         self.loc = loc
         self.store = store
         self.files = files
         self.manifest = manifest
+        #: The file of each leaf's key; None for a checkpoint of one file, which holds them all (``_only``).
         self._tensors = tensors
+        self._only = files[0] if tensors is None else None
 
     def values(self) -> dict[int, Any]:
         """No value leaves: every leaf is a tensor."""
@@ -147,11 +153,16 @@ class SafetensorsCheckpoint:
         return t.file.path, t.info
 
     def _where(self, entry: ArrayEntry) -> _Tensor:
-        t = self._tensors.get(tuple(entry.key))
-        if t is None:
+        key = tuple(entry.key)
+        if self._tensors is not None:
+            f = self._tensors.get(key)
+        else:
+            only = self._only
+            f = only if only is not None and len(key) == 1 and key[0] in only.header.tensors else None
+        if f is None:
             raise DataError(f"{self.loc} holds no tensor {key_str(entry.key)!r}", code="safetensors.missing",
                             file=str(self.loc), leaf=key_str(entry.key))
-        return t
+        return _Tensor(f, f.header.tensors[key[0]])  # a key is (its tensor's name,)
 
     def read(self, requests: Sequence[ReadRequest], *, precheck: bool = False) -> int:
         """Fill each request's output (the storage dtype) with the bytes of its region; returns the bytes read.
@@ -159,7 +170,9 @@ class SafetensorsCheckpoint:
         Only the region's bytes are read. ``precheck`` needs nothing more: every file was opened and its
         header checked against its size when the checkpoint was opened.
         """
-        tasks: list[tuple[_Tensor, Callable[[], int]]] = []
+        jobs: list[list[tuple[_Tensor, Callable[[], int]]]] = []  # in the order of the requests and their tasks
+        small: list[tuple[_Tensor, Callable[[], int]]] = []  # the job being filled with the tasks of small regions
+        small_bytes = 0
         for req in requests:
             if req.region.is_empty():
                 continue
@@ -171,9 +184,22 @@ class SafetensorsCheckpoint:
             if not req.region.within(t.info.shape):
                 raise ShapeError(f"region {req.region.offsets}+{req.region.sizes} lies outside shape "
                                  f"{list(t.info.shape)}", file=t.file.path, leaf=key_str(req.entry.key))
-            for task in plan_reads(t.file.blob, t.base, t.info.shape, req.out.dtype.itemsize, req.region, req.out):
-                tasks.append((t, task))
-        total = _run(tasks)
+            tasks = [(t, task) for task in plan_reads(t.file.blob, t.base, t.info.shape, req.out.dtype.itemsize,
+                                                      req.region, req.out)]
+            if req.out.nbytes >= PIECE_BYTES:  # each of its tasks a job, after the small ones before it
+                if small:
+                    jobs.append(small)
+                    small, small_bytes = [], 0
+                jobs.extend([task] for task in tasks)
+                continue
+            small += tasks
+            small_bytes += req.out.nbytes
+            if small_bytes >= PIECE_BYTES or len(small) >= _TASKS_PER_JOB:
+                jobs.append(small)
+                small, small_bytes = [], 0
+        if small:
+            jobs.append(small)
+        total = _run(jobs)
         for req in requests:
             if req.region.is_empty():
                 continue
@@ -255,6 +281,12 @@ def byte_runs(base: int, shape: tuple[int, ...], itemsize: int, region: Region) 
     return starts, sizes[j] * inner
 
 
+def _read_at(blob: Blob, offset: int, dst: np.ndarray) -> int:
+    """Read the bytes ``dst`` (contiguous) at ``offset``; returns how many."""
+    blob.read_into(offset, dst)
+    return dst.nbytes
+
+
 def _read_runs(blob: Blob, starts: np.ndarray, run: int, dst: np.ndarray) -> int:
     """Read runs of ``run`` bytes at ``starts`` one after the other into the bytes ``dst``."""
     for first in range(0, len(starts), _OFFSETS_AT_ONCE):  # Python ints for a block of offsets at a time
@@ -302,6 +334,8 @@ def plan_reads(blob: Blob, base: int, shape: tuple[int, ...], itemsize: int, reg
     if region.is_empty():
         return []
     if out.flags.c_contiguous or not shape:  # a 0-d output is always contiguous
+        if region.sizes == shape and not any(region.offsets) and out.nbytes <= PIECE_BYTES:  # one run, one piece
+            return [partial(_read_at, blob, base, out.reshape(-1).view(np.uint8))]
         starts, run = byte_runs(base, shape, itemsize, region)
         return _direct(blob, starts, run, out.reshape(-1).view(np.uint8))
     sizes, offsets = region.sizes, region.offsets
@@ -333,12 +367,17 @@ def _guarded(t: _Tensor, task: Callable[[], int]) -> int:
                         leaf=t.info.name) from exc
 
 
-def _run(tasks: list[tuple[_Tensor, Callable[[], int]]]) -> int:
-    """Run the read tasks on the I/O pool (inline when there is one, or when already on a pool thread);
-    the first error is raised once no task writes any more."""
-    if len(tasks) <= 1 or threading.current_thread().name.startswith("xckpt-"):
-        return sum(_guarded(t, task) for t, task in tasks)
-    return pools.gather([pools.pool().submit(_guarded, t, task) for t, task in tasks])
+def _run_job(job: list[tuple[_Tensor, Callable[[], int]]]) -> int:
+    """Run read tasks one after the other, up to the first that fails; returns the bytes read."""
+    return sum(_guarded(t, task) for t, task in job)
+
+
+def _run(jobs: list[list[tuple[_Tensor, Callable[[], int]]]]) -> int:
+    """Run the jobs of read tasks on the I/O pool (inline when there is one, or when already on a pool thread);
+    the first error (of the first job, in order, that met one) is raised once no task writes any more."""
+    if len(jobs) <= 1 or threading.current_thread().name.startswith("xckpt-"):
+        return sum(_run_job(job) for job in jobs)
+    return pools.gather([pools.pool().submit(_run_job, job) for job in jobs])
 
 
 # -- opening ---------------------------------------------------------------------------------------
@@ -362,14 +401,14 @@ def _read_header(store: Store, dir_loc: Location, name: str) -> _File:
         try:
             blob.read_into(0, prefix)
             n = header_length(prefix.tobytes(), size, file=path)
-            raw = np.empty(n, dtype=np.uint8)
-            blob.read_into(PREFIX_BYTES, raw)
+            raw = bytearray(n)  # read into and parsed from, never copied
+            blob.read_into(PREFIX_BYTES, np.frombuffer(raw, dtype=np.uint8))
         except XckptError as exc:
             if exc.code != "chunk.truncated":
                 raise
             raise ManifestError(f"file ends inside its header: {exc.message}", code="safetensors.header",
                                 file=path) from None
-        header = parse_header(raw.tobytes(), size, file=path)
+        header = parse_header(raw, size, file=path)
         if size is None and header.buffer_size > 0:  # an object store: the data must reach the last tensor's end
             try:
                 blob.read_into(header.data_start + header.buffer_size - 1, np.empty(1, dtype=np.uint8))
@@ -448,23 +487,39 @@ def _open_files(store: Store, dir_loc: Location, name: str) -> list[_File]:
     return files
 
 
-def _manifest(files: list[_File]) -> tuple[Manifest, dict[Key, _Tensor]]:
-    """The manifest of the tensors of ``files``: a flat dict keyed by full tensor names."""
+def _manifest(files: list[_File]) -> tuple[Manifest, dict[Key, _File] | None]:
+    """The manifest of the tensors of ``files``: a flat dict keyed by full tensor names; and the file of each key
+    (None for exactly one file: it holds every key, each once).
+
+    Every leaf goes through :func:`~xckpt.format.manifest.check_shape`, once for each shape and dtype (leaves of
+    one shape and dtype have the same chunks: its checks give the same answer). A leaf shares its tensor's shape
+    tuple, also as its chunk shape where no dimension is 0.
+    """
     items: list[list[Any]] = []
     leaves: list[Entry] = []
-    where: dict[Key, _Tensor] = {}
+    where: dict[Key, _File] = {}
+    several = len(files) != 1  # (an index may name no file)
+    storage: dict[str, str] = {}  # logical dtype -> storage dtype
+    checked: set[tuple[tuple[int, ...], str]] = set()  # (shape, dtype) of the leaves check_shape passed
     for f in files:
         for name, info in f.header.tensors.items():
             key: Key = (name,)
-            if key in where:
-                raise ManifestError(f"{name!r} is in both {where[key].file.name} and {f.name}",
-                                    code="safetensors.duplicate", file=f.path, leaf=name)
-            chunk = tuple(max(1, s) for s in info.shape)
-            e = ArrayEntry(key, name, info.shape, info.dtype, dtypes.storage_name(info.dtype), chunk, chunk)
-            manifest_mod.check_shape(e, f.path)
+            if several:
+                if key in where:
+                    raise ManifestError(f"{name!r} is in both {where[key].name} and {f.name}",
+                                        code="safetensors.duplicate", file=f.path, leaf=name)
+                where[key] = f
+            shape, dtype = info.shape, info.dtype
+            chunk = shape if 0 not in shape else tuple(max(1, s) for s in shape)
+            storage_dtype = storage.get(dtype)
+            if storage_dtype is None:
+                storage_dtype = storage[dtype] = dtypes.storage_name(dtype)
+            e = ArrayEntry(key, name, shape, dtype, storage_dtype, chunk, chunk)
+            if (shape, dtype) not in checked:
+                manifest_mod.check_shape(e, f.path)
+                checked.add((shape, dtype))
             items.append([name, {"kind": "leaf", "index": len(leaves)}])
             leaves.append(e)
-            where[key] = _Tensor(f, info)
     metadata = {f.name: f.header.metadata for f in files}
     producer: dict[str, Any] = {"library": "safetensors"}
     formats = {(m or {}).get("format") for m in metadata.values()}
@@ -472,7 +527,7 @@ def _manifest(files: list[_File]) -> tuple[Manifest, dict[Key, _Tensor]]:
         producer["framework"] = _FRAMEWORKS[next(iter(formats))]
     m = Manifest(tree={"kind": "dict", "items": items}, leaves=leaves, producer=producer,
                  metadata={"safetensors": {"files": [f.name for f in files], "metadata": metadata}})
-    return m, where
+    return m, where if several else None
 
 
 def open_directory(loc: Location, store: Store, name: str | None = None, *,
