@@ -282,3 +282,20 @@ def test_a_dead_object_store_saves_nested_objects_are_its_own() -> None:
     assert claims._own_objects(keys) == ["mlp/~/linear_0.w/zarr.json", "mlp/~/linear_0.w/c/0",
                                          "mlp/~/linear_0.w/c/0/1", "opt/count/c", "w/zarr.json", "w/0/c/0",
                                          "_METADATA", ".orbax_marker/.zarray"]
+
+
+def test_a_safetensors_file_with_slash_names_converts_and_exports_back(tmp_path: Path) -> None:
+    """Tensor names holding '/' (as TensorFlow-style exporters write them) convert to xckpt (before:
+    ``tree.invalid``) and export back to a file the real ``safetensors`` library reads with the same names."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = {"encoder/layer_0/kernel": np.arange(6, dtype=np.float32).reshape(2, 3),
+               "encoder/layer_0/bias": np.ones(3, np.float16), "encoder.scale": np.array([0.5], np.float32)}
+    (tmp_path / "in").mkdir()
+    save_file(tensors, str(tmp_path / "in" / "model.safetensors"))
+    xckpt.convert.convert(str(tmp_path / "in"), str(tmp_path / "x"), source="safetensors")
+    assert (tmp_path / "x" / "encoder" / "layer_0" / "kernel" / "zarr.json").is_file()
+    assert_same(xckpt.load(tmp_path / "x"), tensors)
+    assert xckpt.validate(tmp_path / "x", deep=True).findings == []
+    xckpt.convert.convert(str(tmp_path / "x"), str(tmp_path / "out"), target="safetensors")
+    assert_same(load_file(str(tmp_path / "out" / "model.safetensors")), tensors)
