@@ -63,3 +63,44 @@ def test_a_process_held_to_less_memory_loads_within_that_limit() -> None:
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_manifest_declaring_millions_of_tiny_inner_chunks_fails_on_its_first_missing_object(tmp_path) -> None:
+    """A leaf of 2**24 int16 in 16 objects of 2**19 inner chunks of 2 elements each, whose objects are not there:
+    the load refuses it (``chunk.missing``) once it opens the first object. Before, every inner chunk's part was
+    planned first: 8 million of them, about 2.5 GB of Python objects, which a process held to 1.5 GiB of address
+    space more than it started with could not make (a MemoryError)."""
+    import json
+
+    import xckpt
+
+    path = tmp_path / "ckpt"
+    xckpt.save({"x": np.zeros(4, np.int16)}, path)
+    m = json.loads((path / "xckpt.json").read_text())
+    m["leaves"][0].update(shape=[2**24], chunk_shape=[2**20], inner_chunk_shape=[2],
+                          sharding={"shard_shape": [2**20], "num_shards": 16})
+    (path / "xckpt.json").write_text(json.dumps(m))
+    z = json.loads((path / "x" / "zarr.json").read_text())
+    z["shape"] = [2**24]
+    z["chunk_grid"]["configuration"]["chunk_shape"] = [2**20]
+    z["codecs"][0]["configuration"]["chunk_shape"] = [2]
+    (path / "x" / "zarr.json").write_text(json.dumps(z))
+    for obj in (path / "x" / "c").iterdir():
+        obj.unlink()
+    script = textwrap.dedent(f"""
+        import resource, sys
+        import numpy as np
+        import xckpt
+        from xckpt.errors import XckptError
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + (3 << 29), resource.getrlimit(resource.RLIMIT_AS)[1]))
+        try:
+            xckpt.load({str(path)!r})
+        except XckptError as exc:
+            print(exc.code, exc.leaf, exc.file)
+        """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    code, leaf, file = out.stdout.split()
+    assert (code, leaf) == ("chunk.missing", "x") and file.startswith(str(path / "x" / "c")), out.stdout

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -103,18 +103,48 @@ class _Part:
 
 
 @dataclass
+class _Want:
+    """What one request wants of one chunk object: the box ``[lo, hi)`` in chunk coordinates, going to ``out``
+    (the request's output) moved by ``shift`` (chunk coordinates -> the output's)."""
+
+    out: np.ndarray
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+    shift: tuple[int, ...]
+
+
+@dataclass
 class _Object:
     name: str
     geom: shard.Geometry
     valid: tuple[int, ...]
     entry: ArrayEntry
-    parts: list[_Part]
+    parts: list[_Part]  # parts known when planned (the whole of a one-inner-chunk object)
+    wants: list[_Want] = field(default_factory=list)  # the rest, made into parts only when the object is read
     kept: tuple[np.ndarray, np.ndarray] | None = None  # (whole object, checked index), read by a checking pass
 
     @property
     def leaf(self) -> str:
         """The leaf it belongs to, for messages."""
         return key_str(self.entry.key)
+
+    def all_parts(self) -> list[_Part]:
+        """Every part to fill: those planned, and those its wants make (:func:`_parts_of`). Made when the
+        object is read, after its index was checked: a manifest that declares millions of tiny inner chunks
+        costs nothing before an object holding them is found."""
+        return self.parts + [p for w in self.wants for p in _parts_of(self.geom, self.valid, w)]
+
+
+def _parts_of(geom: shard.Geometry, valid: tuple[int, ...], w: _Want) -> Iterator[_Part]:
+    """The parts of the inner chunks of an object (the chunk clipped to the array: ``valid``) that ``w`` wants."""
+    lo, hi, shift = w.lo, w.hi, w.shift
+    for k, inner_start, sl in geom.inner_chunks(valid, lo, hi):
+        got = [(max(x.start, a), min(x.stop, b)) for x, a, b in zip(sl, lo, hi)]
+        src = tuple(slice(g0 - i, g1 - i) for (g0, g1), i in zip(got, inner_start))
+        dst = w.out[tuple(slice(g0 + d, g1 + d) for (g0, g1), d in zip(got, shift)) + (Ellipsis,)]
+        whole = (all(g1 - g0 == n for (g0, g1), n in zip(got, geom.inner_shape))
+                 and dst.flags.c_contiguous and geom.compression == "none" and dst.dtype == geom.le_dtype)
+        yield _Part(k, src, dst, whole)
 
 
 @dataclass
@@ -180,13 +210,7 @@ def _plan(requests: Sequence[ReadRequest]) -> list[_Object]:
                 lo = tuple(o - s for o, s in zip(want.offsets, start))  # what is wanted, in chunk coordinates
                 hi = tuple(e - s for e, s in zip(want.ends, start))
                 shift = tuple(s + o - r for s, o, r in zip(start, a.offset, req.region.offsets))  # chunk -> out
-                for k, inner_start, sl in geom.inner_chunks(valid, lo, hi):
-                    got = [(max(x.start, l), min(x.stop, h)) for x, l, h in zip(sl, lo, hi)]
-                    src = tuple(slice(g0 - i, g1 - i) for (g0, g1), i in zip(got, inner_start))
-                    dst = req.out[tuple(slice(g0 + d, g1 + d) for (g0, g1), d in zip(got, shift)) + (Ellipsis,)]
-                    whole = (all(g1 - g0 == n for (g0, g1), n in zip(got, geom.inner_shape))
-                             and dst.flags.c_contiguous and geom.compression == "none" and dst.dtype == geom.le_dtype)
-                    obj.parts.append(_Part(k, src, dst, whole))
+                obj.wants.append(_Want(req.out, lo, hi, shift))
     return list(objects.values())
 
 
@@ -276,7 +300,7 @@ def _read_object(store: Store, obj: _Object, scratch: _Scratch, file: Callable[[
         done = whole.size if whole is not None else tail.size
         if not fill:
             if keep and whole is not None:
-                for k in {p.inner for p in obj.parts}:  # its inner chunks' crc32c too: the fill cannot fail
+                for k in {p.inner for p in obj.all_parts()}:  # its inner chunks' crc32c too: the fill cannot fail
                     shard.open_inner(geom, whole[int(index[k, 0]):int(index[k, 0]) + int(index[k, 1])])
                 obj.kept = (whole, index)
             return done
@@ -297,7 +321,7 @@ def _fill(obj: _Object, index: np.ndarray, whole: np.ndarray | None, blob: Blob 
     geom = obj.geom
     done = 0
     by_inner: dict[int, list[_Part]] = {}
-    for p in obj.parts:
+    for p in obj.all_parts():
         by_inner.setdefault(p.inner, []).append(p)
     for k, parts in by_inner.items():
         off, nbytes = int(index[k, 0]), int(index[k, 1])
