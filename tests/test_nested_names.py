@@ -67,8 +67,11 @@ def test_a_haiku_tree_saves_nested_and_every_reader_gets_it_back(tmp_path: Path)
     assert (path / "mlp" / "~" / "linear_0.w" / "zarr.json").is_file()
     assert json.loads((path / "_strings.json").read_text()) == {"run": {"name": "exp-1"}, "plain.s": "y"}
     assert_same(xckpt.load(path), tree)
-    # plain Orbax restores it without conversion, as it restores its own Haiku checkpoints
+    # plain Orbax restores it without conversion, as it restores its own Haiku checkpoints, through v0 and v1
     assert_same(_plain(_orbax_restore(path)), _plain(tree))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_same(_plain(ocp.v1.load(path)), _plain(tree))
     # zarr-python opens the nested array where the manifest says
     zarr = pytest.importorskip("zarr")
     np.testing.assert_array_equal(zarr.open_array(str(path / "mlp" / "~" / "linear_1.w"), mode="r")[...],
