@@ -4,9 +4,11 @@ vectors changed (a MemoryError escaped instead of a specific error)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -65,31 +67,29 @@ def test_a_process_held_to_less_memory_loads_within_that_limit() -> None:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
-def test_a_manifest_declaring_millions_of_tiny_inner_chunks_fails_on_its_first_missing_object(tmp_path) -> None:
-    """A leaf of 2**24 int16 in 16 objects of 2**19 inner chunks of 2 elements each, whose objects are not there:
-    the load refuses it (``chunk.missing``) once it opens the first object. Before, every inner chunk's part was
-    planned first: 8 million of them, about 2.5 GB of Python objects, which a process held to 1.5 GiB of address
-    space more than it started with could not make (a MemoryError)."""
-    import json
-
+def _declaring(path: Path, dtype: type, shape: int, chunk: int, inner: int) -> Path:
+    """A checkpoint of one 1-d leaf ``x`` whose manifest and zarr.json agree on the declared ``shape``, ``chunk``
+    and ``inner`` chunk (its one small object, written for 4 elements, left as it is)."""
     import xckpt
 
-    path = tmp_path / "ckpt"
-    xckpt.save({"x": np.zeros(4, np.int16)}, path)
+    xckpt.save({"x": np.zeros(4, dtype)}, path)
     m = json.loads((path / "xckpt.json").read_text())
-    m["leaves"][0].update(shape=[2**24], chunk_shape=[2**20], inner_chunk_shape=[2],
-                          sharding={"shard_shape": [2**20], "num_shards": 16})
+    m["leaves"][0].update(shape=[shape], chunk_shape=[chunk], inner_chunk_shape=[inner],
+                          sharding={"shard_shape": [chunk], "num_shards": shape // chunk})
     (path / "xckpt.json").write_text(json.dumps(m))
     z = json.loads((path / "x" / "zarr.json").read_text())
-    z["shape"] = [2**24]
-    z["chunk_grid"]["configuration"]["chunk_shape"] = [2**20]
-    z["codecs"][0]["configuration"]["chunk_shape"] = [2]
+    z["shape"] = [shape]
+    z["chunk_grid"]["configuration"]["chunk_shape"] = [chunk]
+    z["codecs"][0]["configuration"]["chunk_shape"] = [inner]
     (path / "x" / "zarr.json").write_text(json.dumps(z))
-    for obj in (path / "x" / "c").iterdir():
-        obj.unlink()
+    return path
+
+
+def _load_held(path: Path) -> list[str]:
+    """Load ``path`` in a process held to 1.5 GiB of address space more than it maps before; the code, leaf and
+    file of the XckptError it raises."""
     script = textwrap.dedent(f"""
-        import resource, sys
-        import numpy as np
+        import resource
         import xckpt
         from xckpt.errors import XckptError
         with open("/proc/self/statm") as f:
@@ -102,5 +102,35 @@ def test_a_manifest_declaring_millions_of_tiny_inner_chunks_fails_on_its_first_m
         """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    code, leaf, file = out.stdout.split()
-    assert (code, leaf) == ("chunk.missing", "x") and file.startswith(str(path / "x" / "c")), out.stdout
+    return out.stdout.split()
+
+
+def test_a_manifest_declaring_millions_of_tiny_inner_chunks_fails_on_its_first_missing_object(tmp_path: Path) -> None:
+    """A leaf of 2**24 int16 in 16 objects of 2**19 inner chunks of 2 elements each, whose objects are not there:
+    the load refuses it (``chunk.missing``) once it opens the first object. Before, every inner chunk's part was
+    planned first: 8 million of them, about 2.5 GB of Python objects, which a process held to 1.5 GiB of address
+    space more than it started with could not make (a MemoryError)."""
+    path = _declaring(tmp_path / "ckpt", np.int16, 2**24, 2**20, 2)
+    for obj in (path / "x" / "c").iterdir():
+        obj.unlink()
+    code, leaf, file = _load_held(path)
+    assert (code, leaf) == ("chunk.missing", "x") and file.startswith(str(path / "x" / "c")), (code, leaf, file)
+
+
+def test_a_manifest_declaring_millions_of_one_byte_objects_is_refused_before_planning(tmp_path: Path) -> None:
+    """A leaf of 2**22 uint8 in 2**22 one-element chunk objects (4 MiB of data, no writer makes such a grid): the
+    read would plan 4 million objects (about 2 GB before the first is opened); it is ``resource.too_large``
+    naming the leaf's zarr.json, before any is planned, under an address-space limit that planning them would
+    pass (before: a MemoryError)."""
+    path = _declaring(tmp_path / "ckpt", np.uint8, 2**22, 1, 1)
+    assert _load_held(path) == ["resource.too_large", "x", str(path / "x" / "zarr.json")]
+
+
+def test_a_read_of_many_small_leaves_is_not_refused(tmp_path: Path) -> None:
+    """The bound counts objects against bytes with a million to spare: 3,000 leaves of 4 bytes load."""
+    import xckpt
+
+    tree = {f"v{i}": np.full(1, i, np.int32) for i in range(3000)}
+    xckpt.save(tree, tmp_path / "c")
+    got = xckpt.load(tmp_path / "c")
+    assert all(np.array_equal(got[k], v) for k, v in tree.items())

@@ -280,3 +280,13 @@ def test_strides_overlap_is_true_for_every_array_whose_elements_overlap(shape, d
     assert not overlaps_itself(plain) and not overlaps_itself(plain.T) and not overlaps_itself(plain[..., ::-1])
     if plain.ndim >= 1 and plain.shape[0] > 2:
         assert not overlaps_itself(plain[::2])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(1, 9)), min_size=1, max_size=4))
+def test_count_chunks_counts_what_chunks_of_yields(dims: list[tuple[int, int, int]]) -> None:
+    from xckpt.format.regions import count_chunks
+
+    region = Region(tuple(o for o, _, _ in dims), tuple(n for _, n, _ in dims))
+    chunk = tuple(c for _, _, c in dims)
+    assert count_chunks(region, chunk) == len(list(chunks_of(region, chunk)))

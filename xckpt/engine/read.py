@@ -24,7 +24,7 @@ from xckpt.engine.hostcopy import stream_copy
 from xckpt.errors import DataError, IntegrityError, ResourceError, XckptError
 from xckpt.format import shard, zarr as zarr_format
 from xckpt.format.manifest import ArrayEntry, StoredArray
-from xckpt.format.regions import Region, chunks_of, intersect
+from xckpt.format.regions import Region, chunks_of, count_chunks, intersect
 from xckpt.format.tree import key_str
 
 #: Objects at most this large are read with one request.
@@ -34,6 +34,12 @@ SMALL_OBJECT = 64 << 10
 PREFETCH_WINDOW = 256
 #: Small objects a checking pass (``precheck``) keeps, read and checked, for the filling pass, at most.
 MAX_KEPT_BYTES = 64 << 20
+#: Chunk objects one read plans at most, beyond one for every :data:`BYTES_PER_OBJECT` bytes it reads: each
+#: planned object costs memory before it is opened, so a manifest declaring millions of one-byte chunks (which
+#: no writer makes) is refused (``resource.too_large``) rather than planned.
+MAX_OBJECTS = 1 << 20
+#: See :data:`MAX_OBJECTS`.
+BYTES_PER_OBJECT = 64
 _CRC = 4
 
 
@@ -176,6 +182,30 @@ def _arrays(requests: Sequence[ReadRequest]) -> list[_Array]:
                 arrays[a.path] = _Array(a.path, (a.shape, e.storage_dtype, a.chunk_shape, a.inner_chunk_shape,
                                                  e.compression), e)
     return list(arrays.values())
+
+
+def _check_object_count(requests: Sequence[ReadRequest], file: Callable[[str], str]) -> None:
+    """Refuse a read that would plan more chunk objects than :data:`MAX_OBJECTS` allows for its bytes, naming
+    the leaf that declares the most (its ``zarr.json``); counted without planning any."""
+    count, nbytes = 0, 0
+    worst: tuple[int, ArrayEntry, StoredArray] | None = None
+    for req in requests:
+        if req.region.is_empty():
+            continue
+        nbytes += req.out.size * req.out.dtype.itemsize
+        for a in req.entry.arrays():
+            part = intersect(req.region, a.region)
+            n = 0 if part is None else count_chunks(part.relative_to(a.region), a.chunk_shape)
+            count += n
+            if worst is None or n > worst[0]:
+                worst = (n, req.entry, a)
+    limit = MAX_OBJECTS + nbytes // BYTES_PER_OBJECT
+    if count > limit and worst is not None:
+        n, e, a = worst
+        raise ResourceError(f"the read would open {count} chunk objects for {nbytes} bytes, more than the {limit} "
+                            f"a read of that size may ({n} of them this leaf's: chunks of {list(a.chunk_shape)} in "
+                            f"an array of {list(a.shape)})", file=file(f"{a.path}/{zarr_format.METADATA}"),
+                            leaf=key_str(e.key))
 
 
 def _plan(requests: Sequence[ReadRequest]) -> list[_Object]:
@@ -375,7 +405,8 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
     outputs may then be views of no memory, see :func:`placeholder`).
     """
     total = _check_arrays(store, _arrays(requests), file)  # before planning: a lying
-    objects = _plan(requests)  # manifest is refused before its chunk counts are walked
+    _check_object_count(requests, file)  # manifest is refused before its chunk counts are walked
+    objects = _plan(requests)
     if not objects:
         return total
     scratch = _Scratch()

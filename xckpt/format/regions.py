@@ -138,6 +138,13 @@ def chunks_of(region: Region, chunk: Sequence[int]) -> Iterator[tuple[int, ...]]
     return product(*ranges)
 
 
+def count_chunks(region: Region, chunk: Sequence[int]) -> int:
+    """How many chunks intersect ``region`` (what :func:`chunks_of` yields, counted without visiting them)."""
+    if region.is_empty():
+        return 0
+    return math.prod(-(-e // c) - o // c for o, e, c in zip(region.offsets, region.ends, chunk))
+
+
 #: Most grid cells :func:`check_tiling` counts; beyond, it compares regions pairwise.
 _MAX_CELLS = 1 << 22
 
