@@ -130,19 +130,21 @@ def chunk_indices(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[tuple[
     return product(*(range(n) for n in grid_shape(shape, chunk)))
 
 
+def _chunk_ranges(region: Region, chunk: Sequence[int]) -> list[range]:
+    """Along each dimension, the grid indices of the chunks that intersect ``region`` (none when it is empty)."""
+    if region.is_empty():
+        return [range(0)]
+    return [range(o // c, -(-e // c)) for o, e, c in zip(region.offsets, region.ends, chunk)]
+
+
 def chunks_of(region: Region, chunk: Sequence[int]) -> Iterator[tuple[int, ...]]:
     """Grid indices of every chunk that intersects ``region``."""
-    if region.is_empty():
-        return iter(())
-    ranges = [range(o // c, -(-e // c)) for o, e, c in zip(region.offsets, region.ends, chunk)]
-    return product(*ranges)
+    return product(*_chunk_ranges(region, chunk))
 
 
 def count_chunks(region: Region, chunk: Sequence[int]) -> int:
     """How many chunks intersect ``region`` (what :func:`chunks_of` yields, counted without visiting them)."""
-    if region.is_empty():
-        return 0
-    return math.prod(-(-e // c) - o // c for o, e, c in zip(region.offsets, region.ends, chunk))
+    return math.prod(len(r) for r in _chunk_ranges(region, chunk))
 
 
 #: Most grid cells :func:`check_tiling` counts; beyond, it compares regions pairwise.
