@@ -639,3 +639,135 @@ def test_errors_about_one_entry_name_it(ckpt, tmp_path):
                  storage_writer=FileSystemWriter(str(src)), no_dist=True)
     err = _fails(src, tmp_path / "out", "dtype.unsupported")
     assert (err.file, err.leaf) == (str(src / ".metadata"), "half_complex"), err
+
+
+# -- (i) numpy data inside DCP values: parsed, never run ------------------------------------------
+
+
+def _numpy_state() -> dict:
+    """numpy data as training code hands it to DCP, which pickles each non-tensor value whole."""
+    rs = np.random.RandomState(11)
+    return {
+        "np_rng": rs.get_state(),  # ('MT19937', uint32[624], pos, has_gauss, cached)
+        "arrays": {code: (np.arange(-3, 3) * 7).astype(code) for code in
+                   ("?", "i1", "i2", "<i4", "<i8", "u1", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8", "<c8", "<c16")},
+        "big_endian": np.linspace(-1, 1, 6, dtype=">f8").reshape(2, 3),
+        "fortran": np.asfortranarray(np.arange(12, dtype=np.int32).reshape(3, 4)),
+        "empty": np.zeros((0, 5), dtype=np.float32),
+        "scalars": [np.float32(1.5), np.int64(-2 ** 40), np.bool_(True), np.float64("nan")],
+        "mixed": (torch.arange(3, dtype=torch.int16), np.uint8(7), "tag"),
+    }
+
+
+def test_numpy_values_convert_exactly(tmp_path):
+    """A real DCP checkpoint whose values hold numpy arrays, scalars (0-d arrays after, as ``xckpt.save`` stores
+    them) and an RNG state converts element by element, dtypes included; the RNG state restored from the
+    xckpt checkpoint draws what the original does."""
+    src = tmp_path / "src"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({**_numpy_state(), "w": torch.ones(2, 3)}, storage_writer=FileSystemWriter(str(src)), no_dist=True)
+    _convert(src, tmp_path / "out")
+    got, want = xckpt.load(tmp_path / "out"), _numpy_state()
+    for code, arr in want["arrays"].items():
+        assert got["arrays"][code].dtype == arr.dtype.newbyteorder("<"), code
+        np.testing.assert_array_equal(got["arrays"][code], arr)
+    for name in ("big_endian", "fortran", "empty"):
+        assert got[name].dtype == want[name].dtype.newbyteorder("<") and got[name].shape == want[name].shape, name
+        np.testing.assert_array_equal(got[name], want[name])
+    for g, w in zip(got["scalars"], want["scalars"]):
+        assert isinstance(g, np.ndarray) and g.shape == () and g.dtype == w.dtype
+        assert g.tobytes() == np.asarray(w).tobytes()
+    assert got["mixed"][1].dtype == np.uint8 and got["mixed"][1] == 7 and got["mixed"][2] == "tag"
+    np.testing.assert_array_equal(got["mixed"][0], np.arange(3, dtype=np.int16))
+    name, key, pos, has_gauss, cached = got["np_rng"]
+    w_name, w_key, w_pos, w_has_gauss, w_cached = want["np_rng"]
+    assert (name, pos, has_gauss, cached) == (w_name, w_pos, w_has_gauss, w_cached)
+    assert key.dtype == np.uint32 and key.shape == (624,)
+    np.testing.assert_array_equal(key, w_key)
+    restored, original = np.random.RandomState(), np.random.RandomState(11)
+    restored.set_state(got["np_rng"])
+    np.testing.assert_array_equal(restored.randint(0, 2 ** 31, size=100), original.randint(0, 2 ** 31, size=100))
+
+
+def _value_blob(obj, rewrite=None) -> bytes:
+    """``torch.save(obj)``, its pickle passed through ``rewrite`` (the archive rebuilt around it)."""
+    import io
+    import zipfile
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    if rewrite is None:
+        return buf.getvalue()
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as w:
+        for info in z.infolist():
+            data = z.read(info.filename)
+            w.writestr(info.filename, rewrite(data) if info.filename.endswith("/data.pkl") else data)
+    return out.getvalue()
+
+
+def _as_step_value(ckpt, blob: bytes) -> None:
+    """Make ``blob`` (torch.save bytes) the stored value of the checkpoint's ``step``."""
+    (ckpt / "__9_0.distcp").write_bytes(blob)
+    md = _md(ckpt)
+    md.storage_data[MetadataIndex("step")] = _StorageInfo("__9_0.distcp", 0, len(blob))
+    _write_md(ckpt, md)
+
+
+def test_numpy_1x_pickles_convert(ckpt, tmp_path):
+    """numpy 1.x pickled its arrays and scalars under ``numpy.core.multiarray``; they convert the same."""
+    value = {"key": np.arange(5, dtype=np.uint32) * 3, "lr": np.float64(0.25)}
+
+    def as_numpy_1(data: bytes) -> bytes:
+        assert data.count(b"numpy._core.multiarray\n") == 2  # _reconstruct and scalar, numpy 2's names
+        return data.replace(b"numpy._core.multiarray\n", b"numpy.core.multiarray\n")
+
+    _as_step_value(ckpt, _value_blob(value, as_numpy_1))
+    _convert(ckpt, tmp_path / "out")
+    got = xckpt.load(tmp_path / "out")["step"]
+    assert got["key"].dtype == np.uint32 and got["lr"].dtype == np.float64 and got["lr"] == 0.25
+    np.testing.assert_array_equal(got["key"], value["key"])
+
+
+class _Crafted:
+    """Pickles as numpy's own call ``func(*args)`` followed by ``BUILD`` with ``state`` (None: no BUILD)."""
+
+    def __init__(self, func, args, state=None):
+        self.reduced = (func, args) if state is None else (func, args, state)
+
+    def __reduce__(self):
+        return self.reduced
+
+
+_RECONSTRUCT = np.ndarray.__reduce__(np.zeros(1))[0]  # numpy._core.multiarray._reconstruct
+_SCALAR = np.float32(1).__reduce__()[0]  # numpy._core.multiarray.scalar
+
+
+@pytest.mark.parametrize("value", [
+    pytest.param(np.array([1, "a"], dtype=object), id="object-array"),
+    pytest.param(np.zeros(2, dtype=[("a", "<f4")]), id="structured"),
+    pytest.param(np.array(["ab"]), id="unicode"),
+    pytest.param(np.array(["2020-01-01"], dtype="M8[D]"), id="datetime"),
+    pytest.param(_Crafted(_RECONSTRUCT, (np.ndarray, (0,), b"b"), (1, (3,), np.dtype("f4"), False, b"\0" * 4)),
+                 id="fewer-bytes-than-shape"),
+    pytest.param(_Crafted(_RECONSTRUCT, (np.ndarray, (0,), b"b"), (1, (2 ** 40,), np.dtype("f4"), False, b"")),
+                 id="huge-shape-no-data"),
+    pytest.param(_Crafted(_RECONSTRUCT, (np.ndarray, (0,), b"b"), (1, (-1,), np.dtype("f4"), False, b"")),
+                 id="negative-dimension"),
+    pytest.param(_Crafted(_RECONSTRUCT, (np.ndarray, (0,), b"b"), (1, (1,), np.dtype("f4"), False, [1.0])),
+                 id="data-not-bytes"),
+    pytest.param(_Crafted(_RECONSTRUCT, (np.ndarray, (0,), b"b"), (1, (1,), "f4", False, b"\0" * 4)),
+                 id="dtype-not-a-dtype"),
+    pytest.param(_Crafted(_RECONSTRUCT, (np.ndarray, (0,), b"b")), id="array-never-given-data"),
+    pytest.param(_Crafted(_RECONSTRUCT, (np.ndarray, (4,), b"b"), (1, (1,), np.dtype("f4"), False, b"\0" * 4)),
+                 id="reconstruct-other-arguments"),
+    pytest.param(_Crafted(_SCALAR, (np.dtype("f4"), b"\0\0")), id="scalar-short"),
+    pytest.param(_Crafted(_SCALAR, (np.dtype("O"), b"\0" * 8)), id="scalar-object"),
+])
+def test_numpy_values_not_built_by_numpy_are_refused(ckpt, tmp_path, value):
+    """numpy data a plain numeric array could not have written, or that asks for more than its bytes hold, is
+    ``convert.dcp_value`` naming the data file and the leaf: numpy's rebuild functions are never called."""
+    _as_step_value(ckpt, _value_blob([value]))
+    err = _fails(ckpt, tmp_path / "out", "convert.dcp_value")
+    assert (err.file, err.leaf) == (str(ckpt / "__9_0.distcp"), "step"), err
+    assert "xckpt does not rebuild" in err.message, err  # refused by xckpt's parsers, not by torch's unpickler

@@ -6,7 +6,7 @@ metadata is made of, ``.metadata`` and the ``.distcp`` data files opened relativ
 the checkpoint directory without following links or blocking, each stored range
 checked against its file before it is read. Each stored item is a ``torch.save``
 blob, loaded with ``torch.load(weights_only=True)`` (torch's own restricted
-unpickler). Each stored DCP chunk becomes one region of the xckpt array, read when
+unpickler); numpy data inside a value is parsed by :mod:`.dcp_numpy`. Each stored DCP chunk becomes one region of the xckpt array, read when
 the writer gets to it, so memory stays near one chunk.
 
 ``xckpt -> dcp``: ``torch.distributed.checkpoint.save`` with ``FileSystemWriter``
@@ -48,6 +48,7 @@ from xckpt.format.tree import is_namedtuple, unflatten
 from xckpt.registry import Shard
 from xckpt.sources.detect import open_checkpoint
 
+from . import dcp_numpy
 from .dcp_metadata import DcpDirectory, zstd_compressed
 from .dcp_planners import plain_value
 from .dcp_tree import as_leaf, insert, key_of, listify
@@ -98,6 +99,8 @@ def _torch_load(d: DcpDirectory, info: _StorageInfo, what: str, code: str, limit
         f.seek(0)
         try:
             return torch.load(f, map_location="cpu", weights_only=True)
+        except XckptError as exc:  # refused by a parser of .dcp_numpy: say where
+            raise exc.naming(f.path, message=f"{what} holds {exc.message}") from None
         except Exception as exc:  # noqa: BLE001 - reported as an xckpt error
             if f.truncated is not None:
                 raise f.truncated from None
@@ -127,9 +130,15 @@ def _empty_bytes(*args: Any) -> bytes:
 
 def _read_value(d: DcpDirectory, info: _StorageInfo, fqn: str) -> Any:
     """A stored value; besides what a weights-only load admits, an ``io.BytesIO`` (a DCP leaf type, saved
-    as a pickled file object, ``bytes()`` for an empty one), given as its bytes."""
-    with torch.serialization.safe_globals([io.BytesIO, (_empty_bytes, "builtins.bytes")]):
-        return plain_value(_torch_load(d, info, f"DCP value {fqn!r}", "convert.dcp_value", MAX_VALUE_BYTES))
+    as a pickled file object, ``bytes()`` for an empty one), given as its bytes, and numpy arrays, scalars
+    (as 0-d arrays) and dtypes, parsed by :mod:`.dcp_numpy`."""
+    with torch.serialization.safe_globals([io.BytesIO, (_empty_bytes, "builtins.bytes"), *dcp_numpy.GLOBALS]):
+        what = f"DCP value {fqn!r}"
+        loaded = _torch_load(d, info, what, "convert.dcp_value", MAX_VALUE_BYTES)
+    try:
+        return plain_value(loaded)
+    except XckptError as exc:  # an array the pickle left unbuilt
+        raise exc.naming(d.path(info.relative_path), message=f"{what} holds {exc.message}") from None
 
 
 def dcp_to_xckpt(src: str, dst: str, *, overwrite: bool = False) -> None:

@@ -1,0 +1,142 @@
+"""numpy data inside the values of a stock DCP checkpoint, parsed rather than run.
+
+DCP stores every non-tensor value of a state dict (``np.random.get_state()``, a data
+loader's state, a numpy scalar) as a pickle, read back here by ``torch.load(weights_only=True)``.
+A pickled ndarray, numpy scalar or dtype names numpy's own rebuild functions
+(``numpy._core.multiarray._reconstruct``, ``numpy.dtype``, ``numpy._core.multiarray.scalar``;
+``numpy.core`` where numpy 1.x wrote it), which torch's restricted unpickler refuses and
+which are not called here either: :data:`GLOBALS` maps those names onto the small parsers
+below, which check every field of the pickled state (a known dtype code and byte order,
+a shape of non-negative integers whose element count matches the raw bytes, nothing but
+bytes for the data) and build the array from the bytes themselves. Anything else (object
+arrays, structured or string dtypes, a state numpy would not write) is ``convert.dcp_value``.
+
+An ndarray is rebuilt in two pickle steps (``_reconstruct`` makes an empty array, ``BUILD``
+gives it its state), so the first step yields a :class:`PickledArray` holder, and
+:func:`xckpt_torch.dcp_planners.plain_value` swaps each holder for its array once the value is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from xckpt.errors import UnsupportedError
+
+#: Pickled dtype codes admitted (numpy's ``dtype.str`` without the byte order): xckpt's native dtypes.
+_CODES = {"b1": "bool", "i1": "int8", "i2": "int16", "i4": "int32", "i8": "int64", "u1": "uint8", "u2": "uint16",
+          "u4": "uint32", "u8": "uint64", "f2": "float16", "f4": "float32", "f8": "float64", "c8": "complex64",
+          "c16": "complex128"}
+#: Byte orders a pickled dtype state may give ('|' for one-byte types, '=' native).
+_ORDERS = {"<": "<", ">": ">", "|": "<", "=": "="}
+#: Dimensions a pickled array may have (numpy's limit).
+MAX_DIMS = 64
+
+
+def _refuse(what: str) -> UnsupportedError:
+    return UnsupportedError(f"a numpy {what} in a DCP value, which xckpt does not rebuild", code="convert.dcp_value")
+
+
+def _text(value: Any) -> str:
+    return repr(value)[:80]
+
+
+class PickledDtype:
+    """What ``numpy.dtype(code, align, copy)`` and its ``BUILD`` state describe; :attr:`dtype` once built."""
+
+    _code: str | None = None  # class defaults: an object made by NEWOBJ, never initialised, stays unbuilt
+    _order: str | None = None
+
+    def __init__(self, code: Any = None, align: Any = False, copy: Any = True) -> None:
+        if type(code) is not str or code not in _CODES or type(align) is not bool or type(copy) is not bool:
+            raise _refuse(f"dtype {_text(code)} (only {', '.join(_CODES.values())})")
+        self._code = code
+
+    def __setstate__(self, state: Any) -> None:
+        """Take numpy's dtype state ``(3, byte order, None, None, None, -1, -1, flags)``."""
+        if type(state) is not tuple or len(state) != 8 or state[0] != 3 or type(state[1]) is not str \
+                or state[1] not in _ORDERS \
+                or state[2:] != (None, None, None, -1, -1, 0):
+            raise _refuse(f"dtype state {_text(state)}")
+        if self._code is None or self._order is not None:
+            raise _refuse("dtype built other than by numpy.dtype(code), then its state once")
+        self._order = _ORDERS[state[1]]
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The numpy dtype (native byte order where the pickle gave none)."""
+        if self._code is None:
+            raise _refuse("dtype made without a type code")
+        return np.dtype((self._order or "=") + self._code)
+
+
+def _data(dtype: Any, shape: tuple[int, ...], raw: Any, fortran: bool = False) -> np.ndarray:
+    """A new array of ``dtype`` (a built :class:`PickledDtype`) and ``shape`` from the bytes ``raw``, little-endian."""
+    if not isinstance(dtype, PickledDtype):
+        raise _refuse(f"array whose dtype is {_text(dtype)}")
+    dt = dtype.dtype
+    if type(raw) is not bytes:
+        raise _refuse(f"array whose data is a {type(raw).__name__}, not bytes")
+    if len(raw) != math.prod(shape) * dt.itemsize:
+        raise _refuse(f"array of shape {shape} and dtype {dt} given {len(raw)} bytes of data")
+    flat = np.frombuffer(raw, dtype=dt)
+    return flat.reshape(shape, order="F" if fortran else "C").astype(dt.newbyteorder("<"), order="C")
+
+
+class PickledArray:
+    """An ndarray being rebuilt: ``_reconstruct`` makes it, ``BUILD`` gives it its state; :attr:`array` after."""
+
+    _array: np.ndarray | None = None
+
+    def __setstate__(self, state: Any) -> None:
+        """Take numpy's array state ``(1, shape, dtype, is_fortran, raw bytes)``."""
+        if type(state) is not tuple or len(state) != 5 or state[0] != 1:
+            raise _refuse(f"array state {_text(state)}")
+        _, shape, dtype, fortran, raw = state
+        if type(shape) is not tuple or len(shape) > MAX_DIMS or any(type(n) is not int or n < 0 for n in shape):
+            raise _refuse(f"array shape {_text(shape)}")
+        if type(fortran) is not bool:
+            raise _refuse(f"array order flag {_text(fortran)}")
+        if self._array is not None:
+            raise _refuse("array given its state twice")
+        self._array = _data(dtype, shape, raw, fortran)
+
+    @property
+    def array(self) -> np.ndarray:
+        """The rebuilt array (``convert.dcp_value`` when the pickle never gave it a state)."""
+        if self._array is None:
+            raise _refuse("array the pickle never gave its data")
+        return self._array
+
+
+class _NdarrayClass:
+    """What the pickle's ``numpy.ndarray`` stands for: the class argument of ``_reconstruct``, nothing more."""
+
+    def __init__(self, *args: Any) -> None:
+        raise _refuse("ndarray made other than by _reconstruct")
+
+
+def _reconstruct(cls: Any, shape: Any, typecode: Any) -> PickledArray:
+    """``numpy._core.multiarray._reconstruct(ndarray, (0,), b'b')``, as numpy pickles every plain ndarray."""
+    if cls is not _NdarrayClass or shape != (0,) or typecode != b"b":
+        raise _refuse(f"_reconstruct({_text(cls)}, {_text(shape)}, {_text(typecode)})")
+    return PickledArray()
+
+
+def _scalar(dtype: Any, raw: Any) -> np.ndarray:
+    """``numpy._core.multiarray.scalar(dtype, raw bytes)``: a numpy scalar, given as a 0-d array (as
+    ``xckpt.save`` stores one)."""
+    return _data(dtype, (), raw)
+
+
+#: ``torch.serialization.safe_globals`` entries: numpy's names mapped onto the parsers above.
+GLOBALS: list[tuple[Any, str]] = [
+    *((_reconstruct, f"{m}.multiarray._reconstruct") for m in ("numpy._core", "numpy.core")),
+    *((_scalar, f"{m}.multiarray.scalar") for m in ("numpy._core", "numpy.core")),
+    (_NdarrayClass, "numpy.ndarray"),
+    (PickledDtype, "numpy.dtype"),
+    # BUILD gives state only to objects of admitted classes; these names occur in no numpy pickle
+    (PickledArray, "xckpt_torch.dcp_numpy.PickledArray"),
+]
