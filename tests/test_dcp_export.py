@@ -218,3 +218,63 @@ def test_bytesio_values_through_the_storage_writer_and_reader(tmp_path):
     assert isinstance(target["loader"], io.BytesIO) and target["loader"].getvalue() == b"\x00state\xff"
     assert target["nested"]["blobs"] == [b"a", b"bc"] and target["step"] == 4
     assert target["w"].dtype == torch.bfloat16 and torch.equal(target["w"], state["w"])
+
+
+def _numpy_value_state(seed: int) -> dict:
+    """A DCP state dict whose values hold numpy data and tensors (DCP pickles such values whole)."""
+    import random
+    return {"w": torch.arange(6.0).reshape(2, 3) * seed, "np_rng": np.random.RandomState(seed).get_state(),
+            "arr": np.arange(4, dtype=np.int64) * seed, "be": np.arange(3, dtype=">f8") * seed,
+            "empty": np.zeros((0, 3), np.float32) + seed, "lr": np.float32(seed) / 8,
+            "pair": (torch.full((2,), float(seed)), torch.full((3,), seed, dtype=torch.bfloat16), seed),
+            "py_rng": random.Random(seed).getstate()}
+
+
+def test_numpy_data_in_values_through_the_storage_writer_and_reader(tmp_path):
+    """Numpy data and tensors inside values DCP pickles whole (np.random.get_state(), a numpy scalar, a tuple of
+    tensors) save through XckptStorageWriter as arrays, and DCP's load through XckptStorageReader gives numpy
+    back as numpy (a scalar as a scalar), tensors as tensors: values and dtypes compared element by element."""
+    import torch.distributed.checkpoint as dcp
+    from xckpt_torch import XckptStorageReader, XckptStorageWriter
+
+    want = _numpy_value_state(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(want, storage_writer=XckptStorageWriter(tmp_path / "c"), no_dist=True)
+        assert xckpt.validate(tmp_path / "c", deep=True).ok
+        stored = xckpt.load(tmp_path / "c")  # plain xckpt: arrays where the values held data
+        np.testing.assert_array_equal(stored["np_rng"][1], want["np_rng"][1])
+        assert stored["lr"].shape == () and stored["lr"].dtype == np.float32 and stored["lr"] == 0.375
+        target = _numpy_value_state(0)
+        dcp.load(target, storage_reader=XckptStorageReader(tmp_path / "c"), no_dist=True)
+    for name in ("arr", "be", "empty"):
+        assert type(target[name]) is np.ndarray and target[name].shape == want[name].shape, name
+        assert target[name].dtype == want[name].dtype.newbyteorder("<"), name
+        np.testing.assert_array_equal(target[name], want[name])
+    assert type(target["lr"]) is np.float32 and target["lr"] == want["lr"]
+    assert target["np_rng"][0] == "MT19937" and target["np_rng"][2:] == want["np_rng"][2:]
+    assert type(target["np_rng"][1]) is np.ndarray and target["np_rng"][1].dtype == np.uint32
+    np.testing.assert_array_equal(target["np_rng"][1], want["np_rng"][1])
+    restored, original = np.random.RandomState(), np.random.RandomState(3)
+    restored.set_state(target["np_rng"])
+    np.testing.assert_array_equal(restored.randint(0, 2 ** 31, size=50), original.randint(0, 2 ** 31, size=50))
+    for got, exp in zip(target["pair"][:2], want["pair"][:2]):
+        assert isinstance(got, torch.Tensor) and got.dtype == exp.dtype and torch.equal(got, exp)
+    assert target["pair"][2] == 3 and target["py_rng"] == want["py_rng"]
+    torch.testing.assert_close(target["w"], want["w"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("value", [np.array([1, "a"], dtype=object), np.array(["text"]), (np.zeros(2, "M8[D]"),)],
+                         ids=["object-array", "unicode-array", "datetime-in-tuple"])
+def test_values_holding_data_xckpt_cannot_store_are_refused_by_name(tmp_path, value):
+    """A value holding data no xckpt dtype holds is value.unsupported naming it; nothing is committed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from xckpt_torch import XckptStorageWriter
+
+    with warnings.catch_warnings(), pytest.raises(CheckpointException) as info:
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(2), "bad": value}, storage_writer=XckptStorageWriter(tmp_path / "c"), no_dist=True)
+    errors = [e for e, _ in info.value.failures.values()]
+    assert [(e.code, e.leaf) for e in errors] == [("value.unsupported", "bad")], errors
+    assert not (tmp_path / "c").exists()

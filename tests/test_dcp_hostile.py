@@ -689,6 +689,27 @@ def test_numpy_values_convert_exactly(tmp_path):
     restored.set_state(got["np_rng"])
     np.testing.assert_array_equal(restored.randint(0, 2 ** 31, size=100), original.randint(0, 2 ** 31, size=100))
 
+    # and back to DCP: stock DCP loads numpy data as numpy again (a scalar as a scalar), tensors as tensors
+    convert(str(tmp_path / "out"), str(tmp_path / "back"), target="dcp")
+    again = {"np_rng": None, "arrays": dict.fromkeys(want["arrays"]), "big_endian": None, "fortran": None,
+             "empty": None, "scalars": None, "mixed": None, "w": torch.zeros(2, 3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(again, checkpoint_id=str(tmp_path / "back"), no_dist=True)
+    assert again["np_rng"][0] == "MT19937" and again["np_rng"][2:] == want["np_rng"][2:]
+    assert type(again["np_rng"][1]) is np.ndarray and again["np_rng"][1].dtype == np.uint32
+    np.testing.assert_array_equal(again["np_rng"][1], want["np_rng"][1])
+    for code, arr in want["arrays"].items():
+        assert type(again["arrays"][code]) is np.ndarray and again["arrays"][code].dtype == arr.dtype.newbyteorder("<")
+        np.testing.assert_array_equal(again["arrays"][code], arr)
+    for name in ("big_endian", "fortran", "empty"):
+        assert type(again[name]) is np.ndarray and again[name].shape == want[name].shape, name
+        np.testing.assert_array_equal(again[name], want[name])
+    for g, w in zip(again["scalars"], want["scalars"]):
+        assert type(g) is type(w) and np.asarray(g).tobytes() == np.asarray(w).tobytes()
+    assert isinstance(again["mixed"][0], torch.Tensor) and type(again["mixed"][1]) is np.uint8
+    assert torch.equal(again["mixed"][0], want["mixed"][0]) and again["mixed"][1:] == (7, "tag")
+
 
 def _value_blob(obj, rewrite=None) -> bytes:
     """``torch.save(obj)``, its pickle passed through ``rewrite`` (the archive rebuilt around it)."""

@@ -204,6 +204,19 @@ def test_fsdp_checkpoint_into_plain_module_in_one_process(saved):
     np.testing.assert_array_equal(smaller[0].weight.detach().numpy(), want["model.0.weight"])
 
 
+def _check_numpy_values(tree: dict) -> None:
+    """The numpy data the workers' DCP state held inside values, stored as arrays (a scalar as a 0-d array)."""
+    want = np.random.RandomState(7).get_state()
+    name, key, *rest = tree["np_rng"]
+    assert name == want[0] and tuple(rest) == want[2:] and key.dtype == np.uint32
+    np.testing.assert_array_equal(key, want[1])
+    assert tree["lr"].shape == () and tree["lr"].dtype == np.float32 and tree["lr"] == 0.125
+    arr, t, tag = tree["stage3"]  # held by rank 3 only
+    assert arr.dtype == np.int16 and t.dtype == np.float32 and tag == "x"
+    np.testing.assert_array_equal(arr, np.arange(5, dtype=np.int16) * 3)
+    np.testing.assert_array_equal(t, np.full((2,), 2.5, np.float32))
+
+
 def test_dcp_round_trip_and_conversions(saved, tmp_path):
     wd, _ = saved
     want6 = dict(np.load(wd / "fsdp6_expected.npz"))
@@ -215,6 +228,7 @@ def test_dcp_round_trip_and_conversions(saved, tmp_path):
     np.testing.assert_array_equal(tree["model"]["0.weight"], want6["model.0.weight"])
     np.testing.assert_array_equal(tree["optim"]["state"]["2.bias"]["exp_avg"], want6["optim.2.bias.exp_avg"])
     assert tree["optim"]["param_groups"][0]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    _check_numpy_values(tree)
 
     # a checkpoint written by stock DCP (FileSystemWriter), converted by the CLI; and one saved without
     # collectives (a metadata file per rank, replicas written by every rank)
@@ -235,6 +249,7 @@ def test_dcp_round_trip_and_conversions(saved, tmp_path):
                 np.testing.assert_array_equal(conv["optim"]["state"][fqn][k], want6[f"optim.{fqn}.{k}"])
         assert (conv["step"], conv["name"], conv["betas"]) == (6, "dcp-run", (0.5, 0.25))
         assert conv["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
+        _check_numpy_values(conv)
         assert cli(["validate", "--deep", str(tmp_path / "conv")]) == 0
     assert cli(["diff", str(wd / "dcp_ranks"), str(wd / "dcp_stock")]) == 0
 

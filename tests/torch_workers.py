@@ -443,7 +443,10 @@ def save4(rank: int, world: int, wd: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     msd, osd = get_state_dict(m, opt)
     dstate = {"model": msd, "optim": osd, "arrays": {k: arrays[k] for k in ("w", "uneven", "strided", "bf")},
-              "plain": torch.arange(6.0), "step": 6, "name": "dcp-run", "betas": (0.5, 0.25)}
+              "plain": torch.arange(6.0), "step": 6, "name": "dcp-run", "betas": (0.5, 0.25),
+              # numpy data DCP pickles inside values; one value only on rank 3, which is not the coordinator
+              "np_rng": np.random.RandomState(7).get_state(), "lr": np.float32(0.125),
+              **({"stage3": (np.arange(5, dtype=np.int16) * 3, torch.full((2,), 2.5), "x")} if rank == 3 else {})}
     dcp.save(dstate, storage_writer=XckptStorageWriter(wd / "dcp_x"))
     dcp.save(dstate, storage_writer=dcp.FileSystemWriter(wd / "dcp_stock"))
     # each rank its own metadata file (__<rank>.metadata), no coordination: xckpt merges them
@@ -607,8 +610,20 @@ def load3(rank: int, world: int, wd: Path, ref_losses: list[float]) -> dict[str,
     m6 = fsdp(make_mlp(5), mesh)
     opt6, _ = optim_for(m6)
     msd, osd = get_state_dict(m6, opt6)
-    dcp.load({"model": msd, "optim": osd}, storage_reader=XckptStorageReader(wd / "dcp_x"))
+    values = {"model": msd, "optim": osd, "np_rng": np.random.RandomState(0).get_state(), "lr": np.float32(0),
+              "stage3": (np.zeros(5, np.int16), torch.zeros(2), "")}
+    dcp.load(values, storage_reader=XckptStorageReader(wd / "dcp_x"))  # values: replaced in this dict
     set_state_dict(m6, opt6, model_state_dict=msd, optim_state_dict=osd)
+    # numpy data inside DCP values comes back as DCP gives it: numpy (a scalar as a scalar), tensors as tensors
+    want_rng = np.random.RandomState(7).get_state()
+    assert values["np_rng"][0] == want_rng[0] and values["np_rng"][2:] == want_rng[2:]
+    assert type(values["np_rng"][1]) is np.ndarray and values["np_rng"][1].dtype == np.uint32
+    np.testing.assert_array_equal(values["np_rng"][1], want_rng[1])
+    assert type(values["lr"]) is np.float32 and values["lr"] == np.float32(0.125)
+    arr, t, tag = values["stage3"]
+    assert type(arr) is np.ndarray and arr.dtype == np.int16 and isinstance(t, torch.Tensor) and tag == "x"
+    np.testing.assert_array_equal(arr, np.arange(5, dtype=np.int16) * 3)
+    np.testing.assert_array_equal(t.numpy(), np.full((2,), 2.5, np.float32))
     n_dcp = compare_state(m6, opt6, dict(np.load(wd / "fsdp6_expected.npz")))
 
     # the pipeline checkpoint on another stage split: rank 0 layers 0 and the embedding, rank 1

@@ -225,7 +225,9 @@ def _to_dcp(ckpt: Any, dst: str, overwrite: bool) -> None:
     leaves: dict[int, Any] = {}
     entries: dict[int, ArrayEntry] = {}
     for i, e in enumerate(m.leaves):
-        if isinstance(e, ArrayEntry):
+        if isinstance(e, ArrayEntry) and dcp_numpy.is_value_array(e.sharding):  # DCP pickled it: numpy again
+            leaves[i] = dcp_numpy.as_dcp_value(read_region(ckpt, e, Region.full(e.shape)), e.sharding)
+        elif isinstance(e, ArrayEntry):
             t = torch.empty(e.shape, dtype=torch_dtype(e.dtype), device="meta")
             entries[id(t)] = e
             leaves[i] = t

@@ -13,7 +13,9 @@ arrays, structured or string dtypes, a state numpy would not write) is ``convert
 
 An ndarray is rebuilt in two pickle steps (``_reconstruct`` makes an empty array, ``BUILD``
 gives it its state), so the first step yields a :class:`PickledArray` holder, and
-:func:`xckpt_torch.dcp_planners.plain_value` swaps each holder for its array once the value is loaded.
+:func:`xckpt_torch.dcp_planners.plain_value` swaps each holder for its array once the value is loaded,
+recorded as numpy data of a DCP value (:data:`VALUE_ARRAY`), which ``XckptStorageReader`` gives back to a
+DCP load as DCP stored it: as a value, numpy, not a tensor.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from xckpt.engine.copy import LazySource, lazy_array
 from xckpt.errors import UnsupportedError
+from xckpt.format import dtypes
 
 #: Pickled dtype codes admitted (numpy's ``dtype.str`` without the byte order): xckpt's native dtypes.
 _CODES = {"b1": "bool", "i1": "int8", "i2": "int16", "i4": "int32", "i8": "int64", "u1": "uint8", "u2": "uint16",
@@ -86,9 +90,11 @@ def _data(dtype: Any, shape: tuple[int, ...], raw: Any, fortran: bool = False) -
 
 
 class PickledArray:
-    """An ndarray being rebuilt: ``_reconstruct`` makes it, ``BUILD`` gives it its state; :attr:`array` after."""
+    """An ndarray being rebuilt (``_reconstruct`` makes it, ``BUILD`` gives it its state), or a numpy scalar
+    (``scalar`` makes it whole); :meth:`leaf` once built."""
 
     _array: np.ndarray | None = None
+    _scalar = False
 
     def __setstate__(self, state: Any) -> None:
         """Take numpy's array state ``(1, shape, dtype, is_fortran, raw bytes)``."""
@@ -105,10 +111,16 @@ class PickledArray:
 
     @property
     def array(self) -> np.ndarray:
-        """The rebuilt array (``convert.dcp_value`` when the pickle never gave it a state)."""
+        """The rebuilt array (0-d for a scalar; ``convert.dcp_value`` when the pickle never gave it a state)."""
         if self._array is None:
             raise _refuse("array the pickle never gave its data")
         return self._array
+
+    def leaf(self) -> LazySource:
+        """The array as a leaf to save, recorded as numpy data of a DCP value (:func:`value_array_sharding`)."""
+        arr = self.array
+        return lazy_array(arr.shape, dtypes.logical_name(arr.dtype), lambda r: arr[r.slices()],
+                          sharding=value_array_sharding(arr[()] if self._scalar else arr))
 
 
 class _NdarrayClass:
@@ -125,10 +137,12 @@ def _reconstruct(cls: Any, shape: Any, typecode: Any) -> PickledArray:
     return PickledArray()
 
 
-def _scalar(dtype: Any, raw: Any) -> np.ndarray:
-    """``numpy._core.multiarray.scalar(dtype, raw bytes)``: a numpy scalar, given as a 0-d array (as
+def _scalar(dtype: Any, raw: Any) -> PickledArray:
+    """``numpy._core.multiarray.scalar(dtype, raw bytes)``: a numpy scalar, held as a 0-d array (as
     ``xckpt.save`` stores one)."""
-    return _data(dtype, (), raw)
+    out = PickledArray()
+    out._array, out._scalar = _data(dtype, (), raw), True
+    return out
 
 
 #: ``torch.serialization.safe_globals`` entries: numpy's names mapped onto the parsers above.
@@ -140,3 +154,28 @@ GLOBALS: list[tuple[Any, str]] = [
     # BUILD gives state only to objects of admitted classes; these names occur in no numpy pickle
     (PickledArray, "xckpt_torch.dcp_numpy.PickledArray"),
 ]
+
+
+# -- numpy data DCP held as a value, stored by xckpt as an array -----------------------------------
+
+#: The manifest's ``sharding`` of an array that was numpy data inside a DCP value (DCP pickles such data,
+#: so a DCP load expects it back as a value, not as a tensor); ``"numpy": "scalar"`` for a numpy scalar.
+VALUE_ARRAY = {"framework": "numpy", "via": "torch.distributed.checkpoint", "dcp": "value"}
+
+
+def value_array_sharding(data: np.ndarray | np.generic) -> dict[str, str]:
+    """The ``sharding`` to record for numpy data found inside a DCP value (:data:`VALUE_ARRAY`)."""
+    return {**VALUE_ARRAY, "numpy": "scalar"} if isinstance(data, np.generic) else dict(VALUE_ARRAY)
+
+
+def is_value_array(sharding: Any) -> bool:
+    """Whether an array's recorded ``sharding`` says it was numpy data inside a DCP value."""
+    return isinstance(sharding, dict) and sharding.get("dcp") == "value" and sharding.get("framework") == "numpy"
+
+
+def as_dcp_value(data: np.ndarray, sharding: Any) -> np.ndarray | np.generic:
+    """What a DCP load gets back for a stored array that was numpy data inside a value: the array, or the
+    numpy scalar it was."""
+    if isinstance(sharding, dict) and sharding.get("numpy") == "scalar" and data.shape == ():
+        return data[()]
+    return data

@@ -23,13 +23,13 @@ from .dcp_numpy import PickledArray
 
 def plain_value(value: Any, depth: int = 0) -> Any:
     """``value`` with each ``io.BytesIO`` (a value DCP stores as such) replaced by its bytes, and each numpy
-    array a DCP pickle held (:class:`.dcp_numpy.PickledArray`) by that array, in dicts, lists and tuples
+    array a DCP pickle held (:class:`.dcp_numpy.PickledArray`) by that array as a leaf, in dicts, lists and tuples
     too: what xckpt stores for it (msgpack has no file objects). Containers nested deeper than values may
     be are left as they are, for the encoder to refuse by name."""
     if isinstance(value, io.BytesIO):
         return value.getvalue()
     if isinstance(value, PickledArray):
-        return value.array
+        return value.leaf()
     if depth > values.MAX_DEPTH:
         return value
     if isinstance(value, dict):

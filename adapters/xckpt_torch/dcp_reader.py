@@ -37,9 +37,16 @@ from xckpt.format.tree import iter_nodes, key_str, unflatten
 from xckpt.sources.base import Source
 from xckpt.sources.detect import open_checkpoint
 
+from . import dcp_numpy
 from .dcp_planners import deliver_value
 from .dcp_tree import dcp_names, fqn_of
 from .tensors import copy_into, cpu_view, from_numpy, logical_dtype, torch_dtype
+
+
+def _is_tensor(entry: Any) -> bool:
+    """Whether DCP sees a manifest leaf as a tensor: an array, unless it was numpy data inside a DCP value
+    (DCP pickles numpy data, so a DCP load asks for it as a value)."""
+    return isinstance(entry, ArrayEntry) and not dcp_numpy.is_value_array(entry.sharding)
 
 
 class XckptStorageReader(StorageReader):
@@ -77,7 +84,7 @@ class XckptStorageReader(StorageReader):
         assert self._ckpt is not None
         m = self._ckpt.manifest
         fqns: dict[str, tuple[Any, ...]] = {}
-        for key, node in dcp_names(m.tree, lambda i: isinstance(m.leaves[i], ArrayEntry)):
+        for key, node in dcp_names(m.tree, lambda i: _is_tensor(m.leaves[i])):
             fqns.setdefault(fqn_of(key), ("leaf", node["index"]) if node["kind"] == "leaf" else ("node", key, node))
         self._fqns = fqns
 
@@ -92,7 +99,7 @@ class XckptStorageReader(StorageReader):
             if what[0] == "leaf":
                 e = m.leaves[what[1]]
                 key = e.key
-                if isinstance(e, ArrayEntry):
+                if _is_tensor(e):
                     try:
                         dt = torch_dtype(e.dtype)
                     except UnsupportedError:
@@ -146,21 +153,29 @@ class XckptStorageReader(StorageReader):
         return plans
 
     def _value(self, what: tuple[Any, ...]) -> Any:
-        """A value leaf, or a subtree DCP asks for whole (its arrays read whole, as CPU tensors)."""
+        """A value leaf, or what DCP asks for whole: a subtree, or numpy data that was inside a DCP value.
+        Arrays are read whole (:meth:`_whole`)."""
         ckpt = self._open()
         vals = ckpt.values()
         if what[0] == "leaf":
-            return vals[what[1]]
+            e = ckpt.manifest.leaves[what[1]]
+            return self._whole(ckpt, e) if isinstance(e, ArrayEntry) else vals[what[1]]
         self._check_whole(what)
         leaves: dict[int, Any] = dict(vals)
         for _, n in iter_nodes(what[2]):
             e = ckpt.manifest.leaves[n["index"]] if n["kind"] == "leaf" else None
             if isinstance(e, ArrayEntry):
-                out = np.empty(e.shape, dtype=xdtypes.numpy_dtype(e.storage_dtype))
-                ckpt.read([ReadRequest(e, Region.full(e.shape), out)])
-                arr = out.view(xdtypes.numpy_dtype(e.dtype)) if xdtypes.is_raw(e.dtype) else out
-                leaves[n["index"]] = from_numpy(arr, e.dtype)
+                leaves[n["index"]] = self._whole(ckpt, e)
         return unflatten(what[2], leaves)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _whole(ckpt: Source, e: ArrayEntry) -> Any:
+        """An array read whole: numpy where it was numpy data inside a DCP value (a scalar as a scalar:
+        :func:`.dcp_numpy.as_dcp_value`), else a CPU tensor."""
+        out = np.empty(e.shape, dtype=xdtypes.numpy_dtype(e.storage_dtype))
+        ckpt.read([ReadRequest(e, Region.full(e.shape), out)])
+        arr = out.view(xdtypes.numpy_dtype(e.dtype)) if xdtypes.is_raw(e.dtype) else out
+        return from_numpy(arr, e.dtype) if _is_tensor(e) else dcp_numpy.as_dcp_value(arr, e.sharding)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read exactly the boxes in ``plan`` and copy them into the planner's tensors."""

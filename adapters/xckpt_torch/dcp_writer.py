@@ -3,9 +3,10 @@
 DCP plans and deduplicates; the coordinator's global planning step picks each
 array's chunk grid from all ranks' chunks and a temporary directory; each rank
 writes its chunks straight into the Zarr arrays (zero-copy from CPU tensors,
-staged from CUDA); values are msgpack-encoded on the rank that holds them;
-``finish`` writes zarr.json files, values, Orbax files and the manifest through the
-core and commits by rename.
+staged from CUDA); values are msgpack-encoded on the rank that holds them, and the
+arrays inside a value (numpy data, a tensor in a tuple: DCP pickles such values whole)
+sent with it to the coordinator; ``finish`` writes those arrays, zarr.json files,
+values, Orbax files and the manifest through the core and commits by rename.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import os
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import StorageWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
@@ -25,15 +27,17 @@ from xckpt import registry
 from xckpt.engine import collective, failpoints
 from xckpt.engine.claims import new_generation
 from xckpt.engine.commit import Hold, SaveOptions, check_target, discard, publish, write_commit_files
-from xckpt.engine.plan import INNER_CHUNK_BYTES, Descriptors, LeafDesc, local_plan, plan_save
+from xckpt.engine.plan import INNER_CHUNK_BYTES, Descriptors, LeafDesc, LocalPlan, local_plan, plan_save
 from xckpt.engine.protocol import plan_chunks, zarr_files
 from xckpt.engine.storage import Location
 from xckpt.engine.write import MAX_INFLIGHT_BYTES, ChunkWriter
 from xckpt.errors import SaveError, UnsupportedError, XckptError
+from xckpt.format import dtypes as xdtypes
 from xckpt.format import values
 from xckpt.format.regions import Region
-from xckpt.format.tree import Value, flatten
+from xckpt.format.tree import Value, flatten, unflatten
 
+from . import dcp_numpy
 from .dcp_planners import plain_value, raw_object
 from .dcp_tree import as_leaf, insert, key_of, listify
 from .staging import to_host
@@ -177,12 +181,9 @@ class XckptStorageWriter(StorageWriter):
         failpoints.hit("after_write", rank)
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
-                try:
-                    blob = values.encode(plain_value(raw_object(planner, item)))
-                except XckptError as exc:
-                    raise UnsupportedError(f"cannot store this value without pickle: {exc.message}",
-                                           code="value.unsupported", leaf=item.index.fqn) from exc
-                results.append(WriteResult(index=item.index, size_in_bytes=len(blob), storage_data={"value": blob}))
+                sent = _value_data(plain_value(raw_object(planner, item)), item.index.fqn)
+                results.append(WriteResult(index=item.index, size_in_bytes=len(sent["value"]) + sum(
+                    len(a[2]) for a in sent.get("arrays", {}).values()), storage_data=sent))
             else:
                 results.append(WriteResult(index=item.index, size_in_bytes=_region(item).numel, storage_data=None))
         return results
@@ -192,9 +193,11 @@ class XckptStorageWriter(StorageWriter):
         assert self._tmp is not None and self._hold is not None, "finish() called before prepare_global_plan()"
         hold, self._hold = self._hold, None
         try:
-            plan, vals = self._final_plan(metadata, results)
+            plan, vals, arrays = self._final_plan(metadata, results)
             store = self._tmp.store(create=True)
             try:
+                if arrays.local.tasks or arrays.local.metadata:
+                    self._write_value_arrays(store, arrays, hold.generation)
                 write_commit_files(store, plan, vals, self.options, hold.generation, hold=hold)
             finally:
                 store.close()
@@ -204,14 +207,28 @@ class XckptStorageWriter(StorageWriter):
             raise
         hold.end()
 
-    def _final_plan(self, metadata: Metadata, results: list[list[WriteResult]]) -> tuple[Any, dict[int, Any]]:
-        """The plan of the whole checkpoint (arrays as the ranks wrote them, and the values), for the commit."""
+    def _write_value_arrays(self, store: Any, arrays: "_ValueArrays", generation: str) -> None:
+        """Coordinator: write the arrays found inside DCP values (their zarr.json and chunk objects), durably."""
+        w = ChunkWriter(store, generation, self.options.max_inflight_bytes)
+        with w:
+            for name, meta in zarr_files(arrays.local, arrays.descs, self.options.compression):
+                w.file(name, meta)
+            for name, geom, chunk, leaf in plan_chunks(arrays.local, arrays.descs,
+                                                       lambda pos, piece: arrays.data[pos][piece.slices()],
+                                                       self.options.compression):
+                w.chunk(name, geom, chunk, leaf)
+        w.sync()
+
+    def _final_plan(self, metadata: Metadata, results: list[list[WriteResult]]
+                    ) -> tuple[Any, dict[int, Any], "_ValueArrays"]:
+        """The plan of the whole checkpoint (arrays as the ranks wrote them, the values, and the arrays found
+        inside values, which the coordinator writes), for the commit."""
         mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
         decoded: dict[str, Any] = {}
         for rs in results:
             for r in rs:
                 if isinstance(r.storage_data, dict) and "value" in r.storage_data:
-                    decoded[r.index.fqn] = values.decode(r.storage_data["value"])
+                    decoded[r.index.fqn] = _value_from(r.storage_data)
         tree: dict[Any, Any] = {}
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata):
@@ -221,9 +238,13 @@ class XckptStorageWriter(StorageWriter):
             else:
                 insert(tree, key_of(fqn, mappings), _Stored(fqn))
         structure, leaves = flatten(listify(tree))
-        descs, vals = [], {}
+        descs, vals, data = [], {}, {}
         for i, (key, leaf) in enumerate(leaves):
-            if isinstance(leaf, _Stored):
+            if isinstance(leaf, _ValueArray):
+                shape = tuple(int(n) for n in leaf.data.shape)
+                descs.append(LeafDesc(key, "array", shape, leaf.dtype, (Region.full(shape),), sharding=leaf.sharding))
+                data[i] = leaf.data
+            elif isinstance(leaf, _Stored):
                 md = metadata.state_dict_metadata[leaf.fqn]
                 regions = tuple(Region(tuple(int(o) for o in c.offsets), tuple(int(n) for n in c.sizes))
                                 for c in md.chunks)
@@ -234,9 +255,13 @@ class XckptStorageWriter(StorageWriter):
                 value = leaf.value if isinstance(leaf, Value) else leaf
                 descs.append(LeafDesc(key, "value", value_type=values.value_type(value)))
                 vals[i] = value
-        plan, _ = plan_save([([0], Descriptors(structure, descs))], 1,
-                            inner_chunk_bytes=self.options.inner_chunk_bytes)
-        return plan, vals
+        every = Descriptors(structure, descs)
+        plan, answers = plan_save([([0], every)], 1, inner_chunk_bytes=self.options.inner_chunk_bytes)
+        local = local_plan(every, answers[0], 0)  # as if this process held every array: keep the value arrays'
+        local = dataclasses.replace(local, leaves={p: lay for p, lay in local.leaves.items() if p in data},
+                                    tasks=[t for t in local.tasks if t.leaf in data],
+                                    metadata=[m for m in local.metadata if m[0] in data])
+        return plan, vals, _ValueArrays(every, local, data)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -258,3 +283,69 @@ class _Stored:
     """Placeholder leaf for an array whose chunks the ranks already wrote."""
 
     fqn: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _ValueArray:
+    """An array found inside a DCP value (numpy data, or a tensor in a tuple), as the coordinator got it."""
+
+    data: np.ndarray  # in its logical dtype
+    dtype: str
+    sharding: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ValueArrays:
+    """The arrays inside values that the coordinator writes: the whole save's descriptors, its local plan
+    cut down to them, and their data by leaf position."""
+
+    descs: Descriptors
+    local: LocalPlan
+    data: dict[int, np.ndarray]
+
+
+def _array_in_value(leaf: Any) -> tuple[np.ndarray, str, dict[str, Any]] | None:
+    """An array inside a value, with its logical dtype and the sharding to record, or None: numpy data
+    (:func:`.dcp_numpy.value_array_sharding`, a scalar as a 0-d array) or a tensor (read to the host)."""
+    if isinstance(leaf, torch.Tensor):
+        return to_host(leaf), logical_dtype(leaf.dtype), {"framework": "torch", "via": "torch.distributed.checkpoint"}
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        arr = np.asarray(leaf)
+        return arr, xdtypes.logical_name(arr.dtype), dcp_numpy.value_array_sharding(leaf)
+    return None
+
+
+def _value_data(value: Any, fqn: str) -> dict[str, Any]:
+    """What a rank sends the coordinator for one DCP value: ``{"value": msgpack bytes}``, and where the value
+    holds arrays (numpy data, tensors in a tuple, which msgpack cannot hold and xckpt stores as arrays),
+    ``"arrays"``: each by its position among the value's leaves, as (logical dtype, shape, C-order bytes,
+    sharding), with None in its place in the encoded value. ``value.unsupported`` when neither works."""
+    try:
+        return {"value": values.encode(value)}
+    except XckptError as exc:
+        first = exc
+    try:
+        structure, leaves = flatten(value)
+        found = {i: a for i, (_, leaf) in enumerate(leaves) if (a := _array_in_value(leaf)) is not None}
+        if not found:
+            raise first
+        blob = values.encode(unflatten(structure, [None if i in found else leaf for i, (_, leaf) in enumerate(leaves)]))
+    except XckptError as exc:
+        raise UnsupportedError(f"cannot store this value without pickle: {exc.message}", code="value.unsupported",
+                               leaf=fqn) from exc
+    return {"value": blob, "arrays": {i: (name, tuple(arr.shape), np.ascontiguousarray(arr).tobytes(), sharding)
+                                      for i, (arr, name, sharding) in found.items()}}
+
+
+def _value_from(sent: dict[str, Any]) -> Any:
+    """The value a rank sent (:func:`_value_data`), its arrays put back in their places as :class:`_ValueArray`."""
+    value = values.decode(sent["value"])
+    arrays = sent.get("arrays")
+    if not arrays:
+        return value
+    structure, leaves = flatten(value)
+    plain = [leaf for _, leaf in leaves]
+    for i, (name, shape, raw, sharding) in arrays.items():
+        data = np.frombuffer(raw, dtype=xdtypes.numpy_dtype(name)).reshape(shape)
+        plain[i] = _ValueArray(data, name, sharding)
+    return unflatten(structure, plain)
