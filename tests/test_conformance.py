@@ -28,7 +28,7 @@ INVALID = sorted(p.name for p in (CONF / "invalid").iterdir())
 VALID_1_0 = sorted(p.name for p in (CONF / "valid_1.0").iterdir())
 VALID_1_1 = sorted(p.name for p in (CONF / "valid_1.1").iterdir())
 OLD = [("valid_1.0", n) for n in VALID_1_0] + [("valid_1.1", n) for n in VALID_1_1]
-SCHEMA = SPEC / "manifest-1.3.schema.json"
+SCHEMA = SPEC / "manifest-1.4.schema.json"
 #: Defects the task of the vectors is to cover; each must have at least one vector reporting the code.
 REQUIRED_CODES = {
     "manifest.missing", "manifest.json", "manifest.version", "manifest.schema", "shape.too_large", "path.unsafe",
@@ -82,12 +82,14 @@ def assert_same_tree(got: Any, want: Any, where: str = "<root>") -> None:
 
 
 def test_vector_set_is_complete() -> None:
-    assert {"dtypes", "nested_values", "empty_and_scalar", "sharded", "zstd", "segmented", "nested_names"} <= set(VALID)
+    assert {"dtypes", "nested_values", "empty_and_scalar", "sharded", "zstd", "segmented", "nested_names",
+            "subbyte_dtypes"} <= set(VALID)
     assert {"dtypes", "nested_values", "empty_and_scalar", "sharded", "zstd"} <= set(VALID_1_0)
-    assert set(VALID) - {"nested_names"} == set(VALID_1_1)  # nested names came with format 1.3
+    # nested names came with format 1.3, sub-byte dtypes with 1.4
+    assert set(VALID) - {"nested_names", "subbyte_dtypes"} == set(VALID_1_1)
     versions = {n: json.loads((CONF / "valid" / n / "checkpoint" / "xckpt.json").read_text())["version"]
                 for n in VALID}
-    assert versions == {n: "1.3" if n == "nested_names" else "1.2" for n in VALID}, versions
+    assert versions == {n: {"nested_names": "1.3", "subbyte_dtypes": "1.4"}.get(n, "1.2") for n in VALID}, versions
     codes = {_expected("invalid", n)["code"] for n in INVALID}
     assert REQUIRED_CODES <= codes, REQUIRED_CODES - codes
     assert any(_expected("invalid", n)["deep"] for n in INVALID)
@@ -198,7 +200,7 @@ def test_cli_validate_exit_codes_and_json(tmp_path: Path) -> None:
 
 
 def test_every_error_code_is_in_the_spec() -> None:
-    """Each code xckpt or an adapter can raise or report is listed in spec/xckpt-1.3.md section 9."""
+    """Each code xckpt or an adapter can raise or report is listed in spec/xckpt-1.4.md section 9."""
     root = SPEC.parent
     pattern = re.compile(r'(?:code=|code = |code: str = |Finding\()"([a-z0-9_]+(?:\.[a-z0-9_]+)*)"')
     codes: dict[str, str] = {}
@@ -206,7 +208,7 @@ def test_every_error_code_is_in_the_spec() -> None:
         for code in pattern.findall(path.read_text()):
             codes.setdefault(code, str(path.relative_to(root)))
     assert {"manifest.missing", "chunk.crc32c", "path.link", "chunk.size", "error"} <= set(codes)
-    text = (SPEC / "xckpt-1.3.md").read_text()
+    text = (SPEC / "xckpt-1.4.md").read_text()
     table = text[text.index("## 9. Error"):text.index("## 10.")]
     missing = {c: where for c, where in codes.items() if f"`{c}`" not in table}
-    assert not missing, f"codes not documented in spec/xckpt-1.3.md section 9: {missing}"
+    assert not missing, f"codes not documented in spec/xckpt-1.4.md section 9: {missing}"

@@ -29,13 +29,13 @@ def _sample(name: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     dt = dtypes.numpy_dtype(name)
     if name == "bool":
         return rng.integers(0, 2, size=shape).astype(bool)
+    if dtypes.is_raw(name):  # float8 and the sub-byte types: any byte (a sub-byte type's high bits too)
+        return rng.integers(0, 256, size=shape, dtype=np.uint8).view(dt)
     if name.startswith(("int", "uint")):
         info = np.iinfo(dt)
         return rng.integers(info.min, info.max, size=shape, dtype=dt, endpoint=True)
     if name.startswith("complex"):
         return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dt)
-    if dtypes.is_raw(name):
-        return rng.integers(0, 256, size=shape, dtype=np.uint8).view(dt)
     return rng.standard_normal(shape).astype(dt)
 
 

@@ -134,3 +134,43 @@ def test_a_read_of_many_small_leaves_is_not_refused(tmp_path: Path) -> None:
     xckpt.save(tree, tmp_path / "c")
     got = xckpt.load(tmp_path / "c")
     assert all(np.array_equal(got[k], v) for k, v in tree.items())
+
+
+def test_a_failed_read_of_many_objects_stops_after_its_window(tmp_path: Path, monkeypatch) -> None:
+    """A leaf declaring 4,096 objects of 64 KiB, none of them readable (the one object there was written for 4
+    elements): the load fails on the first (naming it), having tried at most the objects in flight at once
+    (:data:`xckpt.engine.read.IN_FLIGHT_PER_THREAD` per I/O thread), not all 4,096 (before: every object was
+    submitted, then tried, before the error was raised; a fuzzed manifest of 262,144 such objects took longer
+    than the fuzzer's 10 s)."""
+    import xckpt
+    from xckpt.engine import read, threads
+
+    path = _declaring(tmp_path / "ckpt", np.uint8, 2**28, 2**16, 2**16)
+    tried: list[str] = []
+    real = read._read_object
+
+    def counting(store, obj, *args, **kwargs):  # noqa: ANN001, ANN202 - the engine's own signature
+        tried.append(obj.name)
+        return real(store, obj, *args, **kwargs)
+
+    monkeypatch.setattr(read, "_read_object", counting)
+    with pytest.raises(xckpt.XckptError) as err:
+        xckpt.load(path)
+    assert err.value.code in ("chunk.missing", "chunk.truncated") and err.value.leaf == "x", err.value
+    assert 1 <= len(tried) <= read.IN_FLIGHT_PER_THREAD * threads.io_threads() + 1, len(tried)
+
+
+def test_validating_a_grid_of_millions_of_chunks_walks_only_what_is_stored(tmp_path: Path) -> None:
+    """A leaf declaring 2**24 one-byte chunk objects (the most a leaf may), one of them stored: the validator
+    reports the first 16 missing chunks and counts the rest exactly, walking the grid only as far as those (before:
+    all 16 million chunk names were built and looked up)."""
+    import xckpt
+    from xckpt.validate import MAX_MISSING_LISTED
+
+    path = _declaring(tmp_path / "ckpt", np.uint8, 2**24, 1, 1)
+    findings = xckpt.validate(path).findings
+    missing = [f for f in findings if f.code == "chunk.missing"]
+    assert [f.file for f in missing[:MAX_MISSING_LISTED]] == [str(path / "x" / "c" / str(i))
+                                                             for i in range(1, MAX_MISSING_LISTED + 1)]
+    assert len(missing) == MAX_MISSING_LISTED + 1
+    assert missing[-1].message == f"{2**24 - 1 - MAX_MISSING_LISTED} more chunks of this array are missing"

@@ -1,4 +1,4 @@
-"""Places where the reader and validator once disagreed with spec/xckpt-1.3.md (and its schemas): each
+"""Places where the reader and validator once disagreed with spec/xckpt-1.4.md (and its schemas): each
 checkpoint is built as the audit's reproducer built it, and both ``xckpt.validate(deep=True)`` and
 ``xckpt.load`` must give the code the spec gives (section 9: the same defect, the same code)."""
 
@@ -300,7 +300,7 @@ def test_float_fill_value_may_be_written_as_integer(tmp_path: Path) -> None:
 
 
 def test_schema_and_parser_agree_on_version_specific_members() -> None:
-    schema = jsonschema.Draft202012Validator(json.loads((SPEC / "manifest-1.3.schema.json").read_text()))
+    schema = jsonschema.Draft202012Validator(json.loads((SPEC / "manifest-1.4.schema.json").read_text()))
     old = json.loads((CONF / "valid_1.0" / "zstd" / "checkpoint" / "xckpt.json").read_text())
     seg = json.loads((CONF / "valid" / "segmented" / "checkpoint" / "xckpt.json").read_text())
     seg_1_0 = dict(seg, version="1.0")
@@ -355,7 +355,7 @@ def test_names_are_checked_by_the_validator_and_paths_by_every_reader(tmp_path: 
     _edit(p, lambda m: _leaf(m, ["small"]).update(path="renamed"))
     errors, loaded = _codes(p)
     assert errors == ["manifest.path_name"] and loaded is None
-    text = (SPEC / "xckpt-1.3.md").read_text()
+    text = (SPEC / "xckpt-1.4.md").read_text()
     item = text[text.index("\n2. check tree depth"):text.index("\n3. derive each array")]
     assert "manifest.path_name" in item and "2.4" in item
     p = _copy(src, tmp_path / "unsafe")

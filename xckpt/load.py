@@ -658,13 +658,16 @@ def _narrows(stored: str, wanted: str) -> bool:
 
 
 def _limits(dst: np.dtype) -> tuple[Any, Any, bool] | None:
-    """``(lowest, highest, integer)`` of the values a number dtype holds (floats, ml_dtypes' bfloat16 and float8
-    included: finite ones), else None."""
+    """``(lowest, highest, integer)`` of the values a number dtype holds (floats, ml_dtypes' bfloat16, float8 and
+    float4 included: finite ones; ml_dtypes' int4, uint4, int2 and uint2 too), else None."""
     if dst.kind in "iu":
         info = np.iinfo(dst)
         return int(info.min), int(info.max), True
     if dst.kind not in "fV":
         return None
+    if dst.kind == "V" and dst.name in dtypes.SUBBYTE_DTYPES and "int" in dst.name:
+        sub = ml_dtypes.iinfo(dst)
+        return int(sub.min), int(sub.max), True
     try:
         finfo = np.finfo(dst) if dst.kind == "f" else ml_dtypes.finfo(dst)
     except (ValueError, TypeError, KeyError):  # a structured or raw dtype: no range

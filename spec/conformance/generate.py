@@ -66,6 +66,8 @@ DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"
           "float16", "float32", "float64", "complex64", "complex128", "bfloat16",
           "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz",
           "float8_e4m3", "float8_e3m4", "float8_e8m0fnu")
+#: The sub-byte dtypes format 1.4 adds (their own vector: a checkpoint holding one says 1.4).
+SUBBYTE_DTYPES = ("int4", "uint4", "int2", "uint2", "float4_e2m1fn")
 
 Pair = namedtuple("Pair", ["first", "second"])
 
@@ -228,6 +230,11 @@ def _dtype_samples(name: str) -> np.ndarray:
     dt = numpy_dtype(name)
     if name == "bool":
         return np.array([True, False, True])
+    if name in SUBBYTE_DTYPES and name != "float4_e2m1fn":  # every value
+        info = ml_dtypes.iinfo(dt)
+        return np.arange(int(info.min), int(info.max) + 1).astype(dt)
+    if name == "float4_e2m1fn":  # every value but -0.0's twin (0b1000 is -0.0)
+        return np.arange(16, dtype=np.uint8).view(dt)
     if name.startswith(("int", "uint")):
         info = np.iinfo(dt)
         return np.array([info.min, 0, 1, info.max], dtype=dt)
@@ -336,9 +343,19 @@ def valid_nested_names(path: str) -> tuple[Any, str]:
                   "mirrored at opt/count; the string 'run/name' at the JSON pointer /run/name of _strings.json)")
 
 
+def valid_subbyte_dtypes(path: str) -> tuple[Any, str]:
+    """Format 1.4: the sub-byte dtypes, every value of each, stored as raw bytes."""
+    tree = {name: _dtype_samples(name) for name in SUBBYTE_DTYPES}
+    tree["int4_2d"] = np.arange(-8, 8).astype(ml_dtypes.int4).reshape(4, 4)
+    save(tree, path)
+    return tree, ("format 1.4: one array of every sub-byte dtype (int4, uint4, int2, uint2, float4_e2m1fn) holding "
+                  "each value it has, stored as raw uint8, one element per byte in its low bits; and a 4x4 int4")
+
+
 VALID: dict[str, Callable[[str], tuple[Any, str]]] = {
     "dtypes": valid_dtypes, "nested_values": valid_nested_values, "empty_and_scalar": valid_empty_and_scalar,
     "sharded": valid_sharded, "zstd": valid_zstd, "segmented": valid_segmented, "nested_names": valid_nested_names,
+    "subbyte_dtypes": valid_subbyte_dtypes,
 }
 
 
@@ -612,6 +629,10 @@ INVALID: dict[str, Invalid] = {
     "dtype_unknown": ("dtype.unsupported", False, True, "dtype 'float128' is not a format 1.0 dtype",
                       lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(dtype="float128",
                                                                                  storage_dtype="float128"))),
+    "dtype_subbyte_before_1_4": ("dtype.unsupported", False, True,
+                                 "dtype 'int4' (stored as uint8) in a format 1.2 manifest (sub-byte dtypes are 1.4's)",
+                                 lambda p: edit_manifest(p, lambda m: leaf(m, ["b"]).update(dtype="int4",
+                                                                                            storage_dtype="uint8"))),
     "dtype_storage_mismatch": ("dtype.mismatch", False, True, "storage_dtype 'int32' for dtype 'float32'",
                                lambda p: edit_manifest(p, lambda m: leaf(m, ["w"]).update(storage_dtype="int32"))),
     "path_dotdot": ("path.unsafe", False, True, "an array path '../w' that escapes the checkpoint",

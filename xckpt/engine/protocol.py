@@ -288,12 +288,13 @@ def held_shards(p: Prepared) -> dict[tuple[int, Any], Shard]:
 
 
 def storage_view(data: Any, shape: tuple[int, ...], dtype: str, leaf: str) -> np.ndarray:
-    """Fetched shard data checked against its box and logical dtype, as its storage dtype."""
+    """Fetched shard data checked against its box and logical dtype, as its storage dtype (a sub-byte type's
+    bytes with their high bits clear: :func:`xckpt.format.dtypes.canonical`)."""
     arr = np.asarray(data)
     if tuple(arr.shape) != shape or dtypes.logical_name(arr.dtype) != dtype:
         raise SaveError(f"shard data has shape {arr.shape} and dtype {arr.dtype}, expected {shape} {dtype}",
                         leaf=leaf)
-    return arr.view(np.uint8) if dtypes.is_raw(dtype) else arr
+    return dtypes.canonical(arr.view(np.uint8), dtype) if dtypes.is_raw(dtype) else arr
 
 
 ChunkJob = tuple[str, shard.Geometry, np.ndarray, str]  # (object name, geometry, data, leaf)

@@ -22,7 +22,7 @@ from xckpt.engine.storage import Blob, Store
 from xckpt.engine import threads as pools
 from xckpt.engine.hostcopy import stream_copy
 from xckpt.errors import DataError, IntegrityError, ResourceError, XckptError
-from xckpt.format import shard, zarr as zarr_format
+from xckpt.format import dtypes, shard, zarr as zarr_format
 from xckpt.format.manifest import ArrayEntry, StoredArray
 from xckpt.format.regions import Region, chunks_of, count_chunks, intersect
 from xckpt.format.tree import key_str
@@ -32,6 +32,9 @@ SMALL_OBJECT = 64 << 10
 #: Small objects (and ``zarr.json`` files) an object store is asked for at once (:meth:`Store.prefetch`): at
 #: most 16 MiB of them held at a time.
 PREFETCH_WINDOW = 256
+#: Large objects queued or being read at once, per I/O thread (:class:`xckpt.engine.threads.Pump`): enough to
+#: keep every thread busy, few enough that a failed read stops soon and a read of many objects holds few futures.
+IN_FLIGHT_PER_THREAD = 4
 #: Small objects a checking pass (``precheck``) keeps, read and checked, for the filling pass, at most.
 MAX_KEPT_BYTES = 64 << 20
 #: Chunk objects one read plans at most, beyond one for every :data:`BYTES_PER_OBJECT` bytes it reads: each
@@ -415,16 +418,25 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
     small = [o for o in objects if o.geom.max_nbytes < SMALL_OBJECT]
     keep = fill and precheck and sum(o.geom.max_nbytes for o in small) <= MAX_KEPT_BYTES
     for do_fill in ((False,) if not fill else (False, True) if precheck else (True,)):
-        futures = [ex.submit(_read_object, store, o, scratch, file, generation, do_fill) for o in big]
+        pump = pools.Pump(ex, lambda o, f=do_fill: _read_object(store, o, scratch, file, generation, f),  # type: ignore[misc]
+                          big, IN_FLIGHT_PER_THREAD * pools.io_threads())
         first: BaseException | None = None
         try:  # small objects on this thread: their cost is Python, threads only contend (an object store's
             # requests go out a window at a time: Store.prefetch)
             for at in range(0, len(small), PREFETCH_WINDOW):
+                if pump.first is not None:  # a large object failed: stop here
+                    break
                 window = small[at:at + PREFETCH_WINDOW]
                 got = store.prefetch([o.name for o in window if o.kept is None], SMALL_OBJECT)
                 total += sum(_read_object(store, o, scratch, file, generation, do_fill, keep, got.get(o.name))
                              for o in window)
+                pump.top_up()
         except BaseException as exc:  # noqa: BLE001 - raised once no thread writes into the outputs
             first = exc
-        total += pools.gather(futures, first)
+        total += pump.finish(first)
+    if fill:  # a sub-byte element's high bits carry no meaning (spec 3.4): clear any a writer left set
+        for r in requests:
+            mask = dtypes.low_bits(r.entry.dtype)
+            if mask is not None:
+                np.bitwise_and(r.out, np.uint8(mask), out=r.out)
     return total

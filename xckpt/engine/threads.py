@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypeVar
 
 from xckpt.engine import env
 
@@ -22,6 +23,8 @@ BACKGROUND_NICE = 10
 
 #: Threads that fsync a store's files at once (:func:`sync_pool`): they wait on the device, not the CPU.
 SYNC_THREADS = 8
+
+T = TypeVar("T")
 
 _lock = threading.Lock()
 _pools: dict[bool | str, tuple[int, ThreadPoolExecutor]] = {}
@@ -96,6 +99,54 @@ def gather(futures: Iterable[Future[int]], first: BaseException | None = None) -
     if first is not None:
         raise first
     return total
+
+
+_END = object()
+
+
+class Pump:
+    """Runs ``fn(item)`` for each item on ``ex``, at most ``window`` at once, submitting more as they finish
+    (:meth:`top_up`, :meth:`finish`); after the first error it submits nothing more. A read of a million
+    objects thus holds a window of futures, not a million, and a failure stops it after the window, not
+    after every object was tried."""
+
+    def __init__(self, ex: ThreadPoolExecutor, fn: Callable[[T], int], items: Iterable[T], window: int) -> None:
+        self._ex, self._fn, self._items, self._window = ex, fn, iter(items), max(1, window)
+        self._running: deque[Future[int]] = deque()
+        self.total = 0
+        #: The earliest error met, in the order the items were submitted.
+        self.first: BaseException | None = None
+        self.top_up()
+
+    def _collect(self, f: Future[int]) -> None:
+        try:
+            self.total += f.result()
+        except BaseException as exc:  # noqa: BLE001 - the first is raised by finish(), once all are done
+            self.first = self.first or exc
+
+    def top_up(self) -> None:
+        """Take the results of the work done so far, then submit more while fewer than ``window`` run and
+        nothing failed."""
+        while self._running and self._running[0].done():
+            self._collect(self._running.popleft())
+        while self.first is None and len(self._running) < self._window:
+            item = next(self._items, _END)
+            if item is _END:
+                break
+            self._running.append(self._ex.submit(self._fn, item))  # type: ignore[arg-type]
+
+    def finish(self, first: BaseException | None = None) -> int:
+        """Run the rest (none after an error: ``first``, an error the caller already met, or one of the
+        pool's) and wait for everything submitted; return the sum of the results, or raise ``first``, else
+        the earliest error, once nothing runs any more."""
+        if first is not None:  # the caller's error comes first, as with gather()
+            self.first = first
+        while self._running:
+            self._collect(self._running.popleft())
+            self.top_up()
+        if self.first is not None:
+            raise self.first
+        return self.total
 
 
 def say(message: str) -> None:

@@ -2,7 +2,10 @@
 
 A logical dtype is what the manifest records and what a reader produces. The
 storage dtype is the Zarr v3 ``data_type`` of the array on disk. They are equal
-for every type except the float8 family, stored as raw ``uint8`` bytes.
+for every type except the float8 family and the sub-byte types (format 1.4: ``int4``,
+``uint4``, ``int2``, ``uint2``, ``float4_e2m1fn``), stored as raw ``uint8`` bytes: one
+element per byte, its bits in the low bits of the byte (as ``ml_dtypes`` holds them in
+memory and TensorStore stores them), the high bits without meaning.
 """
 
 from __future__ import annotations
@@ -24,15 +27,23 @@ _FLOAT8 = {
     if hasattr(ml_dtypes, name)
 }
 
+#: Types of fewer than 8 bits (format 1.4), one element per byte in memory (ml_dtypes) and on disk.
+_SUBBYTE = {name: getattr(ml_dtypes, name) for name in ("int4", "uint4", "int2", "uint2", "float4_e2m1fn")
+            if hasattr(ml_dtypes, name)}
+#: Logical dtypes stored as raw ``uint8`` bytes.
+_RAW = {**_FLOAT8, **_SUBBYTE}
+
 #: Every logical dtype name this version of the format defines.
-LOGICAL_DTYPES: tuple[str, ...] = _NATIVE + tuple(_EXTENSION) + tuple(_FLOAT8)
+LOGICAL_DTYPES: tuple[str, ...] = _NATIVE + tuple(_EXTENSION) + tuple(_FLOAT8) + tuple(_SUBBYTE)
+#: The logical dtypes format 1.4 added (a checkpoint holding one says 1.4; an older manifest may not name one).
+SUBBYTE_DTYPES: frozenset[str] = frozenset(_SUBBYTE)
 
 
 #: The numpy dtype of each logical dtype name.
 _NUMPY: dict[str, np.dtype] = {
     **{name: np.dtype(name) for name in _NATIVE},
     **{name: np.dtype(t) for name, t in _EXTENSION.items()},
-    **{name: np.dtype(t) for name, t in _FLOAT8.items()},
+    **{name: np.dtype(t) for name, t in _RAW.items()},
 }
 #: The logical name of each numpy dtype that has one (``np.dtype.name`` is slow, and asked for every leaf).
 _LOGICAL: dict[np.dtype, str] = {dt: name for name, dt in _NUMPY.items()}
@@ -62,12 +73,33 @@ def logical_name(dtype: object) -> str:
 def storage_name(name: str) -> str:
     """The Zarr v3 ``data_type`` used on disk for a logical dtype name."""
     numpy_dtype(name)
-    return "uint8" if name in _FLOAT8 else name
+    return "uint8" if name in _RAW else name
 
 
 def is_raw(name: str) -> bool:
     """Whether the logical dtype is stored as raw bytes of another dtype."""
-    return name in _FLOAT8
+    return name in _RAW
+
+
+def low_bits(name: str) -> int | None:
+    """The mask of the bits a sub-byte element occupies in its byte (``0x0F``, ``0x03``), None for other types."""
+    if name not in _SUBBYTE:
+        return None
+    return 0x03 if name.endswith("2") else 0x0F
+
+
+def canonical(raw: np.ndarray, name: str) -> np.ndarray:
+    """``raw`` (a sub-byte array's uint8 bytes) with every high bit clear, as stored: itself when they all are
+    (checked a band of 16 MiB at a time), else a masked copy. Other dtypes' bytes are returned as they are.
+    (ml_dtypes ignores an integer type's high bits, not ``float4_e2m1fn``'s: the stored form says which value.)"""
+    mask = low_bits(name)
+    if mask is None or raw.size == 0:
+        return raw
+    flat = raw.reshape(-1) if raw.flags.c_contiguous else None
+    bands = ((flat[i:i + (16 << 20)] for i in range(0, flat.size, 16 << 20)) if flat is not None else (raw,))
+    if any(np.bitwise_and(band, np.uint8(~mask & 0xFF)).any() for band in bands):
+        return np.bitwise_and(raw, np.uint8(mask))
+    return raw
 
 
 def itemsize(name: str) -> int:

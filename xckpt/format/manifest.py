@@ -5,7 +5,7 @@ the document checks every field (JSON integers only where the spec says integer,
 member the format does not define, bounds before any arithmetic), then the parts are
 checked against each other (tree and leaves agree, paths stay inside the checkpoint,
 segments tile their leaf) before anything else is trusted. The same rules are published
-as a JSON Schema (``spec/manifest-1.3.schema.json``); the test suite holds the two to agreeing.
+as a JSON Schema (``spec/manifest-1.4.schema.json``); the test suite holds the two to agreeing.
 """
 
 from __future__ import annotations
@@ -27,14 +27,16 @@ from xckpt.format.tree import MAX_DEPTH, Key, Node, iter_nodes, key_str
 from xckpt.format.values import VALUE_TYPES
 
 FORMAT = "xckpt"
-#: The version this writer writes (:func:`version_for`: 1.3 only for a checkpoint a 1.2 reader cannot read).
+#: The version this writer writes (:func:`version_for`: a later one only for a checkpoint a 1.2 reader cannot read).
 VERSION = "1.2"
 #: The version whose stored paths may nest in directories (a key component holding ``/``).
 NESTED_VERSION = "1.3"
+#: The version that added the sub-byte dtypes (:data:`xckpt.format.dtypes.SUBBYTE_DTYPES`).
+SUBBYTE_VERSION = "1.4"
 #: Versions this reader reads (1.1 added segmented arrays and the generation; 1.2 requires the
 #: generation and tags every chunk object with its place, see :mod:`xckpt.format.shard`; 1.3 lets
-#: a stored path nest, see :mod:`xckpt.format.names`).
-SUPPORTED_VERSIONS = ("1.0", "1.1", "1.2", "1.3")
+#: a stored path nest, see :mod:`xckpt.format.names`; 1.4 adds the sub-byte dtypes).
+SUPPORTED_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4")
 #: A save's generation: 128 random bits, as lowercase hex.
 GENERATION = re.compile(r"[0-9a-f]{32}")
 #: Largest number of elements (and of bytes) a leaf may declare: 2**53, JSON's exact-integer range.
@@ -383,6 +385,10 @@ class _Parser:
             dtypes.numpy_dtype(dtype)
         except XckptError as exc:
             raise ManifestError(exc.message, code="dtype.unsupported", file=self.file, leaf=self.leaf) from None
+        if dtype in dtypes.SUBBYTE_DTYPES and _before(version, SUBBYTE_VERSION):
+            raise ManifestError(f"dtype {dtype!r} is not a dtype of format {version} (sub-byte dtypes are "
+                                f"format {SUBBYTE_VERSION}'s)", code="dtype.unsupported", file=self.file,
+                                leaf=self.leaf)
         if storage_dtype != dtypes.storage_name(dtype):
             raise ManifestError(f"storage_dtype {storage_dtype!r} does not match dtype {dtype!r}",
                                 code="dtype.mismatch", file=self.file, leaf=self.leaf)
@@ -581,9 +587,17 @@ def check_consistency(m: Manifest, file: str = names.MANIFEST) -> None:
                             code="manifest.path_collision", file=file, leaf=key_str(clash[1]))
 
 
+def _before(version: str, other: str) -> bool:
+    """Whether format ``version`` came before ``other`` (both of :data:`SUPPORTED_VERSIONS`)."""
+    return SUPPORTED_VERSIONS.index(version) < SUPPORTED_VERSIONS.index(other)
+
+
 def version_for(leaves: list[Entry]) -> str:
-    """The version a writer writes for these leaves: :data:`VERSION`, or :data:`NESTED_VERSION` where a
-    stored path nests (which a 1.2 reader refuses), so that every checkpoint a 1.2 reader can read says 1.2."""
+    """The version a writer writes for these leaves: :data:`VERSION`; :data:`NESTED_VERSION` where a stored
+    path nests (which a 1.2 reader refuses); :data:`SUBBYTE_VERSION` where an array has a sub-byte dtype (which
+    a 1.3 reader refuses). Every checkpoint an older reader can read says the oldest version it reads."""
+    if any(isinstance(e, ArrayEntry) and e.dtype in dtypes.SUBBYTE_DTYPES for e in leaves):
+        return SUBBYTE_VERSION
     nested = any("/" in (e.path if isinstance(e, ArrayEntry) else e.orbax_path or "") for e in leaves)
     return NESTED_VERSION if nested else VERSION
 

@@ -89,6 +89,26 @@ def chunk_key(index: Sequence[int]) -> str:
     return "c/" + "/".join(str(i) for i in index) if len(index) else "c"
 
 
+def parse_chunk_key(name: str, grid: Sequence[int]) -> tuple[int, ...] | None:
+    """The grid index a chunk object name (relative to its array) stands for: the inverse of
+    :func:`chunk_key` within a grid of ``grid`` chunks per dimension; None for any other name (another
+    spelling of a number, an index outside the grid, another rank)."""
+    if not grid:
+        return () if name == "c" else None
+    parts = name.split("/")
+    if len(parts) != len(grid) + 1 or parts[0] != "c":
+        return None
+    index = []
+    for part, n in zip(parts[1:], grid):
+        if not part.isascii() or not part.isdigit() or (len(part) > 1 and part[0] == "0"):
+            return None
+        i = int(part)
+        if i >= n:
+            return None
+        index.append(i)
+    return tuple(index)
+
+
 def geometry(storage_dtype: str, chunk_shape: Sequence[int], inner_chunk_shape: Sequence[int],
              compression: str) -> Geometry:
     """The object encoding of an array's chunks (one shared :class:`Geometry` per encoding, so what it
