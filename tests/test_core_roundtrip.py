@@ -29,8 +29,8 @@ def _sample(name: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     dt = dtypes.numpy_dtype(name)
     if name == "bool":
         return rng.integers(0, 2, size=shape).astype(bool)
-    if dtypes.is_raw(name):  # float8 and the sub-byte types: any byte (a sub-byte type's high bits too)
-        return rng.integers(0, 256, size=shape, dtype=np.uint8).view(dt)
+    if dtypes.is_raw(name):  # float8: any byte; a sub-byte type: any value (its bits, the high ones clear)
+        return (rng.integers(0, 256, size=shape, dtype=np.uint8) & np.uint8(dtypes.low_bits(name) or 0xFF)).view(dt)
     if name.startswith(("int", "uint")):
         info = np.iinfo(dt)
         return rng.integers(info.min, info.max, size=shape, dtype=dt, endpoint=True)
