@@ -704,3 +704,44 @@ def test_gc_of_a_bucket_touches_only_the_bucket(bucket, tmp_path, monkeypatch):
     assert [(c.leftover.path, c.action) for c in done] == [(bucket.url, "removed")]
     assert _snapshot(bucket) == {"run/step_1/notes.txt": b"keep"}
     assert local.is_dir()
+
+
+def _status(b, name: str, generation: str, objects: dict[str, float | None]) -> None:
+    """The status objects a multi-process save_async to ``name`` leaves beside it (spec 6.5), each written at the
+    time given (None: a record without a time, as written before records carried one)."""
+    import msgpack
+    for obj, at in objects.items():
+        record = {"bytes": 10, "plan": b"k"} if obj.startswith("rank-") else {"failures": None}
+        if at is not None:
+            record["time"] = at
+        _put(b, f"run/.{name}.xckpt-status-{generation}/{obj}", msgpack.packb(record, use_bin_type=True))
+
+
+def test_gc_removes_the_status_objects_of_a_dead_asynchronous_save(bucket):
+    """The status objects beside a prefix that a multi-process save_async left when its coordinating process died:
+    gc removes them once their save's claim is stale, or, with no claim of their save, once their newest record is
+    older than the limit; fresh ones, those of a live claim and records that do not say when they were written stay,
+    as does anything else beside them."""
+    old, now = time.time() - 2 * claims.STALE_AFTER_S, time.time()
+    dead_claimed, dead_over, fresh, live, legacy = (uuid.uuid4().hex for _ in range(5))
+    _put(bucket, "run/step_1/.xckpt-claim", _claim_record(dead_claimed, old))
+    _status(bucket, "step_1", dead_claimed, {"rank-1": now, "rank-2": now})  # its claim says: dead
+    _status(bucket, "step_2", dead_over, {"rank-0": old, "rank-3": old, "outcome": old})  # no claim: its records
+    _status(bucket, "step_3", fresh, {"rank-0": old, "rank-1": now - 5})  # one recent record: the save may run
+    _put(bucket, "run/step_4/.xckpt-claim", _claim_record(live, now))
+    _status(bucket, "step_4", live, {"rank-0": old})  # its claim is live
+    _status(bucket, "step_5", legacy, {"rank-0": None})  # no time: never judged dead
+    _put(bucket, f"run/.step_2.xckpt-status-{dead_over}/notes.txt", b"not a status object")
+
+    found = {(x.kind, x.name): x.stale for x in claims.scan(Location.of(f"{bucket.url}/run"))}
+    assert found == {("claim", "step_1"): True, ("claim", "step_4"): False, ("status", "step_1"): True,
+                     ("status", "step_2"): True, ("status", "step_3"): False, ("status", "step_4"): False,
+                     ("status", "step_5"): False}, found
+    done = xckpt.gc(f"{bucket.url}/run")
+    assert sorted((c.leftover.kind, c.leftover.name) for c in done if c.action == "removed") == [
+        ("claim", "step_1"), ("status", "step_1"), ("status", "step_2")]
+    assert _keys(bucket, "run/") == sorted([
+        f"run/.step_2.xckpt-status-{dead_over}/notes.txt",
+        f"run/.step_3.xckpt-status-{fresh}/rank-0", f"run/.step_3.xckpt-status-{fresh}/rank-1",
+        "run/step_4/.xckpt-claim", f"run/.step_4.xckpt-status-{live}/rank-0",
+        f"run/.step_5.xckpt-status-{legacy}/rank-0"])

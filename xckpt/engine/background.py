@@ -214,7 +214,7 @@ class Pending:
                 return
             store = self._status.store(create=True)
             try:
-                store.write(f"rank-{p.coord.rank}", collective.pack(status), atomic=True)
+                store.write(f"rank-{p.coord.rank}", collective.pack({**status, "time": time.time()}), atomic=True)
             finally:
                 store.close()
             reported = "error" not in status
@@ -248,7 +248,8 @@ class Pending:
         store = self._status.store(create=True)
         try:
             store.write("outcome", collective.pack({"failures": None if failures is None else
-                                                    {str(r): f for r, f in failures.items()}}), atomic=True)
+                                                    {str(r): f for r, f in failures.items()},
+                                                    "time": time.time()}), atomic=True)
             deadline = time.monotonic() + self._timeout_s
             statuses = _status_names(self.p.coord.world_size)
             others = statuses.keys() - {"rank-0"}

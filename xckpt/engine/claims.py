@@ -34,6 +34,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import msgpack
+
 from xckpt.engine import atomic, env
 from xckpt.engine.storage import ABSENT, Location, kv_result, landed, open_kvstore
 from xckpt.errors import SaveError, XckptError, XckptWarning
@@ -48,6 +50,10 @@ LEFTOVER = re.compile(r"\.(?P<name>.+)\.xckpt-(?P<kind>tmp|lease|status|old)-(?P
 #: What a checkpoint manager leaves beside the steps of a run while it works: ``.<step>.xckpt-step-<token>`` (a
 #: step being written, moved to ``<step>`` once committed) and ``.<step>.xckpt-deleting-<token>`` (a step being
 #: deleted). See :func:`scan_steps`.
+#: An object of an asynchronous save's status directory on an object store (spec 6.5), below the listed prefix.
+STATUS_OBJECT = re.compile(r"\.(?P<name>[^/]+)\.xckpt-status-(?P<generation>[0-9a-f]{32})/(?:rank-(?:0|[1-9][0-9]*)|outcome)")
+#: Bytes of a status object read to learn when it was written, at most.
+MAX_STATUS_BYTES = 1 << 20
 MANAGER_LEFTOVER = re.compile(r"\.(?P<step>[0-9]+)\.xckpt-(?P<kind>step|deleting)-(?P<token>[0-9a-f]{32})")
 
 
@@ -388,11 +394,16 @@ def _scan_claims(directory: Location, limit: float, now: float, name: str | None
     """The claims on ``directory`` and on its sub-prefixes one level down (``name``: on ``directory/name`` only,
     or with ``""`` on ``directory`` itself, read directly, without listing ``directory``)."""
     kv = _kv(directory)
+    status: dict[tuple[str, str], list[str]] = {}
     if name is not None:
         keys = [f"{name}/{CLAIM}" if name else CLAIM]
     else:
-        keys = sorted(k for k in (k.decode() for k in kv_result(kv.list(), str(directory)))
-                      if k == CLAIM or k.endswith("/" + CLAIM) and k.count("/") == 1)
+        listed = [k.decode() for k in kv_result(kv.list(), str(directory))]
+        keys = sorted(k for k in listed if k == CLAIM or k.endswith("/" + CLAIM) and k.count("/") == 1)
+        for k in listed:
+            m = STATUS_OBJECT.fullmatch(k)
+            if m is not None:
+                status.setdefault((m["name"], m["generation"]), []).append(k)
     out = []
     for key in keys:
         sub = key[:-len(CLAIM)].rstrip("/")  # "" for the claim of ``directory`` itself
@@ -406,7 +417,31 @@ def _scan_claims(directory: Location, limit: float, now: float, name: str | None
         age = now - beat if beat is not None else 0.0
         out.append(Leftover(str(prefix), "claim", sub, _generation_of(record) or "", age,
                             beat is not None and age > limit, res.stamp.generation))
+    claimed = {(x.name, x.generation): x for x in out}
+    for (sub, gen), objects in sorted(status.items()):
+        owner = claimed.get((sub, gen))
+        if owner is not None:  # its save's claim says how old it is
+            age, stale = owner.age_s, owner.stale
+        else:  # its save is over (committed, or removed) or its claim is gone: as old as its newest record
+            written = [_written_at(kv, k, str(directory.child(k))) for k in objects]
+            age = now - max(written) if written and None not in written else 0.0
+            stale = None not in written and age > limit  # a record without a time is never judged dead
+        out.append(Leftover(str(directory.child(f".{sub}.xckpt-status-{gen}")), "status", sub, gen, age, stale))
     return out
+
+
+def _written_at(kv: Any, key: str, file: str) -> float | None:
+    """When a status object says it was written (its ``time``, spec 6.5), or None (gone, unreadable, or of a
+    writer that did not say)."""
+    res = kv_result(kv.read(key), file)
+    if res.state != "value" or len(res.value) > MAX_STATUS_BYTES:
+        return None
+    try:
+        record = msgpack.unpackb(bytes(res.value), raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        return None
+    t = record.get("time") if isinstance(record, dict) else None
+    return float(t) if type(t) in (int, float) and t == t else None
 
 
 #: A name a save may write below its top level (3.2, 4, 4.2, 7): a leaf's (or a segment's) ``zarr.json`` and
@@ -438,6 +473,9 @@ def remove(leftover: Leftover) -> None:
     if leftover.kind == "claim":
         _remove_claimed(leftover)
         return
+    if leftover.kind == "status" and not Location(leftover.path).is_local:
+        _remove_status_objects(leftover)
+        return
     failed: list[tuple[str, str]] = []
 
     def note(_fn: Any, path: str, info: Any) -> None:
@@ -459,6 +497,22 @@ def remove(leftover: Leftover) -> None:
         raise XckptError(f"cannot remove the leftover {leftover.path}: {why} ({path}"
                          + (f", and {len(failed) - 1} more" if len(failed) > 1 else "") + ")",
                          code="io.write", file=leftover.path)
+
+
+def _remove_status_objects(leftover: Leftover) -> None:
+    """:func:`remove` of an object store's status directory: its ``rank-<r>`` and ``outcome`` objects, nothing else
+    put beside them. A store that refuses is ``io.write`` naming the object."""
+    prefix = Location(leftover.path)
+    file = str(prefix)
+    try:
+        kv = _kv(prefix)
+        for k in (k.decode() for k in kv_result(kv.list(), file)):
+            if re.fullmatch(r"rank-(?:0|[1-9][0-9]*)|outcome", k):
+                file = str(prefix.child(k))
+                kv_result(kv.write(k, None), file, write=True)
+    except XckptError as exc:
+        raise XckptError(f"cannot remove the leftover {leftover.path}: {exc.message}", code="io.write",
+                         file=exc.file or file) from exc
 
 
 def _remove_claimed(leftover: Leftover) -> None:
