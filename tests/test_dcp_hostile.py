@@ -792,3 +792,12 @@ def test_numpy_values_not_built_by_numpy_are_refused(ckpt, tmp_path, value):
     err = _fails(ckpt, tmp_path / "out", "convert.dcp_value")
     assert (err.file, err.leaf) == (str(ckpt / "__9_0.distcp"), "step"), err
     assert "xckpt does not rebuild" in err.message, err  # refused by xckpt's parsers, not by torch's unpickler
+
+
+def test_a_refused_numpy_state_is_described_briefly(ckpt, tmp_path):
+    """A crafted array state holding 8 MiB of bytes where numpy's holds five fields is refused with a message of a
+    under a thousand characters (its description is bounded before it is built, not cut from a repr of it all)."""
+    state = (1, b"\0" * (8 << 20), {"k": b"\1" * (8 << 20)}, [b"\2" * (8 << 20)] * 10)
+    _as_step_value(ckpt, _value_blob([_Crafted(_RECONSTRUCT, (np.ndarray, (0,), b"b"), state)]))
+    err = _fails(ckpt, tmp_path / "out", "convert.dcp_value")
+    assert "array state (1, b'\\x00" in err.message and len(err.message) < 1000, err.message[:2000]

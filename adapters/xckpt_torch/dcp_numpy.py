@@ -21,6 +21,7 @@ DCP load as DCP stored it: as a value, numpy, not a tensor.
 from __future__ import annotations
 
 import math
+import reprlib
 from typing import Any
 
 import numpy as np
@@ -43,8 +44,22 @@ def _refuse(what: str) -> UnsupportedError:
     return UnsupportedError(f"a numpy {what} in a DCP value, which xckpt does not rebuild", code="convert.dcp_value")
 
 
-def _text(value: Any) -> str:
-    return repr(value)[:80]
+def _text(value: Any, depth: int = 0) -> str:
+    """A short description of pickled data for a message, bounded before it is built (a crafted state may hold a
+    gigabyte of bytes, whose whole repr would be four)."""
+    if isinstance(value, (bytes, bytearray, str)):
+        return repr(value[:16]) + ("..." if len(value) > 16 else "")
+    if isinstance(value, (tuple, list)):
+        inner = "..." if depth >= 2 else ", ".join(_text(v, depth + 1) for v in value[:5])
+        more = ", ..." if len(value) > 5 and depth < 2 else ""
+        return ("(%s%s)" if isinstance(value, tuple) else "[%s%s]") % (inner, more)
+    if isinstance(value, dict):
+        inner = "..." if depth >= 2 else ", ".join(f"{_text(k, depth + 1)}: {_text(v, depth + 1)}"
+                                                   for k, v in list(value.items())[:3])
+        return "{%s%s}" % (inner, ", ..." if len(value) > 3 and depth < 2 else "")
+    if type(value) is int and value.bit_length() > 64:
+        return f"an int of {value.bit_length()} bits"
+    return reprlib.repr(value)
 
 
 class PickledDtype:
