@@ -278,3 +278,31 @@ def test_values_holding_data_xckpt_cannot_store_are_refused_by_name(tmp_path, va
     errors = [e for e, _ in info.value.failures.values()]
     assert [(e.code, e.leaf) for e in errors] == [("value.unsupported", "bad")], errors
     assert not (tmp_path / "c").exists()
+
+
+def test_an_array_asked_for_whole_that_declares_more_memory_than_there_is_is_named(tmp_path):
+    """A tuple DCP asks for whole, whose array's manifest (and zarr.json) declare 2**42 float32 (16 TiB): the
+    reader's allocation is refused as resource.too_large naming the leaf, not a bare MemoryError."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from xckpt_torch import XckptStorageReader
+
+    path = tmp_path / "c"
+    xckpt.save({"pair": (np.zeros(4, np.float32), 1)}, path)
+    m = json.loads((path / "xckpt.json").read_text())
+    entry = next(e for e in m["leaves"] if e["key"] == ["pair", 0])
+    entry.update(shape=[2**42], chunk_shape=[2**42], inner_chunk_shape=[2**42],
+                 sharding={"shard_shape": [2**42], "num_shards": 1})
+    (path / "xckpt.json").write_text(json.dumps(m))
+    z = json.loads((path / entry["path"] / "zarr.json").read_text())
+    z["shape"] = z["chunk_grid"]["configuration"]["chunk_shape"] = [2**42]
+    z["codecs"][0]["configuration"]["chunk_shape"] = [2**42]
+    (path / entry["path"] / "zarr.json").write_text(json.dumps(z))
+    target = {"pair": (torch.zeros(4), 0)}
+    with warnings.catch_warnings(), pytest.raises(CheckpointException) as info:
+        warnings.simplefilter("ignore")
+        dcp.load(target, storage_reader=XckptStorageReader(path), no_dist=True)
+    errors = [e for e, _ in info.value.failures.values()]
+    assert [(e.code, e.leaf) for e in errors] == [("resource.too_large", "pair/0")], errors

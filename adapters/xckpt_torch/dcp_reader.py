@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from xckpt.engine.read import ReadRequest
+from xckpt.engine.read import ReadRequest, empty
 from xckpt.engine.write import MAX_INFLIGHT_BYTES
 from xckpt.errors import KeyMismatchError, ShapeError, UnsupportedError, XckptError, XckptWarning
 from xckpt.format import dtypes as xdtypes
@@ -172,7 +172,10 @@ class XckptStorageReader(StorageReader):
     def _whole(ckpt: Source, e: ArrayEntry) -> Any:
         """An array read whole: numpy where it was numpy data inside a DCP value (a scalar as a scalar:
         :func:`.dcp_numpy.as_dcp_value`), else a CPU tensor."""
-        out = np.empty(e.shape, dtype=xdtypes.numpy_dtype(e.storage_dtype))
+        try:  # a size the manifest declares: memory the system refuses is resource.too_large naming the leaf
+            out = empty(e.shape, xdtypes.numpy_dtype(e.storage_dtype))
+        except XckptError as exc:
+            raise exc.at(leaf=key_str(e.key), file=str(ckpt.loc)) from None
         ckpt.read([ReadRequest(e, Region.full(e.shape), out)])
         arr = out.view(xdtypes.numpy_dtype(e.dtype)) if xdtypes.is_raw(e.dtype) else out
         return from_numpy(arr, e.dtype) if _is_tensor(e) else dcp_numpy.as_dcp_value(arr, e.sharding)
