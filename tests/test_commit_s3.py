@@ -745,3 +745,20 @@ def test_gc_removes_the_status_objects_of_a_dead_asynchronous_save(bucket):
         f"run/.step_3.xckpt-status-{fresh}/rank-0", f"run/.step_3.xckpt-status-{fresh}/rank-1",
         "run/step_4/.xckpt-claim", f"run/.step_4.xckpt-status-{live}/rank-0",
         f"run/.step_5.xckpt-status-{legacy}/rank-0"])
+
+
+def test_a_small_write_that_fails_while_others_are_in_flight_fails_the_save_naming_it(bucket, proxy, monkeypatch):
+    """Small objects are written without waiting for each answer (KvStore keeps up to 64 in flight). The answer to
+    one of them (a vector's chunk) is lost with no retry left: the save fails with io.write naming that object and
+    its leaf, commits nothing, and removes what it wrote, that object included; the prefix can be saved to again."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    url = f"{bucket.url}/run/step_9"
+    tree = {f"v{i}": np.full(64, i, np.float32) for i in range(40)}
+    proxy.drop_response(f"PUT /{bucket.name}/run/step_9/v17/c/0 ".encode())
+    _, err, _ = _in_thread(lambda: xckpt.save(tree, url), timeout=120)
+    assert isinstance(err, xckpt.XckptError) and err.code == "io.write", repr(err)
+    assert (err.file, err.leaf) == (f"{url}/v17/c/0", "v17"), err
+    assert _names(bucket, "run/step_9") == []
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS")
+    xckpt.save(tree, url)
+    _committed(bucket, url, tree)

@@ -18,7 +18,7 @@ import json
 import os
 import stat
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
@@ -782,15 +782,47 @@ def open_kvstore(spec: dict[str, Any], file: str = "") -> ts.KvStore:
     return kv
 
 
+#: Small object writes (:data:`PIPELINED_BYTES` at most each) a :class:`KvStore` keeps in flight at once.
+PIPELINED_WRITES = 64
+#: Largest object a :class:`KvStore` writes without waiting for the answer (a ``zarr.json``, a small leaf's chunk).
+PIPELINED_BYTES = 1 << 20
+
+
 class KvStore:
-    """A checkpoint root in a TensorStore key-value store (object stores)."""
+    """A checkpoint root in a TensorStore key-value store (object stores).
+
+    A small object's write is sent and not waited for: up to :data:`PIPELINED_WRITES` are in flight at
+    once, so a save of thousands of small leaves costs their requests' round trips together, not one
+    after another (each waited for would cost a whole round trip: 20 ms to a store a region away). Every
+    other request this store makes, and :meth:`sync`, first waits for the writes in flight; the first of
+    them that failed is raised there, naming its object (``io.write``). So nothing reads, lists, creates
+    (the commit's manifest) or deletes before every earlier write has landed.
+    """
 
     def __init__(self, location: Location) -> None:
         self.location = location
         self._kv = open_kvstore(location.kvstore(), str(location))
+        self._in_flight: deque[tuple[str, Any]] = deque()
+        self._flight_lock = threading.Lock()
 
     def _file(self, name: str) -> str:
         return str(self.location.child(name))
+
+    def _land(self, upto: int = 0) -> None:
+        """Wait for the writes in flight until at most ``upto`` remain; raise the first that failed (once the
+        others waited for are done too)."""
+        first: XckptError | None = None
+        while True:
+            with self._flight_lock:
+                if len(self._in_flight) <= upto:
+                    break
+                name, future = self._in_flight.popleft()
+            try:
+                kv_result(future, self._file(name), write=True)
+            except XckptError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def open(self, name: str) -> KvBlob | None:
         """An object read by ranges; None when it does not exist."""
@@ -799,6 +831,7 @@ class KvStore:
     def read(self, name: str, limit: int = MAX_READ_BYTES) -> bytes | None:
         """A whole object, None when missing; one above ``limit`` bytes is refused (once fetched: a store's
         read does not say the size first)."""
+        self._land()
         res = kv_result(self._kv.read(name), self._file(name))
         if res.state != "value":
             return None
@@ -810,6 +843,7 @@ class KvStore:
         awaited (the driver runs them concurrently: one round trip for many small objects, where
         :meth:`open` costs a request for the size and one per range); failures are left to the caller
         (:meth:`Store.prefetch`)."""
+        self._land()
         pending = [(name, self._kv.read(name)) for name in names]
         out: dict[str, bytes] = {}
         for name, future in pending:
@@ -822,13 +856,24 @@ class KvStore:
         return out
 
     def write(self, name: str, data: Any, *, atomic: bool = False) -> None:
-        """Write an object from one or several parts (every object write is atomic on object stores)."""
+        """Write an object from one or several parts (every object write is atomic on object stores); a small one
+        is sent and left in flight (see the class), landed by :meth:`sync` or the store's next request, unless
+        ``atomic`` (a status record, a manager's file: one that others look for once this returns)."""
         blob = b"".join(bytes(memoryview(p).cast("B")) for p in _parts(data))
-        self._put(name, blob)
+        if atomic or len(blob) > PIPELINED_BYTES:
+            self._put(name, blob)
+            return
+        future = self._kv.write(name, blob)
+        with self._flight_lock:
+            self._in_flight.append((name, future))
+            full = len(self._in_flight) > PIPELINED_WRITES
+        if full:
+            self._land(PIPELINED_WRITES)
 
     def _put(self, name: str, blob: bytes | None, **conditions: Any) -> bytes:
-        """One write (None: a delete) through the driver, its retries included; the new storage generation
-        (empty when a condition failed). A store that stays unreachable is ``io.write``."""
+        """One write (None: a delete) through the driver, its retries included, after the writes in flight; the
+        new storage generation (empty when a condition failed). A store that stays unreachable is ``io.write``."""
+        self._land()
         return kv_result(self._kv.write(name, blob, **conditions), self._file(name), write=True).generation
 
     def create(self, name: str, data: bytes) -> bool:
@@ -852,11 +897,13 @@ class KvStore:
 
     def exists(self, name: str) -> bool:
         """Whether an object exists (a store that cannot answer: ``io.read`` naming the object)."""
+        self._land()
         return kv_result(self._kv.read(name, byte_range=slice(0, 0)), self._file(name)).state == "value"
 
     def list(self, prefix: str = "") -> list[str]:
         """Every object name under ``prefix``, sorted (a store that cannot list: ``io.read`` naming the prefix)."""
         file = str(self.location.child(prefix.rstrip("/"))) if prefix.strip("/") else str(self.location)
+        self._land()
         if prefix:
             rng = ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
             keys = kv_result(self._kv.list(rng), file)
@@ -865,7 +912,9 @@ class KvStore:
         return sorted(k.decode() for k in keys)
 
     def sync(self) -> None:
-        """Object writes are durable once they return."""
+        """Wait for the writes in flight (an object write is durable once the store answered it); the first that
+        failed is raised, naming its object."""
+        self._land()
 
     def replaced(self) -> bool:
         """Never: a committed prefix is not replaced in place."""
@@ -876,4 +925,9 @@ class KvStore:
         return self.location.kvstore(sub)
 
     def close(self) -> None:
-        """Nothing to release."""
+        """Wait for the writes in flight, their failures aside (a save that goes on has met them at its sync or
+        its commit; one that failed is removing what it wrote)."""
+        try:
+            self._land()
+        except XckptError:
+            pass
