@@ -921,7 +921,9 @@ class KvStore:
         return False
 
     def kvstore(self, sub: str = "") -> dict[str, Any]:
-        """The kvstore spec of the prefix ``sub`` under this root."""
+        """The kvstore spec of the prefix ``sub`` under this root (for reads handed to TensorStore: the writes in
+        flight land first)."""
+        self._land()
         return self.location.kvstore(sub)
 
     def close(self) -> None:
