@@ -299,8 +299,8 @@ def _check_array(loc: Location, store: Store, e: ArrayEntry, a: StoredArray, dee
             upcoming = next(ahead, None)
         elif listed < MAX_MISSING_LISTED:
             listed += 1
-            add(Finding("chunk.missing", f"chunk {list(idx)} is missing", str(loc.child(f"{prefix}{zarr.chunk_key(idx)}")),
-                        leaf))
+            add(Finding("chunk.missing", f"chunk {list(idx)} is missing",
+                        str(loc.child(prefix + zarr.chunk_key(idx))), leaf))
         else:  # every missing chunk to list is listed: check the stored ones left without walking to them
             for rest in ([upcoming] if upcoming is not None else []) + list(ahead):
                 check(rest)

@@ -6,8 +6,9 @@ metadata is made of, ``.metadata`` and the ``.distcp`` data files opened relativ
 the checkpoint directory without following links or blocking, each stored range
 checked against its file before it is read. Each stored item is a ``torch.save``
 blob, loaded with ``torch.load(weights_only=True)`` (torch's own restricted
-unpickler); numpy data inside a value is parsed by :mod:`.dcp_numpy`. Each stored DCP chunk becomes one region of the xckpt array, read when
-the writer gets to it, so memory stays near one chunk.
+unpickler); numpy data inside a value is parsed by :mod:`.dcp_numpy`. Each stored
+DCP chunk becomes one region of the xckpt array, read when the writer gets to it, so
+memory stays near one chunk.
 
 ``xckpt -> dcp``: ``torch.distributed.checkpoint.save`` with ``FileSystemWriter``
 and a planner that reads each array from xckpt only when DCP writes it (the state

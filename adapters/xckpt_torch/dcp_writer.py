@@ -44,6 +44,10 @@ from .staging import to_host
 from .tensors import logical_dtype
 
 
+#: The ``sharding`` recorded for an array DCP saved (the manifest's entries copy it; it is never changed).
+_TORCH_ARRAY = {"framework": "torch", "via": "torch.distributed.checkpoint"}
+
+
 def _region(item: Any) -> Region:
     td = item.tensor_data
     return Region(tuple(int(o) for o in td.chunk.offsets), tuple(int(n) for n in td.chunk.sizes))
@@ -60,8 +64,7 @@ def _array_descs(plan: SavePlan, mappings: dict[str, Any]) -> tuple[Descriptors,
         if d is None:
             d = found[item.index.fqn] = LeafDesc(key_of(item.index.fqn, mappings), "array",
                                                  tuple(int(n) for n in td.size), logical_dtype(td.properties.dtype),
-                                                 (), sharding={"framework": "torch",
-                                                               "via": "torch.distributed.checkpoint"})
+                                                 (), sharding=_TORCH_ARRAY)
         d.regions = d.regions + (_region(item),)
     tree: dict[Any, Any] = {}
     for d in found.values():
@@ -250,7 +253,7 @@ class XckptStorageWriter(StorageWriter):
                                 for c in md.chunks)
                 descs.append(LeafDesc(key, "array", tuple(int(n) for n in md.size),
                                       logical_dtype(md.properties.dtype), regions,
-                                      sharding={"framework": "torch", "via": "torch.distributed.checkpoint"}))
+                                      sharding=_TORCH_ARRAY))
             else:
                 value = leaf.value if isinstance(leaf, Value) else leaf
                 descs.append(LeafDesc(key, "value", value_type=values.value_type(value)))
@@ -308,7 +311,7 @@ def _array_in_value(leaf: Any) -> tuple[np.ndarray, str, dict[str, Any]] | None:
     """An array inside a value, with its logical dtype and the sharding to record, or None: numpy data
     (:func:`.dcp_numpy.value_array_sharding`, a scalar as a 0-d array) or a tensor (read to the host)."""
     if isinstance(leaf, torch.Tensor):
-        return to_host(leaf), logical_dtype(leaf.dtype), {"framework": "torch", "via": "torch.distributed.checkpoint"}
+        return to_host(leaf), logical_dtype(leaf.dtype), _TORCH_ARRAY
     if isinstance(leaf, (np.ndarray, np.generic)):
         arr = np.asarray(leaf)
         return arr, xdtypes.logical_name(arr.dtype), dcp_numpy.value_array_sharding(leaf)

@@ -47,13 +47,15 @@ CLAIM = ".xckpt-claim"
 STALE_AFTER_S = 3600.0
 #: ``.<name>.xckpt-<kind>-<generation>``: what a save leaves beside its destination while it runs.
 LEFTOVER = re.compile(r"\.(?P<name>.+)\.xckpt-(?P<kind>tmp|lease|status|old)-(?P<generation>[0-9a-f]{32})")
+#: The name of an object in an asynchronous save's status directory (spec 6.5): a process's status, or the outcome.
+_STATUS_NAME = r"rank-(?:0|[1-9][0-9]*)|outcome"
+#: A status object on an object store (spec 6.5), below the listed prefix: ``.<name>.xckpt-status-<generation>/<it>``.
+STATUS_OBJECT = re.compile(rf"\.(?P<name>[^/]+)\.xckpt-status-(?P<generation>[0-9a-f]{{32}})/(?:{_STATUS_NAME})")
+#: Bytes of a status object read to learn when it was written, at most.
+MAX_STATUS_BYTES = 1 << 20
 #: What a checkpoint manager leaves beside the steps of a run while it works: ``.<step>.xckpt-step-<token>`` (a
 #: step being written, moved to ``<step>`` once committed) and ``.<step>.xckpt-deleting-<token>`` (a step being
 #: deleted). See :func:`scan_steps`.
-#: An object of an asynchronous save's status directory on an object store (spec 6.5), below the listed prefix.
-STATUS_OBJECT = re.compile(r"\.(?P<name>[^/]+)\.xckpt-status-(?P<generation>[0-9a-f]{32})/(?:rank-(?:0|[1-9][0-9]*)|outcome)")
-#: Bytes of a status object read to learn when it was written, at most.
-MAX_STATUS_BYTES = 1 << 20
 MANAGER_LEFTOVER = re.compile(r"\.(?P<step>[0-9]+)\.xckpt-(?P<kind>step|deleting)-(?P<token>[0-9a-f]{32})")
 
 
@@ -507,7 +509,7 @@ def _remove_status_objects(leftover: Leftover) -> None:
     try:
         kv = _kv(prefix)
         for k in (k.decode() for k in kv_result(kv.list(), file)):
-            if re.fullmatch(r"rank-(?:0|[1-9][0-9]*)|outcome", k):
+            if re.fullmatch(_STATUS_NAME, k):
                 file = str(prefix.child(k))
                 kv_result(kv.write(k, None), file, write=True)
     except XckptError as exc:

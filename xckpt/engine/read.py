@@ -418,8 +418,9 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
     small = [o for o in objects if o.geom.max_nbytes < SMALL_OBJECT]
     keep = fill and precheck and sum(o.geom.max_nbytes for o in small) <= MAX_KEPT_BYTES
     for do_fill in ((False,) if not fill else (False, True) if precheck else (True,)):
-        pump = pools.Pump(ex, lambda o, f=do_fill: _read_object(store, o, scratch, file, generation, f),  # type: ignore[misc]
-                          big, IN_FLIGHT_PER_THREAD * pools.io_threads())
+        # finished within this pass, so the closure's do_fill is this pass's
+        pump = pools.Pump(ex, lambda o: _read_object(store, o, scratch, file, generation, do_fill), big,
+                          IN_FLIGHT_PER_THREAD * pools.io_threads())
         first: BaseException | None = None
         try:  # small objects on this thread: their cost is Python, threads only contend (an object store's
             # requests go out a window at a time: Store.prefetch)
