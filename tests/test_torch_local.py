@@ -224,6 +224,36 @@ def test_dcp_layer_in_one_process(tmp_path):
     assert xckpt.validate(tmp_path / "native", deep=True).ok
 
 
+def test_dcp_reads_stored_arrays_into_numpy_targets_with_the_xckpt_planner(tmp_path):
+    """A checkpoint xckpt.save wrote from numpy (its arrays are tensors to DCP) loads through DCP into numpy
+    targets with XckptLoadPlanner: each replaced by the stored array (stored dtype, bfloat16 too, a numpy
+    scalar as a scalar, nested ones as well) while tensors load in place; a target of another shape is a
+    ShapeError naming its key, before anything is read."""
+    import ml_dtypes
+    src = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "t": torch.arange(3.0), "n": 5,
+           "s": np.float32(2.5), "d": np.float64(-1.25), "bf": np.arange(4).astype(ml_dtypes.bfloat16),
+           "nested": {"x": np.arange(3, dtype=np.int64), "w": torch.ones(2, 2)}}
+    xckpt.save(src, tmp_path / "np")
+    t_in_place = torch.zeros(3)
+    target = {"a": np.zeros((2, 3), np.float32), "t": t_in_place, "n": 0, "s": np.float32(0), "d": np.float64(0),
+              "bf": np.zeros(4, ml_dtypes.bfloat16), "nested": {"x": np.zeros(3, np.int64), "w": torch.zeros(2, 2)}}
+    dcp.load(target, storage_reader=XckptStorageReader(tmp_path / "np"), planner=XckptLoadPlanner(), no_dist=True)
+    for key in ("a", "bf"):
+        assert isinstance(target[key], np.ndarray) and target[key].dtype == src[key].dtype
+        np.testing.assert_array_equal(target[key], src[key])
+    assert isinstance(target["nested"]["x"], np.ndarray)
+    np.testing.assert_array_equal(target["nested"]["x"], src["nested"]["x"])
+    assert type(target["s"]) is np.float32 and target["s"] == np.float32(2.5)
+    assert type(target["d"]) is np.float64 and target["d"] == -1.25
+    assert target["t"] is t_in_place and torch.equal(t_in_place, src["t"]) and target["n"] == 5
+    assert torch.equal(target["nested"]["w"], torch.ones(2, 2))
+    from torch.distributed.checkpoint.api import CheckpointException  # DCP's way to raise a rank's error
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"a": np.zeros((3, 2), np.float32)}, storage_reader=XckptStorageReader(tmp_path / "np"),
+                 planner=XckptLoadPlanner(), no_dist=True)
+    assert "[shape.invalid]" in str(info.value) and "(leaf 'a')" in str(info.value) and "[2, 3]" in str(info.value)
+
+
 def test_coordinator_and_unsupported_placement_in_a_one_rank_group(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial

@@ -4,21 +4,31 @@ Stock DCP turns each non-tensor value into ``torch.save`` bytes on save and runs
 ``torch.load(weights_only=False)`` on load. The xckpt storage layer takes the
 object itself from the save planner and hands the decoded value straight to the
 load planner, so no pickle is produced or read.
+
+DCP also only reads a stored tensor into a tensor. :class:`XckptLoadPlanner` reads one into a
+numpy array or scalar of the state dict as well (an array that ``xckpt.save`` stored from numpy
+or JAX, say): it asks for it whole, as for a value, and puts the stored array in its place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from typing import Any
 
+import numpy as np
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem, SavePlanner, WriteItem, WriteItemType
 
+from xckpt.errors import ShapeError, UnsupportedError
 from xckpt.format import values
-from xckpt.errors import UnsupportedError
 
 from .dcp_numpy import PickledArray
+from .tensors import cpu_to_numpy
 
 
 def plain_value(value: Any, depth: int = 0) -> Any:
@@ -52,15 +62,61 @@ class XckptSavePlanner(DefaultSavePlanner):
 
 
 class XckptLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` that takes decoded values (and msgpack bytes), never ``torch.load``."""
+    """``DefaultLoadPlanner`` that takes decoded values (and msgpack bytes), never ``torch.load``, and reads
+    stored tensors into numpy arrays and scalars of the state dict too (replacing them, as DCP replaces a
+    value: the stored dtype, the target's shape)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """``DefaultLoadPlanner``'s arguments."""
+        super().__init__(*args, **kwargs)
+        self._numpy: dict[str, bool] = {}  # keys of numpy targets read whole -> whether the target is a scalar
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False,
+                       ) -> None:
+        """DCP's set-up, then each numpy target of a stored tensor asked for whole (:func:`numpy_targets`; found
+        first: DCP's set-up puts None in place of every value that is not a tensor or a Python scalar)."""
+        flat = flatten_state_dict(state_dict)[0] if self.flatten_state_dict else state_dict
+        targets = {fqn: obj for fqn, obj in flat.items() if isinstance(obj, (np.ndarray, np.generic))}
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        self._numpy = {}
+        if self.metadata is not None:
+            self.metadata, self._numpy = numpy_targets(targets, self.metadata)
 
     def load_value(self, read_item: ReadItem, value: Any) -> None:
-        """Put an already decoded value into the state dict being loaded."""
+        """Put an already decoded value into the state dict being loaded (a tensor read for a numpy target as
+        numpy: a 0-d one for a numpy scalar as that scalar)."""
+        scalar = self._numpy.get(read_item.dest_index.fqn)
+        if scalar is not None and isinstance(value, torch.Tensor):
+            value = cpu_to_numpy(value)
+            if scalar:
+                value = value[()]
         set_value(self, read_item, value)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Decode msgpack bytes (the only encoding xckpt uses) and store the value."""
         set_value(self, read_item, values.decode(value.read()))
+
+
+def numpy_targets(targets: dict[str, np.ndarray | np.generic], metadata: Metadata) -> tuple[Metadata, dict[str, bool]]:
+    """``metadata`` with each stored tensor whose target (``targets``: the numpy arrays and scalars of the
+    flattened state dict, by key) is numpy described as a value, so that DCP asks the storage reader for it
+    whole (DCP only reads a tensor into a tensor), and those keys, each with whether its target is a scalar;
+    ``ShapeError`` naming the key where the target's shape is not the stored one."""
+    stored = metadata.state_dict_metadata
+    retyped: dict[str, Any] = {}
+    scalar: dict[str, bool] = {}
+    for fqn, obj in targets.items():
+        md = stored.get(fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        if tuple(obj.shape) != tuple(md.size):
+            raise ShapeError(f"the state dict holds a numpy array of shape {list(obj.shape)} where the checkpoint "
+                             f"has shape {list(md.size)}", leaf=fqn)
+        retyped[fqn] = BytesStorageMetadata()
+        scalar[fqn] = isinstance(obj, np.generic)
+    if not retyped:
+        return metadata, scalar
+    return dataclasses.replace(metadata, state_dict_metadata={**stored, **retyped}), scalar
 
 
 def set_value(planner: DefaultLoadPlanner, item: ReadItem, value: Any) -> None:
