@@ -254,6 +254,27 @@ def test_dcp_reads_stored_arrays_into_numpy_targets_with_the_xckpt_planner(tmp_p
     assert "[shape.invalid]" in str(info.value) and "(leaf 'a')" in str(info.value) and "[2, 3]" in str(info.value)
 
 
+def test_loading_a_dcp_directory_says_how_to_convert_it(tmp_path):
+    """xckpt.load and xckpt.inspect of a directory DCP saved (collectively, or without collectives: rank 0's
+    __0.metadata) name its metadata file and the conversion; the converted copy loads element by element."""
+    from xckpt.convert import convert
+    from xckpt.errors import NotACheckpointError
+    state = {"w": torch.arange(6.0).reshape(2, 3), "step": 3}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    (tmp_path / "solo").mkdir()
+    dcp.save(state, checkpoint_id=str(tmp_path / "solo"), no_dist=True, use_collectives=False)
+    assert (tmp_path / "solo" / "__0.metadata").is_file() and not (tmp_path / "solo" / ".metadata").exists()
+    for name, marker in (("dcp", ".metadata"), ("solo", "__0.metadata")):
+        for fn in (xckpt.load, xckpt.inspect):
+            with pytest.raises(NotACheckpointError, match="convert --from dcp") as info:
+                fn(tmp_path / name)
+            assert info.value.code == "manifest.missing" and info.value.file == str(tmp_path / name / marker)
+    convert(str(tmp_path / "dcp"), str(tmp_path / "x"), source="dcp")
+    back = xckpt.load(tmp_path / "x")
+    np.testing.assert_array_equal(back["w"], np.arange(6.0).reshape(2, 3))
+    assert back["step"] == 3
+
+
 def test_coordinator_and_unsupported_placement_in_a_one_rank_group(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial

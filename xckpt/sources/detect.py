@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from xckpt.engine.claims import live_side_copy, recover
 from xckpt.engine.storage import Location, Store
-from xckpt.errors import XckptError
+from xckpt.errors import NotACheckpointError, XckptError
 from xckpt.format import names
 from xckpt.interop.orbax import layouts as orbax_layouts
 from xckpt.interop.orbax.checkpoint import open_orbax
@@ -79,6 +79,16 @@ def _open_orbax(loc: Location, store: Store) -> Source:
     return open_orbax(loc)
 
 
+def _refuse_dcp(loc: Location, store: Store) -> Source:
+    """A PyTorch DCP checkpoint is read once converted: say how, naming its metadata file."""
+    marker = names.DCP_METADATA if _present(store, names.DCP_METADATA) else names.DCP_RANK0_METADATA
+    store.close()
+    raise NotACheckpointError(f"{loc} holds a PyTorch Distributed Checkpoint, not an xckpt one: convert it first "
+                              f"(`xckpt convert --from dcp {loc} DST`, or xckpt.convert.convert(src, dst, "
+                              "source='dcp')), then load the copy",
+                              file=str(loc.child(marker)))
+
+
 #: Directory kinds, in the order they are tried.
 KINDS: list[Kind] = [
     Kind("xckpt", lambda s: _present(s, names.MANIFEST), _open_native),
@@ -86,6 +96,7 @@ KINDS: list[Kind] = [
     # Orbax v1 checkpoints, CheckpointManager steps with named items (xckpt or Orbax ones), a bare default/
     Kind("orbax-layout", orbax_layouts.holds, lambda loc, store: orbax_layouts.open_kind(loc, store, _open_native)),
     Kind("safetensors", lambda s: safetensors.entry_file(s) is not None, safetensors.open_directory),
+    Kind("dcp", lambda s: _present(s, names.DCP_METADATA) or _present(s, names.DCP_RANK0_METADATA), _refuse_dcp),
 ]
 
 #: Single-file kinds, tried on the path itself before it is opened as a directory.
@@ -106,7 +117,8 @@ def open_checkpoint(path: Any) -> Source:
     ``<root>/<step>/default/``) are read through :mod:`xckpt.interop.orbax.layouts`: one item as
     its tree, several as a dict by item name. When a save replaces the checkpoint while
     it is opened, the error is ``load.replaced`` (:func:`xckpt.load` then starts again).
-    A directory holding none of them is ``manifest.missing``.
+    A directory holding none of them is ``manifest.missing`` (one holding a PyTorch DCP checkpoint too, with
+    a message that says how to convert it).
     """
     loc = Location.of(path)
     for fk in FILE_KINDS:
