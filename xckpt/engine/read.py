@@ -2,9 +2,10 @@
 
 A request names an array leaf, a region of it and an output array of the region's shape
 (any strides: a slice of a preallocated tensor is fine). :func:`read_regions` finds the
-chunk objects the regions touch, and on a few threads opens each object once, checks its
-index and place tag (:func:`xckpt.format.shard.parse_index`), reads only the inner chunks the requests
-need, checks each one's crc32c and copies the needed part into the outputs. An inner chunk
+chunk objects the regions touch, planning each as it is read (a bounded window at a time), and on
+a few threads opens each object once, checks its index and place tag
+(:func:`xckpt.format.shard.parse_index`), reads only the inner chunks the requests need, checks
+each one's crc32c and copies the needed part into the outputs. An inner chunk
 that an output needs whole and contiguous is read straight into it. Host memory beyond the
 outputs is one inner chunk per thread.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import islice
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -130,7 +133,6 @@ class _Object:
     entry: ArrayEntry
     parts: list[_Part]  # parts known when planned (the whole of a one-inner-chunk object)
     wants: list[_Want] = field(default_factory=list)  # the rest, made into parts only when the object is read
-    kept: tuple[np.ndarray, np.ndarray] | None = None  # (whole object, checked index), read by a checking pass
 
     @property
     def leaf(self) -> str:
@@ -156,126 +158,162 @@ def _parts_of(geom: shard.Geometry, valid: tuple[int, ...], w: _Want) -> Iterato
         yield _Part(k, src, dst, whole)
 
 
+def _whole(req: ReadRequest, geom: shard.Geometry, a: StoredArray) -> bool:
+    """Whether a request reads the whole of an array that is one object of one inner chunk."""
+    return (req.region.offsets == a.offset and req.region.sizes == a.shape == a.chunk_shape == a.inner_chunk_shape)
+
+
 @dataclass
-class _Array:
-    path: str
-    expected: tuple[tuple[int, ...], str, tuple[int, ...], tuple[int, ...], str]  # zarr_metadata's arguments
+class _Group:
+    """The requests that read one stored array (all of one leaf's, in the order given)."""
+
     entry: ArrayEntry
+    array: StoredArray
+    requests: list[ReadRequest]
+
+    @cached_property
+    def geom(self) -> shard.Geometry:
+        """Its objects' encoding (worked out once its ``zarr.json`` was checked against the manifest)."""
+        a, e = self.array, self.entry
+        return zarr_format.geometry(e.storage_dtype, a.chunk_shape, a.inner_chunk_shape, e.compression)
+
+    @property
+    def small(self) -> bool:
+        """Whether its objects are read whole, on the calling thread (:data:`SMALL_OBJECT`)."""
+        return self.geom.max_nbytes < SMALL_OBJECT
 
     @property
     def leaf(self) -> str:
         """The leaf it belongs to, for messages."""
         return key_str(self.entry.key)
 
+    @property
+    def expected(self) -> tuple[tuple[int, ...], str, tuple[int, ...], tuple[int, ...], str]:
+        """What its ``zarr.json`` must say (:func:`xckpt.format.zarr.zarr_metadata`'s arguments)."""
+        a, e = self.array, self.entry
+        return (a.shape, e.storage_dtype, a.chunk_shape, a.inner_chunk_shape, e.compression)
 
-def _whole(req: ReadRequest, geom: shard.Geometry, a: StoredArray) -> bool:
-    """Whether a request reads the whole of an array that is one object of one inner chunk."""
-    return (req.region.offsets == a.offset and req.region.sizes == a.shape == a.chunk_shape == a.inner_chunk_shape)
+    def count(self) -> int:
+        """How many objects :func:`_plan` makes of it, at most (counted without planning any)."""
+        a = self.array
+        boxes = [intersect(r.region, a.region) for r in self.requests]
+        return sum(count_chunks(b.relative_to(a.region), a.chunk_shape) for b in boxes if b is not None)
 
 
-def _arrays(requests: Sequence[ReadRequest]) -> list[_Array]:
-    """The stored arrays the requests read (their ``zarr.json`` is checked before anything is planned)."""
-    arrays: dict[str, _Array] = {}
+def _groups(requests: Sequence[ReadRequest]) -> list[_Group]:
+    """The requests grouped by the stored array they read, in the order the arrays first appear."""
+    groups: dict[str, _Group] = {}
     for req in requests:
         e = req.entry
         if req.region.is_empty():
             continue
         for a in e.arrays():
-            if a.path not in arrays:
-                arrays[a.path] = _Array(a.path, (a.shape, e.storage_dtype, a.chunk_shape, a.inner_chunk_shape,
-                                                 e.compression), e)
-    return list(arrays.values())
+            g = groups.get(a.path)
+            if g is None:
+                g = groups[a.path] = _Group(e, a, [])
+            g.requests.append(req)
+    return list(groups.values())
 
 
-def _check_object_count(requests: Sequence[ReadRequest], file: Callable[[str], str]) -> None:
-    """Refuse a read that would plan more chunk objects than :data:`MAX_OBJECTS` allows for its bytes, naming
-    the leaf that declares the most (its ``zarr.json``); counted without planning any."""
-    count, nbytes = 0, 0
-    worst: tuple[int, ArrayEntry, StoredArray] | None = None
-    for req in requests:
-        if req.region.is_empty():
-            continue
-        nbytes += req.out.size * req.out.dtype.itemsize
-        for a in req.entry.arrays():
-            part = intersect(req.region, a.region)
-            n = 0 if part is None else count_chunks(part.relative_to(a.region), a.chunk_shape)
-            count += n
-            if worst is None or n > worst[0]:
-                worst = (n, req.entry, a)
+def _check_object_count(groups: Sequence[_Group], nbytes: int, file: Callable[[str], str]) -> None:
+    """Refuse a read of ``nbytes`` bytes that would plan more chunk objects than :data:`MAX_OBJECTS` allows for
+    them, naming the leaf that declares the most (its ``zarr.json``); counted without planning any."""
+    counts = [g.count() for g in groups]
+    count = sum(counts)
     limit = MAX_OBJECTS + nbytes // BYTES_PER_OBJECT
-    if count > limit and worst is not None:
-        n, e, a = worst
+    if count > limit:
+        n, g = max(zip(counts, groups), key=lambda c: c[0])
+        a = g.array
         raise ResourceError(f"the read would open {count} chunk objects for {nbytes} bytes, more than the {limit} "
                             f"a read of that size may ({n} of them this leaf's: chunks of {list(a.chunk_shape)} in "
                             f"an array of {list(a.shape)})", file=file(f"{a.path}/{zarr_format.METADATA}"),
-                            leaf=key_str(e.key))
+                            leaf=g.leaf)
 
 
-def _plan(requests: Sequence[ReadRequest]) -> list[_Object]:
-    """The objects to open and, for each, which inner chunk parts go where."""
-    objects: dict[str, _Object] = {}
-    for req in requests:
-        e = req.entry
-        if req.region.is_empty():
+def _plan(groups: Sequence[_Group]) -> Iterator[_Object]:
+    """The objects to open and, for each, which inner chunk parts go where: made one at a time as they are
+    read (a manifest declaring a million chunks costs nothing before the first one is found wanting), each
+    object once with what every request of its array wants of it."""
+    for g in groups:
+        e, a, geom = g.entry, g.array, g.geom
+        if len(g.requests) == 1 and _whole(g.requests[0], geom, a):  # the usual small leaf: one object, all of it
+            dst = g.requests[0].out[(Ellipsis,)]
+            whole = dst.flags.c_contiguous and geom.compression == "none" and dst.dtype == geom.le_dtype
+            yield _Object(f"{a.path}/{zarr_format.chunk_key((0,) * len(a.shape))}", geom, a.shape, e,
+                          [_Part(0, (Ellipsis,), dst, whole)])
             continue
-        for a in e.arrays():
-            geom = zarr_format.geometry(e.storage_dtype, a.chunk_shape, a.inner_chunk_shape, e.compression)
-            if _whole(req, geom, a):  # the usual small leaf: one object, one inner chunk, all of it
-                dst = req.out[(Ellipsis,)]
-                name = f"{a.path}/{zarr_format.chunk_key((0,) * len(a.shape))}"
-                whole = dst.flags.c_contiguous and geom.compression == "none" and dst.dtype == geom.le_dtype
-                objects[name] = _Object(name, geom, a.shape, e, [_Part(0, (Ellipsis,), dst, whole)])
-                continue
+        locals_: list[tuple[ReadRequest, Region]] = []
+        for req in g.requests:
             part = intersect(req.region, a.region)
-            if part is None:
-                continue
-            local = part.relative_to(a.region)
+            if part is not None:
+                locals_.append((req, part.relative_to(a.region)))
+        if not locals_:
+            continue
+        if len(locals_) == 1:  # the usual: streamed
+            req, local = locals_[0]
             for idx in chunks_of(local, a.chunk_shape):
-                start = tuple(i * c for i, c in zip(idx, a.chunk_shape))
-                valid = tuple(min(c, n - s) for c, n, s in zip(a.chunk_shape, a.shape, start))
-                name = f"{a.path}/{zarr_format.chunk_key(idx)}"
-                obj = objects.get(name)
+                start, valid = _chunk_at(a, idx)
+                yield _Object(f"{a.path}/{zarr_format.chunk_key(idx)}", geom, valid, e, [],
+                              [_want(a, req, local, start, valid)])
+            continue
+        objects: dict[tuple[int, ...], _Object] = {}  # several requests of one array: each object once
+        for req, local in locals_:
+            for idx in chunks_of(local, a.chunk_shape):
+                start, valid = _chunk_at(a, idx)
+                obj = objects.get(idx)
                 if obj is None:
-                    obj = objects[name] = _Object(name, geom, valid, e, [])
-                want = intersect(local, Region(start, valid))
-                if want is None:
-                    continue
-                lo = tuple(o - s for o, s in zip(want.offsets, start))  # what is wanted, in chunk coordinates
-                hi = tuple(e - s for e, s in zip(want.ends, start))
-                shift = tuple(s + o - r for s, o, r in zip(start, a.offset, req.region.offsets))  # chunk -> out
-                obj.wants.append(_Want(req.out, lo, hi, shift))
-    return list(objects.values())
+                    obj = objects[idx] = _Object(f"{a.path}/{zarr_format.chunk_key(idx)}", geom, valid, e, [])
+                obj.wants.append(_want(a, req, local, start, valid))
+        yield from objects.values()
 
 
-def _check_arrays(store: Store, arrays: Sequence[_Array], file: Callable[[str], str]) -> int:
-    """:func:`_check_array` of every array, their ``zarr.json`` fetched a window at a time where the store
-    serves many requests at once (:meth:`~xckpt.engine.storage.Store.prefetch`); the bytes read."""
+def _chunk_at(a: StoredArray, idx: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where chunk ``idx`` of ``a`` starts, and its shape clipped to the array."""
+    start = tuple(i * c for i, c in zip(idx, a.chunk_shape))
+    return start, tuple(min(c, n - s) for c, n, s in zip(a.chunk_shape, a.shape, start))
+
+
+def _want(a: StoredArray, req: ReadRequest, local: Region, start: tuple[int, ...], valid: tuple[int, ...]) -> _Want:
+    """What ``req`` (``local``: its part of ``a``, in ``a``'s coordinates) wants of the chunk at ``start``
+    (clipped shape ``valid``), which the part intersects."""
+    want = intersect(local, Region(start, valid))
+    assert want is not None  # the chunk is one of the part's
+    lo = tuple(o - s for o, s in zip(want.offsets, start))  # what is wanted, in chunk coordinates
+    hi = tuple(x - s for x, s in zip(want.ends, start))
+    shift = tuple(s + o - r for s, o, r in zip(start, a.offset, req.region.offsets))  # chunk -> out
+    return _Want(req.out, lo, hi, shift)
+
+
+def _check_arrays(store: Store, groups: Sequence[_Group], file: Callable[[str], str]) -> int:
+    """:func:`_check_array` of every array read, their ``zarr.json`` fetched a window at a time where the
+    store serves many requests at once (:meth:`~xckpt.engine.storage.Store.prefetch`); the bytes read."""
     total = 0
-    for at in range(0, len(arrays), PREFETCH_WINDOW):
-        window = arrays[at:at + PREFETCH_WINDOW]
+    for at in range(0, len(groups), PREFETCH_WINDOW):
+        window = groups[at:at + PREFETCH_WINDOW]
         # (those above SMALL_OBJECT, which real ones never are, are read one by one under their own bound)
-        got = store.prefetch([f"{a.path}/{zarr_format.METADATA}" for a in window], SMALL_OBJECT)
-        total += sum(_check_array(store, a, file, got.get(f"{a.path}/{zarr_format.METADATA}")) for a in window)
+        names = [f"{g.array.path}/{zarr_format.METADATA}" for g in window]
+        got = store.prefetch(names, SMALL_OBJECT)
+        total += sum(_check_array(store, g, file, got.get(name)) for g, name in zip(window, names))
     return total
 
 
-def _check_array(store: Store, a: _Array, file: Callable[[str], str], raw: bytes | None = None) -> int:
+def _check_array(store: Store, g: _Group, file: Callable[[str], str], raw: bytes | None = None) -> int:
     """The array's ``zarr.json`` (``raw``, when already read) must say what the manifest says (other
     readers go by it)."""
-    name = f"{a.path}/{zarr_format.METADATA}"
+    name = f"{g.array.path}/{zarr_format.METADATA}"
     try:
         if raw is None:
             raw = store.read(name, limit=zarr_format.MAX_METADATA_BYTES)
     except XckptError as exc:
-        raise exc.at(leaf=a.leaf) from None
+        raise exc.at(leaf=g.leaf) from None
     if raw is None:
         raise DataError("array metadata (zarr.json) is missing", code="array.metadata_missing", file=file(name),
-                        leaf=a.leaf)
-    defect = None if raw == zarr_format.array_json(*a.expected) else \
-        zarr_format.metadata_defect(raw, zarr_format.zarr_metadata(*a.expected))
+                        leaf=g.leaf)
+    defect = None if raw == zarr_format.array_json(*g.expected) else \
+        zarr_format.metadata_defect(raw, zarr_format.zarr_metadata(*g.expected))
     if defect is not None:  # the code says which check failed (the validator's codes for the same defect)
         code, why = defect
-        raise DataError(why, code=code, file=file(name), leaf=a.leaf)
+        raise DataError(why, code=code, file=file(name), leaf=g.leaf)
     return len(raw)
 
 
@@ -289,15 +327,15 @@ class _Scratch(threading.local):
 
 
 def _read_object(store: Store, obj: _Object, scratch: _Scratch, file: Callable[[str], str],
-                 generation: str | None, fill: bool = True, keep: bool = False, fetched: bytes | None = None) -> int:
+                 generation: str | None, fill: bool = True, kept: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+                 fetched: bytes | None = None) -> int:
     """Open one object, check its index (and its place tag, with ``generation``), fill every part (unless
-    ``fill`` is False); returns the bytes read. ``keep`` (with ``fill`` False): an object small enough
-    to be read whole is kept, checked, for the filling pass, which then opens nothing. ``fetched``: the
-    whole object, already read (:meth:`~xckpt.engine.storage.Store.prefetch`), at most :data:`SMALL_OBJECT`
-    bytes: nothing is opened."""
-    if obj.kept is not None:
-        whole, index = obj.kept
-        obj.kept = None
+    ``fill`` is False); returns the bytes read. ``kept`` (objects by name, for one thread): with ``fill``
+    False, an object small enough to be read whole is put there, checked, for the filling pass, which then
+    takes it from there and opens nothing. ``fetched``: the whole object, already read
+    (:meth:`~xckpt.engine.storage.Store.prefetch`), at most :data:`SMALL_OBJECT` bytes: nothing is opened."""
+    if fill and kept and obj.name in kept:
+        whole, index = kept.pop(obj.name)
         try:
             _fill(obj, index, whole, None, scratch)
         except XckptError as exc:
@@ -332,10 +370,10 @@ def _read_object(store: Store, obj: _Object, scratch: _Scratch, file: Callable[[
         index = shard.parse_index(geom, tail, size, obj.valid, place=place)
         done = whole.size if whole is not None else tail.size
         if not fill:
-            if keep and whole is not None:
+            if kept is not None and whole is not None:
                 for k in {p.inner for p in obj.all_parts()}:  # its inner chunks' crc32c too: the fill cannot fail
                     shard.open_inner(geom, whole[int(index[k, 0]):int(index[k, 0]) + int(index[k, 1])])
-                obj.kept = (whole, index)
+                kept[obj.name] = (whole, index)
             return done
         return done + _fill(obj, index, whole, blob, scratch)
     except XckptError as exc:
@@ -407,30 +445,33 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
     so only a corrupt inner chunk can stop the reads half way. ``fill=False`` only checks (the
     outputs may then be views of no memory, see :func:`placeholder`).
     """
-    total = _check_arrays(store, _arrays(requests), file)  # before planning: a lying
-    _check_object_count(requests, file)  # manifest is refused before its chunk counts are walked
-    objects = _plan(requests)
-    if not objects:
+    groups = _groups(requests)
+    total = _check_arrays(store, groups, file)  # before planning: a lying manifest is refused
+    _check_object_count(groups, sum(r.out.size * r.out.dtype.itemsize for r in requests if not r.region.is_empty()),
+                        file)  # before its chunk counts are walked
+    if not groups:
         return total
     scratch = _Scratch()
     ex = pools.pool()
-    big = [o for o in objects if o.geom.max_nbytes >= SMALL_OBJECT]
-    small = [o for o in objects if o.geom.max_nbytes < SMALL_OBJECT]
-    keep = fill and precheck and sum(o.geom.max_nbytes for o in small) <= MAX_KEPT_BYTES
+    big = [g for g in groups if not g.small]
+    small = [g for g in groups if g.small]
+    keep = fill and precheck and sum(g.count() * g.geom.max_nbytes for g in small) <= MAX_KEPT_BYTES
+    kept: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # small objects the checking pass read and checked
     for do_fill in ((False,) if not fill else (False, True) if precheck else (True,)):
         # finished within this pass, so the closure's do_fill is this pass's
-        pump = pools.Pump(ex, lambda o: _read_object(store, o, scratch, file, generation, do_fill), big,
+        pump = pools.Pump(ex, lambda o: _read_object(store, o, scratch, file, generation, do_fill), _plan(big),
                           IN_FLIGHT_PER_THREAD * pools.io_threads())
         first: BaseException | None = None
         try:  # small objects on this thread: their cost is Python, threads only contend (an object store's
             # requests go out a window at a time: Store.prefetch)
-            for at in range(0, len(small), PREFETCH_WINDOW):
-                if pump.first is not None:  # a large object failed: stop here
+            planned = _plan(small)
+            while pump.first is None:  # (a large object failed: stop here)
+                window = list(islice(planned, PREFETCH_WINDOW))
+                if not window:
                     break
-                window = small[at:at + PREFETCH_WINDOW]
-                got = store.prefetch([o.name for o in window if o.kept is None], SMALL_OBJECT)
-                total += sum(_read_object(store, o, scratch, file, generation, do_fill, keep, got.get(o.name))
-                             for o in window)
+                got = store.prefetch([o.name for o in window if o.name not in kept], SMALL_OBJECT)
+                total += sum(_read_object(store, o, scratch, file, generation, do_fill, kept if keep else None,
+                                          got.get(o.name)) for o in window)
                 pump.top_up()
         except BaseException as exc:  # noqa: BLE001 - raised once no thread writes into the outputs
             first = exc
