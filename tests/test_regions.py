@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from xckpt.errors import ShapeError
-from xckpt.format.regions import Region, check_tiling, chunk_indices, chunks_of, grid_shape, inner_chunk_shape_for, intersect
+from xckpt.format.regions import (Region, check_tiling, chunk_indices, chunks_of, grid_shape, inner_chunk_shape_for,
+                                  intersect, walk)
 
 SETTINGS = settings(max_examples=150, deadline=None)
 
@@ -290,3 +291,22 @@ def test_count_chunks_counts_what_chunks_of_yields(dims: list[tuple[int, int, in
     region = Region(tuple(o for o, _, _ in dims), tuple(n for _, n, _ in dims))
     chunk = tuple(c for _, _, c in dims)
     assert count_chunks(region, chunk) == len(list(chunks_of(region, chunk)))
+
+
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 4)), max_size=4))
+def test_walk_visits_the_grid_in_c_order(spans: list[tuple[int, int]]) -> None:
+    """walk is itertools.product over ranges of step 1: every index, once, in C order."""
+    import itertools
+    ranges = [range(start, start + n) for start, n in spans]
+    assert list(walk(ranges)) == list(itertools.product(*ranges))
+
+
+def test_walking_a_grid_makes_no_index_before_it_is_asked_for() -> None:
+    """A grid may declare 2**24 chunks along one dimension (a hostile one, far more): the walk gives the
+    first index at once (itertools.product first copied each range into a tuple, about 600 MB for 2**24; the
+    validator walked a fuzzed manifest's grid that way and ran out of memory)."""
+    assert next(chunk_indices((2**40, 3), (1, 1))) == (0, 0)
+    assert next(chunk_indices((4, 2**40), (1, 2))) == (0, 0)
+    first = chunks_of(Region((5, 0), (2**40, 2)), (1, 1))
+    assert [next(first) for _ in range(3)] == [(5, 0), (5, 1), (6, 0)]
+    assert list(chunk_indices((0, 2**40), (1, 1))) == [] and list(chunk_indices((), ())) == [()]

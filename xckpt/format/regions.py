@@ -11,7 +11,6 @@ from bisect import bisect_left
 from operator import add, le
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import product
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -125,9 +124,35 @@ def grid_shape(shape: Sequence[int], chunk: Sequence[int]) -> tuple[int, ...]:
     return tuple(-(-int(s) // int(c)) for s, c in zip(shape, chunk))
 
 
+def walk(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
+    """Every index of the grid that ``ranges`` (each of step 1) span, in C order, made one at a time:
+    ``itertools.product`` would first copy each range into a tuple (a dimension of 2**24 chunks, which a
+    grid may declare: about 600 MB before the first index)."""
+    if any(len(r) == 0 for r in ranges):
+        return
+    if not ranges:
+        yield ()
+        return
+    *outer, last = ranges
+    head = [r.start for r in outer]
+    while True:
+        prefix = tuple(head)
+        for i in last:
+            yield prefix + (i,)
+        d = len(outer) - 1
+        while d >= 0:  # the next row: an odometer over the outer dimensions
+            head[d] += 1
+            if head[d] < outer[d].stop:
+                break
+            head[d] = outer[d].start
+            d -= 1
+        if d < 0:
+            return
+
+
 def chunk_indices(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[tuple[int, ...]]:
-    """Every chunk grid index of an array, in C order."""
-    return product(*(range(n) for n in grid_shape(shape, chunk)))
+    """Every chunk grid index of an array, in C order (:func:`walk`)."""
+    return walk([range(n) for n in grid_shape(shape, chunk)])
 
 
 def _chunk_ranges(region: Region, chunk: Sequence[int]) -> list[range]:
@@ -139,7 +164,7 @@ def _chunk_ranges(region: Region, chunk: Sequence[int]) -> list[range]:
 
 def chunks_of(region: Region, chunk: Sequence[int]) -> Iterator[tuple[int, ...]]:
     """Grid indices of every chunk that intersects ``region``."""
-    return product(*_chunk_ranges(region, chunk))
+    return walk(_chunk_ranges(region, chunk))
 
 
 def count_chunks(region: Region, chunk: Sequence[int]) -> int:

@@ -30,13 +30,13 @@ import math
 import struct
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import product
 from typing import Callable, Iterable, Iterator
 
 import crc32c
 import numpy as np
 
 from xckpt.errors import DataError, IntegrityError, XckptError
+from xckpt.format.regions import walk
 
 #: Bytes an uncompressed inner chunk is checksummed and written in at a time: small enough that a
 #: block copied into the scratch buffer is still in the cache when it is checksummed and written,
@@ -158,7 +158,7 @@ class Geometry:
         hi = hi or valid
         ranges = [range(a // i, min(-(-b // i), n)) for a, b, i, n in zip(lo, hi, self.inner_shape, self.inner_grid)]
         strides = [math.prod(self.inner_grid[d + 1:]) for d in range(len(self.inner_grid))]
-        for g in product(*ranges):
+        for g in walk(ranges):
             start = tuple(gi * i for gi, i in zip(g, self.inner_shape))
             k = sum(gi * s for gi, s in zip(g, strides))
             yield k, start, tuple(slice(s, min(s + i, v)) for s, i, v in zip(start, self.inner_shape, valid))
