@@ -361,7 +361,7 @@ def test_diff_xckpt_against_orbax(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_diff_xckpt_against_dcp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """DCP has no reader of its own: ``diff`` compares through a temporary xckpt copy, removed after."""
+    """``diff`` reads a DCP directory in place (no temporary copy left behind)."""
     torch = pytest.importorskip("torch")
     dcp = pytest.importorskip("torch.distributed.checkpoint")
     import warnings

@@ -120,12 +120,21 @@ def _convert(src, dst) -> None:
     convert(str(src), str(dst), source="dcp")
 
 
-def _fails(src, dst, code: str) -> XckptError:
-    """Converting ``src`` fails with ``code``, and nothing is committed at ``dst``."""
+def _fails(src, dst, code: str, in_place: str | None = None) -> XckptError:
+    """Converting ``src`` fails with ``code``, and nothing is committed at ``dst``; loading it in place fails
+    alike (the same reader; ``in_place``: another code), naming the same file, and a leaf where it names one
+    (not always the same: the load reads the values first)."""
     with pytest.raises(XckptError) as err:
         _convert(src, dst)
     assert err.value.code == code, str(err.value)
     assert not os.path.exists(os.path.join(dst, "xckpt.json"))
+    with pytest.raises(XckptError) as again:
+        xckpt.load(src)
+    if in_place is not None:
+        assert again.value.code == in_place, str(again.value)
+        return err.value
+    assert (again.value.code, again.value.file) == (code, err.value.file), (str(again.value), str(err.value))
+    assert (again.value.leaf is None) == (err.value.leaf is None), (str(again.value), str(err.value))
     return err.value
 
 
@@ -540,9 +549,9 @@ def test_root_through_symlinks(ckpt, tmp_path):
 
 
 def test_not_a_dcp_checkpoint(tmp_path):
-    _fails(tmp_path / "nothing", tmp_path / "out", "convert.not_dcp")
+    _fails(tmp_path / "nothing", tmp_path / "out", "convert.not_dcp", in_place="manifest.missing")
     (tmp_path / "empty").mkdir()
-    _fails(tmp_path / "empty", tmp_path / "out", "convert.not_dcp")
+    _fails(tmp_path / "empty", tmp_path / "out", "convert.not_dcp", in_place="manifest.missing")
 
 
 def test_two_names_of_one_key_are_refused(ckpt, tmp_path):

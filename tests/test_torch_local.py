@@ -254,25 +254,52 @@ def test_dcp_reads_stored_arrays_into_numpy_targets_with_the_xckpt_planner(tmp_p
     assert "[shape.invalid]" in str(info.value) and "(leaf 'a')" in str(info.value) and "[2, 3]" in str(info.value)
 
 
-def test_loading_a_dcp_directory_says_how_to_convert_it(tmp_path):
-    """xckpt.load and xckpt.inspect of a directory DCP saved (collectively, or without collectives: rank 0's
-    __0.metadata) name its metadata file and the conversion; the converted copy loads element by element."""
+def test_a_dcp_directory_is_read_in_place(tmp_path):
+    """xckpt.load, inspect and in-place loads read a directory DCP saved (collectively, and without collectives:
+    rank 0's __0.metadata), element by element: a model and its AdamW state, a step, numpy's RNG state (a tuple
+    DCP pickles whole), into numpy and into preallocated tensors (a region of one too), through a mapping
+    (a transposed view), as the conversion gives them."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     from xckpt.convert import convert
-    from xckpt.errors import NotACheckpointError
-    state = {"w": torch.arange(6.0).reshape(2, 3), "step": 3}
+    from xckpt.format.regions import Region
+    from xckpt.host import ReadSpec
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "step": 7, "rng": np.random.get_state()}
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     (tmp_path / "solo").mkdir()
     dcp.save(state, checkpoint_id=str(tmp_path / "solo"), no_dist=True, use_collectives=False)
     assert (tmp_path / "solo" / "__0.metadata").is_file() and not (tmp_path / "solo" / ".metadata").exists()
-    for name, marker in (("dcp", ".metadata"), ("solo", "__0.metadata")):
-        for fn in (xckpt.load, xckpt.inspect):
-            with pytest.raises(NotACheckpointError, match="convert --from dcp") as info:
-                fn(tmp_path / name)
-            assert info.value.code == "manifest.missing" and info.value.file == str(tmp_path / name / marker)
-    convert(str(tmp_path / "dcp"), str(tmp_path / "x"), source="dcp")
-    back = xckpt.load(tmp_path / "x")
-    np.testing.assert_array_equal(back["w"], np.arange(6.0).reshape(2, 3))
-    assert back["step"] == 3
+    for name in ("dcp", "solo"):
+        info = xckpt.inspect(tmp_path / name)
+        assert info["format"] == "dcp" and len(info["leaves"]) == len(xckpt.inspect(tmp_path / "dcp")["leaves"])
+        back = xckpt.load(tmp_path / name)
+        for k, v in msd.items():
+            np.testing.assert_array_equal(back["model"][k], v.numpy())
+        for pid, st in osd["state"].items():
+            for n, t in st.items():
+                np.testing.assert_array_equal(np.asarray(back["optim"]["state"][pid][n]), t.numpy())
+        assert back["step"] == 7 and back["optim"]["param_groups"][0]["lr"] == osd["param_groups"][0]["lr"]
+        rng = back["rng"]
+        assert rng[0] == "MT19937" and rng[1].dtype == np.uint32 and rng[2:] == state["rng"][2:]
+        np.testing.assert_array_equal(rng[1], state["rng"][1])
+    w = torch.full((4, 3), -1.0)
+    part = xckpt.load(tmp_path / "dcp", {"model": {"0.weight": w, "1.bias": ReadSpec(Region((1,), (2,)))}},
+                      strict=False)
+    assert part["model"]["0.weight"] is w and torch.equal(w, msd["0.weight"])
+    np.testing.assert_array_equal(part["model"]["1.bias"], msd["1.bias"].numpy()[1:3])
+    from xckpt import mapping as M
+    mapped = xckpt.load(tmp_path / "dcp", mapping=M.Mapping(M.rename("model/0.weight", "params/kernel",
+                                                                      M.transpose(1, 0))))  # through a view
+    np.testing.assert_array_equal(mapped["params"]["kernel"], msd["0.weight"].numpy().T)
+    convert(str(tmp_path / "dcp"), str(tmp_path / "x"), source="dcp")  # the same as a conversion gives
+    converted = xckpt.load(tmp_path / "x")
+    np.testing.assert_array_equal(converted["model"]["0.weight"], xckpt.load(tmp_path / "dcp")["model"]["0.weight"])
 
 
 def test_coordinator_and_unsupported_placement_in_a_one_rank_group(tmp_path):

@@ -7,17 +7,12 @@ stored data of two opened checkpoints, streaming each array in pieces of a bound
 both on two paths and returns one JSON-able report.
 
 The two checkpoints may be in different formats: anything :func:`~xckpt.sources.detect.open_checkpoint`
-opens (xckpt, Orbax, Hugging Face safetensors), and PyTorch DCP directories, which have no
-reader of their own: they are first converted to a temporary xckpt checkpoint (streamed,
-through the installed ``dcp`` converter) and compared from there.
+opens (xckpt, Orbax, Hugging Face safetensors, PyTorch DCP directories).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import tempfile
 import warnings
 from contextlib import ExitStack
 from typing import Any, Callable, Iterator, Sequence
@@ -401,38 +396,16 @@ def compare_values(a: Any, b: Any, keys: Sequence[str] | None = None, *, piece_b
 # -- opening --------------------------------------------------------------------------------------
 
 
-def _is_dcp(path: Any) -> bool:
-    """Whether ``path`` is a local directory holding a PyTorch DCP checkpoint (and no xckpt manifest)."""
-    from xckpt.engine.storage import Location
-    from xckpt.format import names
-
-    loc = Location.of(path)
-    if not loc.is_local:
-        return False
-    p = loc.local_path
-    return any(os.path.isfile(os.path.join(p, n)) for n in (names.DCP_METADATA, names.DCP_RANK0_METADATA)) \
-        and not os.path.lexists(os.path.join(p, names.MANIFEST))
-
-
 def _open(path: Any, stack: ExitStack) -> tuple[Any, str]:
-    """Open ``path`` for reading (a DCP directory through a temporary xckpt copy); returns the source
-    and the format to report."""
+    """Open ``path`` for reading (:func:`xckpt.sources.detect.open_checkpoint`); returns the source and the
+    format to report."""
     from xckpt.sources.detect import open_checkpoint
 
-    fmt = None
-    if _is_dcp(path):
-        from xckpt.convert import convert
-
-        tmp = tempfile.mkdtemp(prefix="xckpt-diff-dcp-")
-        stack.callback(shutil.rmtree, tmp, ignore_errors=True)
-        dst = os.path.join(tmp, "checkpoint")
-        convert(str(path), dst, source="dcp")
-        path, fmt = dst, "dcp"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         src = open_checkpoint(path)
     stack.callback(src.close)
-    return src, fmt or src.format
+    return src, src.format
 
 
 def _side(src: Any, path: Any, fmt: str) -> dict[str, Any]:
@@ -443,7 +416,7 @@ def _side(src: Any, path: Any, fmt: str) -> dict[str, Any]:
 
 def diff(a: Any, b: Any, *, values: bool = False, progress: Progress | None = None,
          piece_bytes: int = PIECE_BYTES) -> dict[str, Any]:
-    """Compare the checkpoints at ``a`` and ``b`` (any formats ``xckpt`` reads; DCP through a temporary copy).
+    """Compare the checkpoints at ``a`` and ``b`` (any formats ``xckpt`` reads).
 
     Returns a JSON-able report: ``a`` and ``b`` (path, format, leaf and array counts, bytes),
     :func:`diff_manifests`'s ``added``, ``removed``, ``changed`` and ``unchanged``, ``values``

@@ -205,16 +205,29 @@ def converter_formats() -> list[str]:
     return sorted(formats)
 
 
-def model_builder(kind: str) -> Callable[[str], Any] | None:
-    """The installed function that builds a model, weightless, from a configuration of ``kind`` (``hf``:
-    a Hugging Face ``config.json``); None when no installed package provides one."""
-    for ep in _entry_points("xckpt.models"):
-        if ep.name == kind:
+def _named(group: str, name: str) -> Any:
+    """What the installed entry point ``name`` of ``group`` names; None when none is installed, or when
+    importing it fails (its framework is missing)."""
+    for ep in _entry_points(group):
+        if ep.name == name:
             try:
                 return ep.load()
             except ImportError:
                 return None
     return None
+
+
+def model_builder(kind: str) -> Callable[[str], Any] | None:
+    """The installed function that builds a model, weightless, from a configuration of ``kind`` (``hf``:
+    a Hugging Face ``config.json``); None when no installed package provides one."""
+    return _named("xckpt.models", kind)
+
+
+def source_opener(kind: str) -> Callable[[Any], Any] | None:
+    """The installed function that opens a stored checkpoint of another format ``kind`` for reading, from its
+    :class:`~xckpt.engine.storage.Location` (``dcp``: a PyTorch DCP directory, with the torch adapter); None
+    when no installed package provides one (or its framework is missing)."""
+    return _named("xckpt.sources", kind)
 
 
 def commands() -> list[Command]:

@@ -7,6 +7,7 @@ texts into the validator's codes, naming the file and the leaf.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any, Callable, Iterator, Sequence
 
@@ -15,7 +16,9 @@ import tensorstore as ts
 
 from xckpt.engine.read import ReadRequest
 from xckpt.errors import DataError, IntegrityError, XckptError
+from xckpt.format import dtypes
 from xckpt.format.manifest import ArrayEntry
+from xckpt.format.regions import Region
 from xckpt.format.tree import key_str
 
 #: Bytes of read results held at once.
@@ -23,6 +26,9 @@ MAX_INFLIGHT_BYTES = 256 << 20
 #: A request copied straight into its output goes in pieces of about this many bytes (whole read chunks of
 #: the stored array along its first dimension), so that TensorStore holds one piece's chunks at a time.
 PIECE_BYTES = 64 << 20
+
+#: About the bytes of one chunk of a :func:`read_view`.
+VIEW_CHUNK_BYTES = 4 << 20
 
 _context: ts.Context | None = None
 
@@ -145,3 +151,34 @@ def translate(exc: BaseException, entry: ArrayEntry, file: str) -> XckptError:
         return DataError(f"array metadata does not match the manifest: {text[:400]}",
                          code="array.metadata_mismatch", file=file, leaf=leaf)
     return DataError(f"cannot read array: {text[:400]}", code="array.read", file=file, leaf=leaf)
+
+
+def view_chunk_shape(shape: tuple[int, ...], itemsize: int, target: int = VIEW_CHUNK_BYTES) -> tuple[int, ...]:
+    """Chunks of about ``target`` bytes that are contiguous in the file: whole trailing dimensions and a
+    slab of the first one that does not fit whole."""
+    chunk = [max(1, s) for s in shape]
+    for d in range(len(shape)):
+        rest = math.prod(chunk[d + 1:]) * itemsize
+        chunk[d] = max(1, min(chunk[d], target // max(1, rest)))
+        if chunk[d] > 1 or rest <= target:
+            break
+    return tuple(chunk)
+
+
+def read_view(entry: ArrayEntry, read: Callable[[Sequence[ReadRequest]], int]) -> "ts.Future[ts.TensorStore]":
+    """A TensorStore view of an array leaf (its storage dtype) whose reads go through ``read`` (a source's
+    :meth:`~xckpt.sources.base.Source.read`, for a format TensorStore cannot open), uncached, in chunks of
+    :func:`view_chunk_shape`."""
+    shape = tuple(entry.shape)
+
+    def fill(domain: ts.IndexDomain, array: np.ndarray, params: Any) -> None:
+        region = Region(tuple(int(x) for x in domain.origin), tuple(int(x) for x in domain.shape))
+        read([ReadRequest(entry, region, array)])
+
+    chunk = view_chunk_shape(shape, dtypes.itemsize(entry.dtype))
+    view = ts.virtual_chunked(fill, dtype=ts.dtype(entry.storage_dtype), domain=ts.IndexDomain(shape=shape),
+                              chunk_layout=ts.ChunkLayout(read_chunk_shape=chunk),
+                              context=ts.Context({"cache_pool": {"total_bytes_limit": 0}}))
+    promise, future = ts.Promise.new()
+    promise.set_result(view)
+    return future

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from xckpt import registry
 from xckpt.engine.claims import live_side_copy, recover
 from xckpt.engine.storage import Location, Store
 from xckpt.errors import NotACheckpointError, XckptError
@@ -79,14 +80,16 @@ def _open_orbax(loc: Location, store: Store) -> Source:
     return open_orbax(loc)
 
 
-def _refuse_dcp(loc: Location, store: Store) -> Source:
-    """A PyTorch DCP checkpoint is read once converted: say how, naming its metadata file."""
+def _open_dcp(loc: Location, store: Store) -> Source:
+    """A PyTorch DCP checkpoint, through the reader an adapter registers (``xckpt.sources``: ``dcp``); without
+    one (torch missing), ``manifest.missing`` naming its metadata file and saying what reads it."""
     marker = names.DCP_METADATA if _present(store, names.DCP_METADATA) else names.DCP_RANK0_METADATA
     store.close()
-    raise NotACheckpointError(f"{loc} holds a PyTorch Distributed Checkpoint, not an xckpt one: convert it first "
-                              f"(`xckpt convert --from dcp {loc} DST`, or xckpt.convert.convert(src, dst, "
-                              "source='dcp')), then load the copy",
-                              file=str(loc.child(marker)))
+    opener = registry.source_opener("dcp")
+    if opener is None:
+        raise NotACheckpointError(f"{loc} holds a PyTorch Distributed Checkpoint, which xckpt reads with its torch "
+                                  "adapter: install torch (pip install 'xckpt[torch]')", file=str(loc.child(marker)))
+    return opener(loc)
 
 
 #: Directory kinds, in the order they are tried.
@@ -96,7 +99,7 @@ KINDS: list[Kind] = [
     # Orbax v1 checkpoints, CheckpointManager steps with named items (xckpt or Orbax ones), a bare default/
     Kind("orbax-layout", orbax_layouts.holds, lambda loc, store: orbax_layouts.open_kind(loc, store, _open_native)),
     Kind("safetensors", lambda s: safetensors.entry_file(s) is not None, safetensors.open_directory),
-    Kind("dcp", lambda s: _present(s, names.DCP_METADATA) or _present(s, names.DCP_RANK0_METADATA), _refuse_dcp),
+    Kind("dcp", lambda s: _present(s, names.DCP_METADATA) or _present(s, names.DCP_RANK0_METADATA), _open_dcp),
 ]
 
 #: Single-file kinds, tried on the path itself before it is opened as a directory.
@@ -110,15 +113,15 @@ def _kind_of(store: Store, kinds: Sequence[Kind]) -> Kind | None:
 
 
 def open_checkpoint(path: Any) -> Source:
-    """Open the checkpoint at ``path``: xckpt, one written by Orbax, or Hugging Face safetensors (a
-    directory, or a path to one ``.safetensors`` file or index).
+    """Open the checkpoint at ``path``: xckpt, one written by Orbax, a PyTorch DCP directory, or Hugging Face
+    safetensors (a directory, or a path to one ``.safetensors`` file or index).
 
     Orbax layouts with items (v1 checkpoints, ``CheckpointManager`` step directories such as
     ``<root>/<step>/default/``) are read through :mod:`xckpt.interop.orbax.layouts`: one item as
     its tree, several as a dict by item name. When a save replaces the checkpoint while
     it is opened, the error is ``load.replaced`` (:func:`xckpt.load` then starts again).
-    A directory holding none of them is ``manifest.missing`` (one holding a PyTorch DCP checkpoint too, with
-    a message that says how to convert it).
+    A PyTorch DCP directory is read through the torch adapter's reader (without torch: ``manifest.missing``
+    saying so). A directory holding none of them is ``manifest.missing``.
     """
     loc = Location.of(path)
     for fk in FILE_KINDS:

@@ -41,6 +41,7 @@ from xckpt.engine import threads as pools
 from xckpt.engine.copy import copy_checkpoint
 from xckpt.engine.read import ReadRequest
 from xckpt.engine.storage import Blob, Location, Store
+from xckpt.engine.views import read_view
 from xckpt.errors import DataError, ManifestError, NotACheckpointError, ShapeError, XckptError
 from xckpt.format import dtypes
 from xckpt.format import manifest as manifest_mod
@@ -51,8 +52,6 @@ from xckpt.format.safetensors import (INDEX_FILE, MAX_INDEX_BYTES, PREFIX_BYTES,
                                       header_length, parse_header, parse_index)
 #: Most bytes one read call (and one staging buffer) covers.
 PIECE_BYTES = 16 << 20
-#: About the bytes of one chunk of the TensorStore views (:meth:`SafetensorsCheckpoint.open_array`).
-VIEW_CHUNK_BYTES = 4 << 20
 #: Offsets of byte runs turned into Python ints at a time (a narrow region of a tall tensor has millions).
 _OFFSETS_AT_ONCE = 4096
 #: Most read tasks that one job of the I/O pool runs, one after the other: the regions smaller than
@@ -218,19 +217,7 @@ class SafetensorsCheckpoint:
     def open_array(self, entry: ArrayEntry) -> "ts.Future[ts.TensorStore]":
         """A TensorStore view of a tensor (its storage dtype) whose reads go through :meth:`read`."""
         self._where(entry)
-        shape = tuple(entry.shape)
-
-        def read(domain: ts.IndexDomain, array: np.ndarray, params: Any) -> None:
-            region = Region(tuple(int(x) for x in domain.origin), tuple(int(x) for x in domain.shape))
-            self.read([ReadRequest(entry, region, array)])
-
-        chunk = view_chunk_shape(shape, dtypes.itemsize(entry.dtype))
-        view = ts.virtual_chunked(read, dtype=ts.dtype(entry.storage_dtype), domain=ts.IndexDomain(shape=shape),
-                                  chunk_layout=ts.ChunkLayout(read_chunk_shape=chunk),
-                                  context=ts.Context({"cache_pool": {"total_bytes_limit": 0}}))
-        promise, future = ts.Promise.new()
-        promise.set_result(view)
-        return future
+        return read_view(entry, self.read)
 
     def replaced(self) -> bool:
         """Whether the directory at its path was replaced or removed since it was opened (its files stay
@@ -243,18 +230,6 @@ class SafetensorsCheckpoint:
             f.blob.close()
         self.files = []
         self.store.close()
-
-
-def view_chunk_shape(shape: tuple[int, ...], itemsize: int, target: int = VIEW_CHUNK_BYTES) -> tuple[int, ...]:
-    """Chunks of about ``target`` bytes that are contiguous in the file: whole trailing dimensions and a
-    slab of the first one that does not fit whole."""
-    chunk = [max(1, s) for s in shape]
-    for d in range(len(shape)):
-        rest = math.prod(chunk[d + 1:]) * itemsize
-        chunk[d] = max(1, min(chunk[d], target // max(1, rest)))
-        if chunk[d] > 1 or rest <= target:
-            break
-    return tuple(chunk)
 
 
 # -- reading regions -------------------------------------------------------------------------------

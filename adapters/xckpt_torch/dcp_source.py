@@ -1,0 +1,319 @@
+"""A stock DCP checkpoint directory (``FileSystemWriter`` output) read in place: :class:`DcpCheckpoint`.
+
+It is read without trusting it (:mod:`.dcp_metadata`): DCP's ``.metadata`` pickle through an
+unpickler that builds only the classes DCP metadata is made of, ``.metadata`` and the ``.distcp``
+data files opened relative to the checkpoint directory without following links or blocking, every
+stored range checked against its file when it is opened. Each stored item is a ``torch.save``
+archive, loaded with ``torch.load(weights_only=True)`` (torch's own restricted unpickler); numpy
+data inside a value is parsed by :mod:`.dcp_numpy`. Values are read when it is opened; an array is
+read DCP chunk by DCP chunk: a read loads each chunk it touches whole (what DCP itself reads),
+one at a time, and copies the parts its requests want (the last one stays loaded for the next read:
+reads in pieces take from it again).
+
+``xckpt.load``, ``xckpt.inspect`` and the adapters' loads open it through
+:func:`xckpt.sources.detect.open_checkpoint` (entry point ``xckpt.sources``: ``dcp``), and
+``convert --from dcp`` saves its tree (:func:`.dcp_convert.dcp_to_xckpt`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import threading
+import zipfile
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import tensorstore as ts
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+from xckpt import registry
+from xckpt.engine.copy import LazySource
+from xckpt.engine.read import ReadRequest
+from xckpt.engine.storage import Location
+from xckpt.engine.views import read_view
+from xckpt.errors import KeyMismatchError, ShapeError, UnsupportedError, XckptError
+from xckpt.format import dtypes as xdtypes, manifest as manifest_mod, values as values_format
+from xckpt.format.codecs import zstd_stream_decompress
+from xckpt.format.manifest import ArrayEntry, Entry, Manifest, ValueEntry
+from xckpt.format.regions import Region, check_tiling, intersect
+from xckpt.format.tree import Value, flatten, key_str
+from xckpt.registry import ArraySource, Shard
+
+from . import dcp_numpy
+from .dcp_metadata import DcpDirectory, zstd_compressed
+from .dcp_planners import plain_value
+from .dcp_tree import as_leaf, fqn_of, insert, key_of, listify
+from .staging import to_host
+from .tensors import logical_dtype
+
+
+class DcpCheckpoint:
+    """A PyTorch DCP checkpoint directory opened for reading (a :class:`~xckpt.sources.base.Source`).
+
+    ``tree`` is its state as ``xckpt.save`` takes it (arrays as lazily read sources, values read),
+    ``manifest`` describes it; usable as a context manager.
+    """
+
+    format = "dcp"
+
+    def __init__(self, loc: Location) -> None:
+        if not loc.is_local:
+            raise UnsupportedError(f"{loc}: DCP checkpoints are read from local directories only",
+                                   code="convert.dcp_remote", file=str(loc))
+        self.loc = loc
+        self._lock = threading.Lock()
+        self._last: tuple[Shard, np.ndarray] | None = None  # the DCP chunk loaded last (see _chunk)
+        self._dir = DcpDirectory(loc.local_path)
+        try:
+            self.tree = _tree(self._dir)
+            structure, leaves = flatten(self.tree)
+            self.metadata_file = self._dir.metadata_file
+            entries: list[Entry] = []
+            self._values: dict[int, Any] = {}
+            self._arrays: dict[tuple[Any, ...], ArraySource] = {}
+            registry.autoload()
+            for i, (key, obj) in enumerate(leaves):
+                make = None if isinstance(obj, (ArraySource, Value)) else registry.source_for(obj)
+                if make is not None:  # a tensor inside a value DCP pickled whole (a tuple's)
+                    obj = make(obj)
+                if isinstance(obj, ArraySource):
+                    entries.append(_entry(key, obj, self.metadata_file))
+                    self._arrays[tuple(key)] = obj
+                else:
+                    value = obj.value if isinstance(obj, Value) else obj
+                    entries.append(ValueEntry(key, values_format.value_type(value)))
+                    self._values[i] = value
+            self.manifest = Manifest(tree=structure, leaves=entries,
+                                     producer={"library": "torch.distributed.checkpoint"})
+        except BaseException:
+            self._dir.close()
+            raise
+
+    def __enter__(self) -> "DcpCheckpoint":
+        """This checkpoint (closed on exit)."""
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        """Close it."""
+        self.close()
+
+    def values(self) -> dict[int, Any]:
+        """Its value leaves, by leaf index (read when it was opened)."""
+        return dict(self._values)
+
+    def _source(self, entry: ArrayEntry) -> ArraySource:
+        src = self._arrays.get(tuple(entry.key))
+        if src is None:
+            raise KeyMismatchError(f"{self.loc} holds no array {key_str(entry.key)!r}", missing=[key_str(entry.key)],
+                                   file=self.metadata_file, leaf=key_str(entry.key))
+        return src
+
+    def read(self, requests: Sequence[ReadRequest], *, precheck: bool = False) -> int:
+        """Fill each request's output (the entry's storage dtype) from the DCP chunks its region touches, each
+        chunk loaded once, one at a time; returns the bytes loaded. ``precheck`` needs nothing more: every
+        stored range was checked against its file when the checkpoint was opened."""
+        wanted: dict[int, tuple[Shard, list[tuple[ReadRequest, Region]]]] = {}
+        for req in requests:
+            if req.region.is_empty():
+                continue
+            src = self._source(req.entry)
+            if tuple(req.out.shape) != req.region.sizes or \
+                    req.out.dtype.itemsize != xdtypes.itemsize(req.entry.dtype) or not req.region.within(src.shape):
+                raise ShapeError(f"output {req.out.shape} {req.out.dtype} does not fit region {req.region.offsets}+"
+                                 f"{req.region.sizes} of {req.entry.dtype} {list(src.shape)}",
+                                 leaf=key_str(req.entry.key))
+            for sh in src.shards:
+                part = intersect(req.region, sh.region)
+                if part is not None:
+                    wanted.setdefault(id(sh), (sh, []))[1].append((req, part))
+        total = 0
+        for sh, parts in wanted.values():
+            try:
+                data = self._chunk(sh)
+            except XckptError as exc:  # a chunk that is not what its metadata says: name the tensor
+                raise exc.at(leaf=key_str(parts[0][0].entry.key)) from None
+            total += data.nbytes
+            for req, part in parts:
+                got = data[part.relative_to(sh.region).slices() + (Ellipsis,)]  # (a view, 0-d ones too)
+                out = req.out[part.relative_to(req.region).slices() + (Ellipsis,)]
+                np.copyto(out, got if got.dtype == out.dtype else got.view(out.dtype))
+            del data
+        return total
+
+    def _chunk(self, sh: Shard) -> np.ndarray:
+        """A DCP chunk's data, loaded whole; the last one loaded is kept for the next read, which reads in
+        pieces (a diff, a conversion) may take from the same chunk."""
+        with self._lock:
+            if self._last is not None and self._last[0] is sh:
+                return self._last[1]
+        data = sh.fetch()
+        with self._lock:
+            self._last = (sh, data)
+        return data
+
+    def check(self, requests: Sequence[ReadRequest]) -> None:
+        """Nothing more to check: every stored range was checked against its file when it was opened."""
+
+    def open_array(self, entry: ArrayEntry) -> "ts.Future[ts.TensorStore]":
+        """A TensorStore view of an array leaf (its storage dtype) whose reads go through :meth:`read`."""
+        self._source(entry)
+        return read_view(entry, self.read)
+
+    def replaced(self) -> bool:
+        """False: DCP replaces no checkpoint in place (its files are read through the directory opened)."""
+        return False
+
+    def close(self) -> None:
+        """Close the directory, and let the chunk kept go."""
+        self._last = None
+        self._dir.close()
+
+
+def open_dcp(loc: Location) -> DcpCheckpoint:
+    """Open the DCP checkpoint directory at ``loc`` (entry point ``xckpt.sources``: ``dcp``)."""
+    return DcpCheckpoint(loc)
+
+
+def _tree(d: DcpDirectory) -> Any:
+    """The state a DCP checkpoint holds, as ``xckpt.save`` takes it: its metadata read and checked, every
+    stored range checked against its file, arrays as lazily read sources, values read now."""
+    md = d.read_metadata()  # restricted unpickler; checked
+    storage: dict[MetadataIndex, _StorageInfo] = md.storage_data
+    mappings = md.planner_data if isinstance(md.planner_data, dict) else {}
+    wanted: list[tuple[str, _StorageInfo]] = []
+    for fqn, smd in md.state_dict_metadata.items():
+        if isinstance(smd, TensorStorageMetadata):
+            wanted.extend((fqn, storage[MetadataIndex(fqn, c.offsets)]) for c in smd.chunks)
+        else:
+            wanted.append((fqn, storage[MetadataIndex(fqn)]))
+    d.check_ranges(wanted)  # every data file a regular file, every range within it, before reading
+    tree: dict[Any, Any] = {}
+    for fqn, smd in md.state_dict_metadata.items():
+        try:
+            leaf = _leaf(d, storage, fqn, smd)
+        except XckptError as exc:  # a dtype xckpt lacks, a value it cannot hold: name the leaf and file
+            raise exc.at(file=d.metadata_file, leaf=fqn) from None
+        insert(tree, key_of(fqn, mappings), leaf, file=d.metadata_file)
+    return listify(tree)
+
+
+def _entry(key: Any, src: ArraySource, file: str | None) -> ArrayEntry:
+    """The manifest entry of an array leaf: its DCP chunks' shape as its chunk shape where they are alike.
+    Chunks that do not tile the tensor (a gap a read would leave unfilled, an overlap) are ``shape.tiling``."""
+    why = check_tiling(src.shape, [sh.region for sh in src.shards])
+    if why is not None:
+        raise ShapeError(f"the DCP chunks of this tensor do not tile it: {why}", code="shape.tiling",
+                         file=file, leaf=key_str(key))
+    sizes = {sh.region.sizes for sh in src.shards}
+    chunk = next(iter(sizes)) if len(sizes) == 1 else src.shape
+    chunk = tuple(max(1, int(c)) for c in chunk)
+    e = ArrayEntry(tuple(key), fqn_of(tuple(key)), tuple(src.shape), src.dtype, xdtypes.storage_name(src.dtype),
+                   chunk, chunk, sharding=src.sharding)
+    manifest_mod.check_shape(e, file or "")
+    return e
+
+
+def _leaf(d: DcpDirectory, storage: dict[MetadataIndex, _StorageInfo], fqn: str, smd: Any) -> Any:
+    """The tree leaf of one DCP entry: a lazily read array, or the value read now."""
+    if isinstance(smd, TensorStorageMetadata):
+        dt = smd.properties.dtype
+        shape = tuple(int(s) for s in smd.size)
+        shards = []
+        for c in smd.chunks:
+            region = Region(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
+            info = storage[MetadataIndex(fqn, c.offsets)]
+            shards.append(Shard(region, lambda i=info, f=fqn, r=region, t=dt: _read_chunk(d, i, f, r, t)))
+        return LazySource(shape, logical_dtype(dt), shards, {"framework": "torch", "via": "dcp"})
+    if isinstance(smd, BytesStorageMetadata):
+        return as_leaf(_read_value(d, storage[MetadataIndex(fqn)], fqn))
+    # check_metadata admits no other kind
+    raise UnsupportedError(f"unknown DCP storage metadata {type(smd).__name__}", leaf=fqn)
+
+
+
+#: The most bytes a stored value compressed by DCP's ZStandard extension may expand to.
+MAX_VALUE_BYTES = 1 << 30
+#: Bytes a torch.save archive of one tensor holds besides the tensor's own (its pickle, records, directory).
+ARCHIVE_OVERHEAD = 1 << 20
+
+
+@contextlib.contextmanager
+def _item(d: DcpDirectory, info: _StorageInfo, limit: int) -> Iterator[Any]:
+    """One stored item as a file of its torch.save bytes: read on demand, or, written through DCP's ZStandard
+    extension, decompressed into memory up to ``limit`` bytes (``resource.too_large`` past it)."""
+    with d.item(info) as f:
+        if not zstd_compressed(info):
+            yield f
+            return
+        try:
+            data = zstd_stream_decompress(f.read(), limit)
+        except XckptError as exc:
+            raise (f.truncated or exc.at(file=f.path)) from None
+        plain = io.BytesIO(data)
+        plain.truncated = None  # type: ignore[attr-defined]
+        plain.path = f.path  # type: ignore[attr-defined]
+        yield plain
+
+
+def _torch_load(d: DcpDirectory, info: _StorageInfo, what: str, code: str, limit: int) -> Any:
+    """``torch.load(weights_only=True)`` of one stored item, read through a file of its bytes (each tensor
+    read straight into its own memory; decompressed first when DCP's ZStandard extension wrote it, at most
+    ``limit`` bytes), refusing zip members that are not stored uncompressed (``torch.save`` never compresses;
+    a compressed member could expand without bound)."""
+    with _item(d, info, limit) as f:
+        try:
+            with zipfile.ZipFile(f) as z:
+                packed = [i.filename for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED]
+        except (zipfile.BadZipFile, ValueError, OSError) as exc:
+            if f.truncated is not None:
+                raise f.truncated from None
+            raise UnsupportedError(f"{what} is not torch.save data ({exc})", code=code, file=f.path) from None
+        if packed:
+            raise UnsupportedError(f"{what} holds compressed members {packed[:3]}; torch.save writes none",
+                                   code=code, file=f.path)
+        f.seek(0)
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except XckptError as exc:  # refused by a parser of .dcp_numpy: say where
+            raise exc.naming(f.path, message=f"{what} holds {exc.message}") from None
+        except Exception as exc:  # noqa: BLE001 - reported as an xckpt error
+            if f.truncated is not None:
+                raise f.truncated from None
+            raise UnsupportedError(f"{what} is not plain data (weights_only load failed: {exc})", code=code,
+                                   file=f.path) from exc
+
+
+def _read_chunk(d: DcpDirectory, info: _StorageInfo, fqn: str, region: Region, dtype: torch.dtype) -> np.ndarray:
+    what = f"DCP chunk at {region.offsets} of {fqn!r}"
+    t = _torch_load(d, info, what, "convert.dcp_chunk", region.numel * dtype.itemsize + ARCHIVE_OVERHEAD)
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dtype != dtype \
+            or tuple(t.shape) != tuple(region.sizes):
+        desc = (f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                else f"a {type(t).__name__}")
+        raise UnsupportedError(f"{what} holds {desc}, not the {dtype} chunk of shape {tuple(region.sizes)} "
+                               "its metadata records", code="convert.dcp_chunk", file=d.path(info.relative_path))
+    return to_host(t.detach().contiguous())
+
+
+def _empty_bytes(*args: Any) -> bytes:
+    """``bytes()``, as a pickle of empty bytes calls it (protocol 2); any argument (``bytes(2**40)`` would
+    allocate that much) is refused."""
+    if args:
+        raise ValueError("a pickled bytes() call with arguments")
+    return b""
+
+
+def _read_value(d: DcpDirectory, info: _StorageInfo, fqn: str) -> Any:
+    """A stored value; besides what a weights-only load admits, an ``io.BytesIO`` (a DCP leaf type, saved
+    as a pickled file object, ``bytes()`` for an empty one), given as its bytes, and numpy arrays, scalars
+    (as 0-d arrays) and dtypes, parsed by :mod:`.dcp_numpy`."""
+    with torch.serialization.safe_globals([io.BytesIO, (_empty_bytes, "builtins.bytes"), *dcp_numpy.GLOBALS]):
+        what = f"DCP value {fqn!r}"
+        loaded = _torch_load(d, info, what, "convert.dcp_value", MAX_VALUE_BYTES)
+    try:
+        return plain_value(loaded)
+    except XckptError as exc:  # an array the pickle left unbuilt
+        raise exc.naming(d.path(info.relative_path), message=f"{what} holds {exc.message}") from None
