@@ -123,7 +123,7 @@ def _convert(src, dst) -> None:
 def _fails(src, dst, code: str, in_place: str | None = None) -> XckptError:
     """Converting ``src`` fails with ``code``, and nothing is committed at ``dst``; loading it in place fails
     alike (the same reader; ``in_place``: another code), naming the same file, and a leaf where it names one
-    (not always the same: the load reads the values first)."""
+    (not always the same: the load reads the values first); a deep validation finds it."""
     with pytest.raises(XckptError) as err:
         _convert(src, dst)
     assert err.value.code == code, str(err.value)
@@ -135,6 +135,8 @@ def _fails(src, dst, code: str, in_place: str | None = None) -> XckptError:
         return err.value
     assert (again.value.code, again.value.file) == (code, err.value.file), (str(again.value), str(err.value))
     assert (again.value.leaf is None) == (err.value.leaf is None), (str(again.value), str(err.value))
+    report = xckpt.validate(src, deep=True)  # the validator reports it, through the same reader
+    assert report.format == "dcp" and not report.ok and code in report.codes(), [str(f) for f in report.findings]
     return err.value
 
 

@@ -263,6 +263,7 @@ def test_a_dcp_directory_is_read_in_place(tmp_path):
     from xckpt.convert import convert
     from xckpt.format.regions import Region
     from xckpt.host import ReadSpec
+    from xckpt.sources.detect import open_checkpoint
 
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
@@ -297,6 +298,13 @@ def test_a_dcp_directory_is_read_in_place(tmp_path):
     mapped = xckpt.load(tmp_path / "dcp", mapping=M.Mapping(M.rename("model/0.weight", "params/kernel",
                                                                       M.transpose(1, 0))))  # through a view
     np.testing.assert_array_equal(mapped["params"]["kernel"], msd["0.weight"].numpy().T)
+    for deep in (False, True):  # the validator checks it with the same reader, and reads every array back
+        report = xckpt.validate(tmp_path / "dcp", deep=deep)
+        opened = open_checkpoint(tmp_path / "dcp")
+        arrays = list(opened.manifest.arrays())
+        opened.close()
+        assert report.ok and report.format == "dcp" and report.arrays == len(arrays) >= 17, report
+        assert report.bytes_checked == (sum(e.nbytes for e in arrays) if deep else 0), report
     convert(str(tmp_path / "dcp"), str(tmp_path / "x"), source="dcp")  # the same as a conversion gives
     converted = xckpt.load(tmp_path / "x")
     np.testing.assert_array_equal(converted["model"]["0.weight"], xckpt.load(tmp_path / "dcp")["model"]["0.weight"])

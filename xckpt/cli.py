@@ -168,7 +168,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
             r.show(out, t)
         state = "OK" if report.ok else "INVALID"
         r.line(out, f"{state}: {report.path} ({report.arrays} arrays, {report.chunks} chunk objects"
-               + (f", {report.bytes_checked} bytes crc-checked" if args.deep else "") + ")",
+               + (f", {report.bytes_checked} bytes " + ("crc-checked" if report.format == "xckpt" else "read back")
+                  if args.deep else "") + ")",
                style="bold green" if report.ok else "bold red")
     return args.status
 

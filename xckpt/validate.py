@@ -7,7 +7,7 @@ shard index is checked against the object's size before it is trusted
 chunk (those wholly outside the array too) is recomputed, an uncompressed one in pieces of at most
 :data:`CRC_PIECE_BYTES`, so that memory stays bounded. Nothing is read through a link or from a special file:
 every read goes through the checkpoint's store, and so does the directory walk
-(:meth:`~xckpt.engine.storage.LocalStore.walk`).
+(:meth:`~xckpt.engine.storage.LocalStore.walk`). A PyTorch DCP directory is checked by its reader (spec 8.1).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 from xckpt.engine.read import ReadRequest, read_regions
 from xckpt.engine.storage import LocalStore, Location, Store, entry_kind
 from xckpt.errors import IntegrityError, XckptError, XckptWarning
-from xckpt.format import names as naming, orbax_view as orbax_files, shard, zarr
+from xckpt.format import dtypes, names as naming, orbax_view as orbax_files, shard, zarr
 from xckpt.format.manifest import ArrayEntry, Manifest, StoredArray, ValueEntry
 from xckpt.format.regions import Region, chunk_indices, grid_shape
 from xckpt.format.tree import key_str
@@ -33,6 +33,8 @@ from xckpt.sources.native import read_manifest, read_values
 _MISSING = 2**64 - 1
 #: Missing chunks of one array listed one by one; the rest are counted in one finding.
 MAX_MISSING_LISTED = 16
+#: Bytes of a PyTorch DCP checkpoint's array a deep validation reads at a time (:func:`_validate_dcp`).
+DCP_PIECE_BYTES = 64 << 20
 #: zarr data type of the 0-d array mirroring a value of each type, for Orbax.
 _MIRROR_DTYPES = {"bool": "bool", "int": "int64", "float": "float64"}
 
@@ -61,6 +63,7 @@ class Report:
     arrays: int = 0
     chunks: int = 0
     bytes_checked: int = 0
+    format: str = "xckpt"  # or "dcp": a PyTorch DCP directory, checked by its reader (no checksums to check)
 
     @property
     def ok(self) -> bool:
@@ -73,15 +76,19 @@ class Report:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able form, for ``xckpt validate --json``."""
-        return {"path": self.path, "ok": self.ok, "deep": self.deep, "arrays": self.arrays,
+        return {"path": self.path, "format": self.format, "ok": self.ok, "deep": self.deep, "arrays": self.arrays,
                 "chunks": self.chunks, "bytes_checked": self.bytes_checked,
                 "findings": [asdict(f) for f in self.findings]}
 
 
 def validate(path: Any, deep: bool = False) -> Report:
     """Check a checkpoint against the spec; see :class:`Report`. A checkpoint manager's step directory is
-    checked through its ``default/`` item, the xckpt checkpoint it holds (spec 6.8)."""
+    checked through its ``default/`` item, the xckpt checkpoint it holds (spec 6.8); a PyTorch DCP directory
+    by its reader (:func:`_validate_dcp`)."""
     loc = Location.of(path)
+    dcp = _validate_dcp(loc, deep)
+    if dcp is not None:
+        return dcp
     if loc.is_local and not os.path.lexists(os.path.join(loc.local_path, naming.MANIFEST)) \
             and os.path.isfile(os.path.join(loc.local_path, naming.DEFAULT_ITEM, naming.MANIFEST)) \
             and not os.path.islink(os.path.join(loc.local_path, naming.DEFAULT_ITEM)):
@@ -120,6 +127,46 @@ def validate(path: Any, deep: bool = False) -> Report:
     finally:
         store.close()
         _dedupe(report)
+    return report
+
+
+def _validate_dcp(loc: Location, deep: bool) -> Report | None:
+    """A PyTorch DCP directory (a DCP metadata file, no xckpt manifest) checked by its reader (spec 8.1): its
+    metadata, every stored range and every tensor's tiling when it is opened, its values then; with ``deep``,
+    every array read back in bands of rows of about :data:`DCP_PIECE_BYTES` (each DCP chunk loaded and checked
+    as its recorded tensor). None for any other path."""
+    if not loc.is_local:
+        return None
+    root = loc.local_path
+    if os.path.lexists(os.path.join(root, naming.MANIFEST)) or not any(
+            os.path.lexists(os.path.join(root, n)) for n in (naming.DCP_METADATA, naming.DCP_RANK0_METADATA)):
+        return None
+    from xckpt.engine.copy import read_region
+    from xckpt.sources.detect import open_checkpoint
+
+    report = Report(str(loc), deep, format="dcp")
+    add = report.findings.append
+    try:
+        ckpt = open_checkpoint(loc)
+    except XckptError as exc:
+        add(Finding(exc.code, exc.message, exc.file, exc.leaf))
+        return report
+    try:
+        for e in ckpt.manifest.arrays():
+            report.arrays += 1
+            if not deep or 0 in e.shape:
+                continue
+            n = e.shape[0] if e.shape else 1
+            rows = max(1, DCP_PIECE_BYTES // max(1, math.prod(e.shape[1:]) * dtypes.itemsize(e.dtype)))
+            try:
+                for start in range(0, n, rows):
+                    band = Region((start,) + (0,) * (len(e.shape) - 1), (min(rows, n - start),) + e.shape[1:]) \
+                        if e.shape else Region.full(())
+                    report.bytes_checked += read_region(ckpt, e, band).nbytes
+            except XckptError as exc:
+                add(Finding(exc.code, exc.message, exc.file, exc.leaf or key_str(e.key)))
+    finally:
+        ckpt.close()
     return report
 
 
