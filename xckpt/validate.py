@@ -133,14 +133,15 @@ def validate(path: Any, deep: bool = False) -> Report:
 def _validate_dcp(loc: Location, deep: bool) -> Report | None:
     """A PyTorch DCP directory (a DCP metadata file, no xckpt manifest) checked by its reader (spec 8.1): its
     metadata, every stored range and every tensor's tiling when it is opened, its values then; with ``deep``,
-    every array read back in bands of rows of about :data:`DCP_PIECE_BYTES` (each DCP chunk loaded and checked
-    as its recorded tensor). None for any other path."""
+    every array read back in pieces of at most :data:`DCP_PIECE_BYTES` (:func:`xckpt.diff.pieces`; each DCP
+    chunk loaded and checked as its recorded tensor). None for any other path."""
     if not loc.is_local:
         return None
     root = loc.local_path
     if os.path.lexists(os.path.join(root, naming.MANIFEST)) or not any(
-            os.path.lexists(os.path.join(root, n)) for n in (naming.DCP_METADATA, naming.DCP_RANK0_METADATA)):
+            os.path.lexists(os.path.join(root, n)) for n in naming.DCP_MARKERS):
         return None
+    from xckpt.diff import pieces
     from xckpt.engine.copy import read_region
     from xckpt.sources.detect import open_checkpoint
 
@@ -154,15 +155,11 @@ def _validate_dcp(loc: Location, deep: bool) -> Report | None:
     try:
         for e in ckpt.manifest.arrays():
             report.arrays += 1
-            if not deep or 0 in e.shape:
+            if not deep:
                 continue
-            n = e.shape[0] if e.shape else 1
-            rows = max(1, DCP_PIECE_BYTES // max(1, math.prod(e.shape[1:]) * dtypes.itemsize(e.dtype)))
             try:
-                for start in range(0, n, rows):
-                    band = Region((start,) + (0,) * (len(e.shape) - 1), (min(rows, n - start),) + e.shape[1:]) \
-                        if e.shape else Region.full(())
-                    report.bytes_checked += read_region(ckpt, e, band).nbytes
+                for piece in pieces(e.shape, dtypes.itemsize(e.dtype), DCP_PIECE_BYTES):
+                    report.bytes_checked += read_region(ckpt, e, piece).nbytes
             except XckptError as exc:
                 add(Finding(exc.code, exc.message, exc.file, exc.leaf or key_str(e.key)))
     finally:

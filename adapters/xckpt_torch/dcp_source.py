@@ -51,7 +51,8 @@ from .tensors import logical_dtype
 
 
 class DcpCheckpoint:
-    """A PyTorch DCP checkpoint directory opened for reading (a :class:`~xckpt.sources.base.Source`).
+    """A PyTorch DCP checkpoint directory opened for reading (a :class:`~xckpt.sources.base.Source`; entry point
+    ``xckpt.sources``: ``dcp``).
 
     ``tree`` is its state as ``xckpt.save`` takes it (arrays as lazily read sources, values read),
     ``manifest`` describes it; usable as a context manager.
@@ -140,7 +141,6 @@ class DcpCheckpoint:
                 got = data[part.relative_to(sh.region).slices() + (Ellipsis,)]  # (a view, 0-d ones too)
                 out = req.out[part.relative_to(req.region).slices() + (Ellipsis,)]
                 np.copyto(out, got if got.dtype == out.dtype else got.view(out.dtype))
-            del data
         return total
 
     def _chunk(self, sh: Shard) -> np.ndarray:
@@ -170,11 +170,6 @@ class DcpCheckpoint:
         """Close the directory, and let the chunk kept go."""
         self._last = None
         self._dir.close()
-
-
-def open_dcp(loc: Location) -> DcpCheckpoint:
-    """Open the DCP checkpoint directory at ``loc`` (entry point ``xckpt.sources``: ``dcp``)."""
-    return DcpCheckpoint(loc)
 
 
 def _tree(d: DcpDirectory) -> Any:

@@ -193,6 +193,7 @@ class _Group:
         a, e = self.array, self.entry
         return (a.shape, e.storage_dtype, a.chunk_shape, a.inner_chunk_shape, e.compression)
 
+    @cached_property
     def count(self) -> int:
         """How many objects :func:`_plan` makes of it, at most (counted without planning any)."""
         a = self.array
@@ -218,7 +219,7 @@ def _groups(requests: Sequence[ReadRequest]) -> list[_Group]:
 def _check_object_count(groups: Sequence[_Group], nbytes: int, file: Callable[[str], str]) -> None:
     """Refuse a read of ``nbytes`` bytes that would plan more chunk objects than :data:`MAX_OBJECTS` allows for
     them, naming the leaf that declares the most (its ``zarr.json``); counted without planning any."""
-    counts = [g.count() for g in groups]
+    counts = [g.count for g in groups]
     count = sum(counts)
     limit = MAX_OBJECTS + nbytes // BYTES_PER_OBJECT
     if count > limit:
@@ -455,7 +456,7 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
     ex = pools.pool()
     big = [g for g in groups if not g.small]
     small = [g for g in groups if g.small]
-    keep = fill and precheck and sum(g.count() * g.geom.max_nbytes for g in small) <= MAX_KEPT_BYTES
+    keep = fill and precheck and sum(g.count * g.geom.max_nbytes for g in small) <= MAX_KEPT_BYTES
     kept: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # small objects the checking pass read and checked
     for do_fill in ((False,) if not fill else (False, True) if precheck else (True,)):
         # finished within this pass, so the closure's do_fill is this pass's

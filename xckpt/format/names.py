@@ -34,6 +34,8 @@ MAX_PATH_BYTES = 1024
 DEFAULT_ITEM = "default"
 #: What each rank writes instead when DCP saves without collectives (``use_collectives=False``): rank 0's.
 DCP_RANK0_METADATA = "__0.metadata"
+#: Either makes a directory a PyTorch DCP checkpoint (the first when it is there).
+DCP_MARKERS = (DCP_METADATA, DCP_RANK0_METADATA)
 #: File and directory names at the top of a checkpoint that no array may take.
 RESERVED = frozenset({MANIFEST, VALUES, COMMIT, ORBAX_METADATA, ORBAX_CHECKPOINT_METADATA,
                       ORBAX_SHARDING, "_strings.json", "manifest.ocdbt", "array_metadatas", ORBAX_MARKER_DIR})

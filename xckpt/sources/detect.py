@@ -83,7 +83,7 @@ def _open_orbax(loc: Location, store: Store) -> Source:
 def _open_dcp(loc: Location, store: Store) -> Source:
     """A PyTorch DCP checkpoint, through the reader an adapter registers (``xckpt.sources``: ``dcp``); without
     one (torch missing), ``manifest.missing`` naming its metadata file and saying what reads it."""
-    marker = names.DCP_METADATA if _present(store, names.DCP_METADATA) else names.DCP_RANK0_METADATA
+    marker = next(m for m in names.DCP_MARKERS if _present(store, m))
     store.close()
     opener = registry.source_opener("dcp")
     if opener is None:
@@ -99,7 +99,7 @@ KINDS: list[Kind] = [
     # Orbax v1 checkpoints, CheckpointManager steps with named items (xckpt or Orbax ones), a bare default/
     Kind("orbax-layout", orbax_layouts.holds, lambda loc, store: orbax_layouts.open_kind(loc, store, _open_native)),
     Kind("safetensors", lambda s: safetensors.entry_file(s) is not None, safetensors.open_directory),
-    Kind("dcp", lambda s: _present(s, names.DCP_METADATA) or _present(s, names.DCP_RANK0_METADATA), _open_dcp),
+    Kind("dcp", lambda s: any(_present(s, m) for m in names.DCP_MARKERS), _open_dcp),
 ]
 
 #: Single-file kinds, tried on the path itself before it is opened as a directory.
