@@ -180,6 +180,83 @@ def test_real_dcp_converts_exactly(tmp_path, single_file):
     _check_exact(xckpt.load(tmp_path / "out"))
 
 
+def _whole_loads(monkeypatch) -> list[str]:
+    """The fqns of the DCP chunks an in-place load will load whole (``torch.load``) rather than read straight."""
+    from xckpt_torch import dcp_source
+
+    loaded: list[str] = []
+    whole = dcp_source._read_chunk
+
+    def counted(d, info, fqn, region, dtype):
+        loaded.append(fqn)
+        return whole(d, info, fqn, region, dtype)
+    monkeypatch.setattr(dcp_source, "_read_chunk", counted)
+    return loaded
+
+
+def _rewrite_item(ckpt, fqn: str, change) -> None:
+    """Replace the stored item of ``fqn`` by a torch.save archive rebuilt member by member (uncompressed), each
+    member's bytes passed through ``change(name, data)``, appended to the data file and retargeted there."""
+    import io
+    import zipfile
+
+    md = _md(ckpt)
+    info = md.storage_data[next(k for k in md.storage_data if k.fqn == fqn)]
+    data = ckpt / info.relative_path
+    with open(data, "rb") as f:
+        f.seek(info.offset)
+        item = f.read(info.length)
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(item)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for m in src.infolist():
+            dst.writestr(m.filename, change(m.filename, src.read(m)))
+    with open(data, "ab") as f:
+        at = f.tell()
+        f.write(out.getvalue())
+    _retarget(ckpt, fqn, offset=at, length=len(out.getvalue()))
+
+
+def test_in_place_loads_read_chunks_straight_into_their_outputs(ckpt, tmp_path, monkeypatch):
+    """A DCP chunk that one request wants whole, into C-ordered memory, is read from its archive's data record
+    straight into the output (no whole load); a chunk stored in the other byte order, with strides, or wanted
+    in part is loaded whole (torch.load) and copied, with the same values. (Chunks under STRAIGHT_MIN_BYTES,
+    every one here by default, are loaded whole.)"""
+    from xckpt_torch import dcp_source
+
+    loaded = _whole_loads(monkeypatch)
+    _check_exact(xckpt.load(ckpt))
+    tensors = sorted(k for k, v in _state().items() if isinstance(v, torch.Tensor) and v.numel())
+    assert sorted(loaded) == sorted(tensors + ["big"]), loaded  # every chunk ("big" has two) loaded whole
+    monkeypatch.setattr(dcp_source, "STRAIGHT_MIN_BYTES", 0)
+    loaded.clear()
+    back = xckpt.load(ckpt)
+    _check_exact(back)
+    assert loaded == [], loaded  # every chunk, the two of "big" included, read straight
+    w = torch.empty(BIG_ROWS, 5)
+    got = xckpt.load(ckpt, {"big": w, "f32": xckpt.ReadSpec(region=(slice(0, 3), slice(1, 3)))}, strict=False)
+    assert got["big"] is w and torch.equal(w, _state()["big"]) and loaded == ["f32"], loaded
+    np.testing.assert_array_equal(got["f32"], _state()["f32"].numpy()[:, 1:3])
+
+    loaded.clear()
+    _rewrite_item(ckpt, "f64", lambda name, b: b"big" if name.endswith("/byteorder") else
+                  np.frombuffer(b, "<f8").astype(">f8").tobytes() if "/data/" in name else b)
+    _rewrite_item(ckpt, "i32", lambda name, b: b)  # rebuilt, still native: read straight from its new place
+    np.testing.assert_array_equal(xckpt.load(ckpt)["f64"], _state()["f64"].numpy())  # torch.load swaps it back
+    _check_exact(xckpt.load(ckpt))
+    assert sorted(set(loaded)) == ["f64"], loaded
+
+    src = tmp_path / "strided"
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # stored with its strides
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"t": t, "c": t.contiguous()}, checkpoint_id=str(src), no_dist=True)
+    loaded.clear()
+    back = xckpt.load(src)
+    np.testing.assert_array_equal(back["t"], t.numpy())
+    np.testing.assert_array_equal(back["c"], t.numpy())
+    assert loaded == ["t"], loaded
+
+
 def test_dcp_zstandard_compressed_checkpoint_converts_exactly_and_a_bomb_is_refused(tmp_path):
     """DCP's ZStandard extension (``FileSystemWriter(_extensions=[ZStandard()])``) writes each item as a zstd
     stream: converted exactly; a stream that expands past its chunk's size (a few bytes standing for a GiB) is
