@@ -6,11 +6,12 @@ data files opened relative to the checkpoint directory without following links o
 stored range checked against its file when it is opened. Each stored item is a ``torch.save``
 archive, loaded with ``torch.load(weights_only=True)`` (torch's own restricted unpickler); numpy
 data inside a value is parsed by :mod:`.dcp_numpy`. Values are read when it is opened; an array is
-read DCP chunk by DCP chunk, one at a time: a chunk (of 1 MiB or more) one request wants whole, into
-C-ordered memory, is read from its archive's storage record straight into that output (:class:`StoredChunk`; found
-without reading data, by ``torch.load`` onto the meta device); any other is loaded whole (what DCP
-itself reads) and the parts its requests want copied (the last one stays loaded for the next read:
-reads in pieces take from it again).
+read DCP chunk by DCP chunk, one at a time. A chunk of 1 MiB or more whose bytes lie in its archive as
+one C-ordered run (found without reading data, by ``torch.load`` onto the meta device) is read from
+its storage record (:class:`StoredChunk`): straight into the output of a request that wants it whole
+into C-ordered memory, else into new memory; any other chunk is loaded whole with ``torch.load``
+(what DCP itself reads). The parts requests want are copied from the chunk read, and the last one
+stays in memory for the next read: reads in pieces take from it again.
 
 ``xckpt.load``, ``xckpt.inspect`` and the adapters' loads open it through
 :func:`xckpt.sources.detect.open_checkpoint` (entry point ``xckpt.sources``: ``dcp``), and
@@ -142,7 +143,7 @@ class DcpCheckpoint:
                 if done:
                     total += done
                     continue
-                data = self._chunk(sh)
+                data = self._chunk(sh, parts[0][0].out.dtype)
             except XckptError as exc:  # a chunk that is not what its metadata says: name the tensor
                 raise exc.at(leaf=key_str(parts[0][0].entry.key)) from None
             total += data.nbytes
@@ -152,13 +153,16 @@ class DcpCheckpoint:
                 np.copyto(out, got if got.dtype == out.dtype else got.view(out.dtype))
         return total
 
-    def _chunk(self, sh: Shard) -> np.ndarray:
-        """A DCP chunk's data, loaded whole; the last one loaded is kept for the next read, which reads in
-        pieces (a diff, a conversion) may take from the same chunk."""
+    def _chunk(self, sh: Shard, dtype: np.dtype) -> np.ndarray:
+        """A DCP chunk's data, whole (``dtype``: its storage dtype): its bytes read into new memory where they
+        lie as one run (:meth:`StoredChunk.read_whole`), else loaded (``torch.load``); the last one is kept
+        for the next read, which reads in pieces (a diff, a conversion) may take from the same chunk."""
         with self._lock:
             if self._last is not None and self._last[0] is sh:
                 return self._last[1]
-        data = sh.fetch()
+        data = sh.fetch.read_whole(dtype) if isinstance(sh.fetch, StoredChunk) else None
+        if data is None:
+            data = sh.fetch()
         with self._lock:
             self._last = (sh, data)
         return data
@@ -303,15 +307,27 @@ class StoredChunk:
         """The chunk, loaded whole as host numpy."""
         return _read_chunk(self.d, self.info, self.fqn, self.region, self.dtype)
 
+    def read_whole(self, dtype: np.dtype) -> np.ndarray | None:
+        """The chunk's bytes read into a new array of its shape and ``dtype`` (an item size of its dtype), where
+        it has at least :data:`STRAIGHT_MIN_BYTES` that lie as one C-ordered run; else None."""
+        if self.region.numel * self.dtype.itemsize < STRAIGHT_MIN_BYTES or self._where() is None:
+            return None
+        out = np.empty(self.region.sizes, dtype)
+        return out if self.read_into(out) else None
+
+    def _where(self) -> int | None:
+        if self._at is False:
+            self._at = _locate(self.d, self.info, self.region, self.dtype)
+        return self._at  # type: ignore[return-value]
+
     def read_into(self, out: np.ndarray) -> int:
         """Read the chunk's bytes into ``out`` (C-contiguous, its shape, an item size of its dtype); the bytes
         read, or 0 (``out`` untouched) where they do not lie as one C-ordered run of native byte order."""
-        if self._at is False:
-            self._at = _locate(self.d, self.info, self.region, self.dtype)
-        if self._at is None or not out.flags.c_contiguous or out.nbytes != self.region.numel * self.dtype.itemsize:
+        at = self._where()
+        if at is None or not out.flags.c_contiguous or out.nbytes != self.region.numel * self.dtype.itemsize:
             return 0
         with self.d.item(self.info) as f:
-            f.seek(self._at)
+            f.seek(at)
             got = f.readinto(out.reshape(-1).view(np.uint8))
         if got != out.nbytes:  # the range was checked: only a file cut short since reads less
             raise DataError(f"the file ends {out.nbytes - got} bytes short of a stored DCP item",
