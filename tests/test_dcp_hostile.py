@@ -218,7 +218,7 @@ def _rewrite_item(ckpt, fqn: str, change) -> None:
 
 def test_in_place_loads_read_chunks_straight_into_their_outputs(ckpt, tmp_path, monkeypatch):
     """A DCP chunk that one request wants whole, into C-ordered memory, is read from its archive's data record
-    straight into the output, and one wanted in part straight into new memory, then copied (no torch.load); a
+    straight into the output, and one wanted in part (or converted) into new memory, then copied (no torch.load); a
     chunk stored in the other byte order or with strides is loaded whole (torch.load) and copied, with the same
     values. (Chunks under STRAIGHT_MIN_BYTES, every one here by default, are loaded whole.)"""
     from xckpt_torch import dcp_source
@@ -232,6 +232,9 @@ def test_in_place_loads_read_chunks_straight_into_their_outputs(ckpt, tmp_path, 
     back = xckpt.load(ckpt)
     _check_exact(back)
     assert loaded == [], loaded  # every chunk, the two of "big" included, read straight
+    _convert(ckpt, tmp_path / "converted")  # a conversion reads each chunk from its record too
+    _check_exact(xckpt.load(tmp_path / "converted"))
+    assert loaded == [], loaded
     w = torch.empty(BIG_ROWS, 5)
     got = xckpt.load(ckpt, {"big": w, "f32": xckpt.ReadSpec(region=(slice(0, 3), slice(1, 3)))}, strict=False)
     assert got["big"] is w and torch.equal(w, _state()["big"]) and loaded == [], loaded  # f32 read whole, straight

@@ -120,8 +120,9 @@ class DcpCheckpoint:
     def read(self, requests: Sequence[ReadRequest], *, precheck: bool = False) -> int:
         """Fill each request's output (the entry's storage dtype) from the DCP chunks its region touches, each
         chunk read once, one at a time: straight into the output where one request wants it whole into
-        C-ordered memory (:func:`_read_straight`), else loaded and copied from; returns the bytes read. ``precheck`` needs nothing more: every
-        stored range was checked against its file when the checkpoint was opened."""
+        C-ordered memory (:func:`_read_straight`), else read or loaded whole (:meth:`_chunk`) and copied
+        from; returns the bytes read. ``precheck`` needs nothing more: every stored range was checked
+        against its file when the checkpoint was opened."""
         wanted: dict[int, tuple[Shard, list[tuple[ReadRequest, Region]]]] = {}
         for req in requests:
             if req.region.is_empty():
@@ -295,17 +296,20 @@ def _torch_load(d: DcpDirectory, info: _StorageInfo, what: str, code: str, limit
 
 
 class StoredChunk:
-    """One DCP chunk of a tensor, as a :class:`~xckpt.registry.Shard`'s ``fetch``: called, it loads the chunk
-    whole (``torch.load``); :meth:`read_into` reads its bytes straight into an output instead, where they
-    lie as one C-ordered run (:func:`_locate`)."""
+    """One DCP chunk of a tensor, as a :class:`~xckpt.registry.Shard`'s ``fetch`` (called: the chunk as numpy).
+    Where its bytes lie in its archive as one C-ordered run (:func:`_locate`), they are read from its storage
+    record (:meth:`read_into` an output, :meth:`read_whole` into new memory); else it is loaded whole
+    (``torch.load``)."""
 
     def __init__(self, d: DcpDirectory, info: _StorageInfo, fqn: str, region: Region, dtype: torch.dtype) -> None:
         self.d, self.info, self.fqn, self.region, self.dtype = d, info, fqn, region, dtype
         self._at: int | None | bool = False  # where its bytes lie in its item (False: not looked up yet)
 
     def __call__(self) -> np.ndarray:
-        """The chunk, loaded whole as host numpy."""
-        return _read_chunk(self.d, self.info, self.fqn, self.region, self.dtype)
+        """The chunk as host numpy (the dtype ``torch.load`` would give it): read from its storage record
+        (:meth:`read_whole`), else loaded whole."""
+        data = self.read_whole(to_host(torch.empty(0, dtype=self.dtype)).dtype)
+        return data if data is not None else _read_chunk(self.d, self.info, self.fqn, self.region, self.dtype)
 
     def read_whole(self, dtype: np.dtype) -> np.ndarray | None:
         """The chunk's bytes read into a new array of its shape and ``dtype`` (an item size of its dtype), where
