@@ -42,29 +42,35 @@ BIG_ROWS = 7
 
 
 class _SplitPlanner(DefaultSavePlanner):
-    """Stores ``big`` as two chunks (rows 0-2 and 3-6), as a sharded (DTensor) save would."""
+    """Stores ``fqn`` as two chunks split along ``dim`` at ``at`` (``big``: rows 0-2 and 3-6), as a sharded
+    (DTensor) save would."""
+
+    def __init__(self, fqn: str = "big", dim: int = 0, at: int = 3) -> None:
+        super().__init__()
+        self.fqn, self.dim, self.at = fqn, dim, at
 
     def create_local_plan(self):
         plan = super().create_local_plan()
         items = []
         for it in plan.items:
-            if it.index.fqn != "big":
+            if it.index.fqn != self.fqn:
                 items.append(it)
                 continue
             td = it.tensor_data
-            for start, n in ((0, 3), (3, td.size[0] - 3)):
-                off = torch.Size([start] + [0] * (len(td.size) - 1))
-                sz = torch.Size([n] + list(td.size[1:]))
-                items.append(WriteItem(MetadataIndex("big", off), WriteItemType.SHARD,
+            for start, n in ((0, self.at), (self.at, td.size[self.dim] - self.at)):
+                off, sz = [0] * len(td.size), list(td.size)
+                off[self.dim], sz[self.dim] = start, n
+                off, sz = torch.Size(off), torch.Size(sz)
+                items.append(WriteItem(MetadataIndex(self.fqn, off), WriteItemType.SHARD,
                                        tensor_data=TensorWriteData(ChunkStorageMetadata(off, sz), td.properties,
                                                                    td.size)))
         self.plan = dataclasses.replace(plan, items=items)
         return self.plan
 
     def resolve_data(self, write_item):
-        if write_item.index.fqn == "big":
+        if write_item.index.fqn == self.fqn:
             c = write_item.tensor_data.chunk
-            return self.state_dict["big"].narrow(0, c.offsets[0], c.sizes[0]).clone()
+            return self.state_dict[self.fqn].narrow(self.dim, c.offsets[self.dim], c.sizes[self.dim]).clone()
         return super().resolve_data(write_item)
 
 
@@ -258,6 +264,27 @@ def test_in_place_loads_read_chunks_straight_into_their_outputs(ckpt, tmp_path, 
     np.testing.assert_array_equal(back["t"], t.numpy())
     np.testing.assert_array_equal(back["c"], t.numpy())
     assert loaded == ["t"], loaded
+
+
+def test_a_deep_validation_loads_each_dcp_chunk_once(tmp_path, monkeypatch):
+    """A tensor whose DCP chunks split its columns is read back chunk by chunk, in pieces within each chunk: every
+    chunk loaded once, not once per band of rows across them."""
+    import importlib
+
+    validate_mod = importlib.import_module("xckpt.validate")  # (xckpt.validate is also the function)
+    src = tmp_path / "wide"
+    wide = torch.arange(48, dtype=torch.float32).reshape(8, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"wide": wide}, storage_writer=FileSystemWriter(str(src)), planner=_SplitPlanner("wide", 1, 3),
+                 no_dist=True)
+    assert [tuple(c.offsets) for c in _md(src).state_dict_metadata["wide"].chunks] == [(0, 0), (0, 3)]
+    monkeypatch.setattr(validate_mod, "DCP_PIECE_BYTES", 16)  # pieces of 4 elements: a row of a chunk at a time
+    loaded = _whole_loads(monkeypatch)
+    report = xckpt.validate(src, deep=True)
+    assert report.ok and report.bytes_checked == wide.numel() * 4, report
+    assert loaded == ["wide", "wide"], loaded
+    np.testing.assert_array_equal(xckpt.load(src)["wide"], wide.numpy())
 
 
 def test_dcp_zstandard_compressed_checkpoint_converts_exactly_and_a_bomb_is_refused(tmp_path):

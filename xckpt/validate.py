@@ -17,7 +17,7 @@ import math
 import os
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from xckpt.engine.storage import LocalStore, Location, Store, entry_kind
 from xckpt.errors import IntegrityError, XckptError, XckptWarning
 from xckpt.format import dtypes, names as naming, orbax_view as orbax_files, shard, zarr
 from xckpt.format.manifest import ArrayEntry, Manifest, StoredArray, ValueEntry
-from xckpt.format.regions import Region, chunk_indices, grid_shape
+from xckpt.format.regions import Region, chunk_indices, grid_shape, intersect
 from xckpt.format.tree import key_str
 from xckpt.sources.native import read_manifest, read_values
 
@@ -133,15 +133,14 @@ def validate(path: Any, deep: bool = False) -> Report:
 def _validate_dcp(loc: Location, deep: bool) -> Report | None:
     """A PyTorch DCP directory (a DCP metadata file, no xckpt manifest) checked by its reader (spec 8.1): its
     metadata, every stored range and every tensor's tiling when it is opened, its values then; with ``deep``,
-    every array read back in pieces of at most :data:`DCP_PIECE_BYTES` (:func:`xckpt.diff.pieces`; each DCP
-    chunk loaded and checked as its recorded tensor). None for any other path."""
+    every array read back in pieces of at most :data:`DCP_PIECE_BYTES` (:func:`_dcp_pieces`; each DCP chunk
+    loaded once and checked as its recorded tensor). None for any other path."""
     if not loc.is_local:
         return None
     root = loc.local_path
     if os.path.lexists(os.path.join(root, naming.MANIFEST)) or not any(
             os.path.lexists(os.path.join(root, n)) for n in naming.DCP_MARKERS):
         return None
-    from xckpt.diff import pieces
     from xckpt.engine.copy import read_region
     from xckpt.sources.detect import open_checkpoint
 
@@ -158,13 +157,32 @@ def _validate_dcp(loc: Location, deep: bool) -> Report | None:
             if not deep:
                 continue
             try:
-                for piece in pieces(e.shape, dtypes.itemsize(e.dtype), DCP_PIECE_BYTES):
+                for piece in _dcp_pieces(e):
                     report.bytes_checked += read_region(ckpt, e, piece).nbytes
             except XckptError as exc:
                 add(Finding(exc.code, exc.message, exc.file, exc.leaf or key_str(e.key)))
     finally:
         ckpt.close()
     return report
+
+
+def _dcp_pieces(e: ArrayEntry) -> Iterator[Region]:
+    """The regions a deep validation reads a DCP array in: chunk by chunk of its chunk grid (its DCP chunks where
+    they are all alike, else the whole array), each cut in pieces of at most :data:`DCP_PIECE_BYTES`
+    (:func:`xckpt.diff.pieces`), so that every DCP chunk is loaded once (bands of rows across chunks that
+    split the columns would load each chunk once per band)."""
+    from xckpt.diff import pieces
+
+    if not e.shape:
+        yield Region((), ())
+        return
+    whole = Region.full(e.shape)
+    for index in chunk_indices(e.shape, e.chunk_shape):
+        box = intersect(whole, Region(tuple(i * c for i, c in zip(index, e.chunk_shape)), e.chunk_shape))
+        if box is None:
+            continue
+        for piece in pieces(box.sizes, dtypes.itemsize(e.dtype), DCP_PIECE_BYTES):
+            yield Region(tuple(a + b for a, b in zip(box.offsets, piece.offsets)), piece.sizes)
 
 
 def _dedupe(report: Report) -> None:
