@@ -635,6 +635,20 @@ def test_missing_data_file_and_transforms(ckpt, tmp_path):
     _fails(ckpt, tmp_path / "out", "convert.dcp_transform")
 
 
+def test_an_archive_zipfile_cannot_read_is_refused(ckpt, tmp_path):
+    """A stored item whose zip directory asks for a zip version Python's zipfile does not implement (its
+    NotImplementedError, found by fuzzing) is convert.dcp_chunk naming the data file, like any unreadable one."""
+    md = _md(ckpt)
+    info = md.storage_data[next(k for k in md.storage_data if k.fqn == "f32")]
+    data = ckpt / info.relative_path
+    raw = bytearray(data.read_bytes())
+    central = raw.index(b"PK\x01\x02", info.offset, info.offset + info.length)
+    raw[central + 6] = 217  # "version needed to extract": 21.7
+    data.write_bytes(bytes(raw))
+    err = _fails(ckpt, tmp_path / "out", "convert.dcp_chunk")
+    assert (err.file, err.leaf) == (str(data), "f32") and "NotImplementedError" in err.message, err
+
+
 def test_chunk_that_is_not_its_recorded_tensor(ckpt, tmp_path):
     """A storage entry pointing at another tensor's bytes: caught after the load, nothing committed."""
     md = _md(ckpt)

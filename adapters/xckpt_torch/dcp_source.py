@@ -276,10 +276,11 @@ def _torch_load(d: DcpDirectory, info: _StorageInfo, what: str, code: str, limit
         try:
             with zipfile.ZipFile(f) as z:
                 packed = [i.filename for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED]
-        except (zipfile.BadZipFile, ValueError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - zipfile raises BadZipFile, ValueError, OSError, NotImplementedError...
             if f.truncated is not None:
                 raise f.truncated from None
-            raise UnsupportedError(f"{what} is not torch.save data ({exc})", code=code, file=f.path) from None
+            raise UnsupportedError(f"{what} is not torch.save data ({type(exc).__name__}: {exc})", code=code,
+                                   file=f.path) from None
         if packed:
             raise UnsupportedError(f"{what} holds compressed members {packed[:3]}; torch.save writes none",
                                    code=code, file=f.path)
