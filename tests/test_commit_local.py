@@ -558,6 +558,25 @@ def test_a_failed_fsync_names_its_file_and_leaf(tmp_path):
     with pytest.raises(SaveError) as e:
         w.sync()
     assert (e.value.code, e.value.file, e.value.leaf) == ("io.write", path, "leaf.a")
+    store.close()
+
+
+def test_a_directory_that_cannot_be_synced_is_named(tmp_path):
+    """sync() fsyncs the directories a store wrote into together with its files; a directory gone meanwhile (it
+    cannot be opened to fsync) raises io.write naming it, and every file is still closed."""
+    from xckpt.engine import storage
+    from xckpt.errors import SaveError
+
+    root = tmp_path / "s"
+    store = storage.LocalStore(str(root), create=True)
+    for i in range(6):
+        store.write(f"d{i}/c/0", bytes([i]))
+    shutil.rmtree(root / "d4")
+    with pytest.raises(SaveError) as e:
+        store.sync()
+    assert e.value.code == "io.write" and e.value.file in (str(root / "d4"), str(root / "d4" / "c")), e.value
+    assert _open_files_under(root) == [] and store._unsynced == []
+    store.close()
     assert store._unsynced == []
     store.close()
     assert _open_files_under(root) == []
