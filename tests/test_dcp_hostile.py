@@ -926,6 +926,18 @@ def test_numpy_values_not_built_by_numpy_are_refused(ckpt, tmp_path, value):
     assert "xckpt does not rebuild" in err.message, err  # refused by xckpt's parsers, not by torch's unpickler
 
 
+def test_a_numpy_dtype_value_is_refused_naming_its_leaf_and_file(tmp_path):
+    """A numpy dtype DCP pickled as a value (parsed, never built by numpy) has no xckpt value type: opening the
+    checkpoint (a load, a conversion) is value.unsupported naming the leaf and the metadata file, not the
+    parser's internal class."""
+    src = tmp_path / "src"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"t": torch.ones(3), "dt": np.dtype("int16")}, storage_writer=FileSystemWriter(str(src)), no_dist=True)
+    err = _fails(src, tmp_path / "out", "value.unsupported")
+    assert (err.file, err.leaf) == (str(src / ".metadata"), "dt") and "numpy dtype (int16)" in err.message, err
+
+
 def test_a_refused_numpy_state_is_described_briefly(ckpt, tmp_path):
     """A crafted array state holding 8 MiB of bytes where numpy's holds five fields is refused with a message of a
     under a thousand characters (its description is bounded before it is built, not cut from a repr of it all)."""

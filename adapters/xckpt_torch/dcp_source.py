@@ -90,7 +90,13 @@ class DcpCheckpoint:
                     self._arrays[tuple(key)] = obj
                 else:
                     value = obj.value if isinstance(obj, Value) else obj
-                    entries.append(ValueEntry(key, values_format.value_type(value)))
+                    try:
+                        entries.append(ValueEntry(key, values_format.value_type(value)))
+                    except XckptError as exc:  # a value xckpt has no type for (a numpy dtype): name it
+                        if isinstance(value, dcp_numpy.PickledDtype):
+                            exc = UnsupportedError(f"a numpy dtype ({value.dtype}) is not a value xckpt stores",
+                                                   code=exc.code)
+                        raise exc.at(file=self.metadata_file, leaf=key_str(key)) from None
                     self._values[i] = value
             self.manifest = Manifest(tree=structure, leaves=entries,
                                      producer={"library": "torch.distributed.checkpoint"})
