@@ -266,6 +266,29 @@ def test_in_place_loads_read_chunks_straight_into_their_outputs(ckpt, tmp_path, 
     assert loaded == ["t"], loaded
 
 
+def test_chunks_read_straight_at_once_fail_as_one_when_the_file_is_cut(ckpt, monkeypatch):
+    """Chunks read straight into their outputs go a few at once (the checkpoint's own threads); the data file cut
+    short under them is chunk.truncated naming the file and a tensor, raised once every read has ended."""
+    from xckpt_torch import dcp_source
+    from xckpt_torch.dcp_metadata import DcpDirectory
+
+    monkeypatch.setattr(dcp_source, "STRAIGHT_MIN_BYTES", 0)
+    opened, calls = DcpDirectory.item, []
+
+    def item_then_cut(self, info):
+        f = opened(self, info)
+        calls.append(threading.current_thread().name)
+        if calls[-1].startswith("xckpt-dcp") and calls.count(calls[-1]) == 2:  # a read straight, on a thread
+            os.truncate(self.path(info.relative_path), 100)
+        return f
+    monkeypatch.setattr(DcpDirectory, "item", item_then_cut)
+    with pytest.raises(XckptError) as err:
+        xckpt.load(ckpt, {k: v for k, v in _state().items() if isinstance(v, torch.Tensor) and v.numel() > 1},
+                   strict=False)
+    assert err.value.code == "chunk.truncated" and err.value.file == str(ckpt / "__0_0.distcp"), err.value
+    assert err.value.leaf in _state(), err.value
+
+
 def test_a_deep_validation_loads_each_dcp_chunk_once(tmp_path, monkeypatch):
     """A tensor whose DCP chunks split its columns is read back chunk by chunk, in pieces within each chunk: every
     chunk loaded once, not once per band of rows across them."""

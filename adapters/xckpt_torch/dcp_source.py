@@ -6,11 +6,11 @@ data files opened relative to the checkpoint directory without following links o
 stored range checked against its file when it is opened. Each stored item is a ``torch.save``
 archive, loaded with ``torch.load(weights_only=True)`` (torch's own restricted unpickler); numpy
 data inside a value is parsed by :mod:`.dcp_numpy`. Values are read when it is opened; an array is
-read DCP chunk by DCP chunk, one at a time. A chunk of 1 MiB or more whose bytes lie in its archive as
-one C-ordered run (found without reading data, by ``torch.load`` onto the meta device) is read from
-its storage record (:class:`StoredChunk`): straight into the output of a request that wants it whole
-into C-ordered memory, else into new memory; any other chunk is loaded whole with ``torch.load``
-(what DCP itself reads). The parts requests want are copied from the chunk read, and the last one
+read DCP chunk by DCP chunk. A chunk of 1 MiB or more whose bytes lie in its archive as one C-ordered
+run (found without reading data, by ``torch.load`` onto the meta device) is read from its storage
+record (:class:`StoredChunk`): straight into the output of a request that wants it whole into
+C-ordered memory (a few such chunks at once, on the checkpoint's own threads), else into new memory;
+any other chunk is loaded whole with ``torch.load`` (what DCP itself reads), one at a time. The parts requests want are copied from the chunk read, and the last one
 stays in memory for the next read: reads in pieces take from it again.
 
 ``xckpt.load``, ``xckpt.inspect`` and the adapters' loads open it through
@@ -26,6 +26,7 @@ import struct
 import sys
 import threading
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from xckpt import registry
+from xckpt.engine import threads
 from xckpt.engine.copy import LazySource
 from xckpt.engine.read import ReadRequest
 from xckpt.engine.storage import Location
@@ -72,6 +74,7 @@ class DcpCheckpoint:
         self.loc = loc
         self._lock = threading.Lock()
         self._last: tuple[Shard, np.ndarray] | None = None  # the DCP chunk loaded last (see _chunk)
+        self._pool: ThreadPoolExecutor | None = None  # reads chunks straight into outputs (see _read_straight)
         self._dir = DcpDirectory(loc.local_path)
         try:
             self.tree = _tree(self._dir)
@@ -125,9 +128,9 @@ class DcpCheckpoint:
 
     def read(self, requests: Sequence[ReadRequest], *, precheck: bool = False) -> int:
         """Fill each request's output (the entry's storage dtype) from the DCP chunks its region touches, each
-        chunk read once, one at a time: straight into the output where one request wants it whole into
-        C-ordered memory (:func:`_read_straight`), else read or loaded whole (:meth:`_chunk`) and copied
-        from; returns the bytes read. ``precheck`` needs nothing more: every stored range was checked
+        chunk read once: straight into the output where one request wants it whole into C-ordered memory
+        (:meth:`_read_straight`, a few at once), else read or loaded whole (:meth:`_chunk`, one at a time)
+        and copied from; returns the bytes read. ``precheck`` needs nothing more: every stored range was checked
         against its file when the checkpoint was opened."""
         wanted: dict[int, tuple[Shard, list[tuple[ReadRequest, Region]]]] = {}
         for req in requests:
@@ -143,13 +146,11 @@ class DcpCheckpoint:
                 part = intersect(req.region, sh.region)
                 if part is not None:
                     wanted.setdefault(id(sh), (sh, []))[1].append((req, part))
-        total = 0
+        total, done = self._read_straight(list(wanted.values()))
         for sh, parts in wanted.values():
+            if id(sh) in done:
+                continue
             try:
-                done = _read_straight(sh, parts)
-                if done:
-                    total += done
-                    continue
                 data = self._chunk(sh, parts[0][0].out.dtype)
             except XckptError as exc:  # a chunk that is not what its metadata says: name the tensor
                 raise exc.at(leaf=key_str(parts[0][0].entry.key)) from None
@@ -159,6 +160,37 @@ class DcpCheckpoint:
                 out = req.out[part.relative_to(req.region).slices() + (Ellipsis,)]
                 np.copyto(out, got if got.dtype == out.dtype else got.view(out.dtype))
         return total
+
+    def _read_straight(self, chunks: list[tuple[Shard, list[tuple[ReadRequest, Region]]]]) -> tuple[int, set[int]]:
+        """Read each chunk that one request wants whole (:func:`_straight_out`) straight into that output, on
+        :func:`xckpt.engine.threads.io_threads` threads of this checkpoint's own (every read done before the
+        first error is raised); the bytes read and the ids of the chunks read (the others: 0 bytes, as
+        :meth:`StoredChunk.read_into` found them not to lie as one run)."""
+        jobs = [(sh, parts, out) for sh, parts in chunks for out in [_straight_out(sh, parts)] if out is not None]
+        if len(jobs) > 1:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(threads.io_threads(), thread_name_prefix="xckpt-dcp")
+                pool = self._pool
+            got = [pool.submit(sh.fetch.read_into, out) for sh, _, out in jobs]
+        else:
+            got = [None] * len(jobs)
+        total, done, first = 0, set(), None
+        for (sh, parts, out), f in zip(jobs, got):
+            try:
+                n = sh.fetch.read_into(out) if f is None else f.result()
+            except XckptError as exc:  # a file cut short since it was opened: name the tensor
+                first = first or exc.at(leaf=key_str(parts[0][0].entry.key))
+                continue
+            except BaseException as exc:  # noqa: BLE001 - raised once every read is done
+                first = first or exc
+                continue
+            if n:
+                total += n
+                done.add(id(sh))
+        if first is not None:
+            raise first
+        return total, done
 
     def _chunk(self, sh: Shard, dtype: np.dtype) -> np.ndarray:
         """A DCP chunk's data, whole (``dtype``: its storage dtype): its bytes read into new memory where they
@@ -187,7 +219,10 @@ class DcpCheckpoint:
         return False
 
     def close(self) -> None:
-        """Close the directory, and let the chunk kept go."""
+        """Close the directory (once the reads under way are done), and let the chunk kept go."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self._last = None
         self._dir.close()
 
@@ -282,7 +317,7 @@ def _torch_load(d: DcpDirectory, info: _StorageInfo, what: str, code: str, limit
         try:
             with zipfile.ZipFile(f) as z:
                 packed = [i.filename for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED]
-        except Exception as exc:  # noqa: BLE001 - zipfile raises BadZipFile, ValueError, OSError, NotImplementedError...
+        except Exception as exc:  # noqa: BLE001 - BadZipFile, ValueError, OSError, NotImplementedError...
             if f.truncated is not None:
                 raise f.truncated from None
             raise UnsupportedError(f"{what} is not torch.save data ({type(exc).__name__}: {exc})", code=code,
@@ -351,15 +386,15 @@ class StoredChunk:
 STRAIGHT_MIN_BYTES = 1 << 20
 
 
-def _read_straight(sh: Shard, parts: list[tuple[ReadRequest, Region]]) -> int:
-    """Read a DCP chunk of at least :data:`STRAIGHT_MIN_BYTES` that one request wants whole straight into that
-    request's output; the bytes read, 0 where it does not (:meth:`StoredChunk.read_into`)."""
+def _straight_out(sh: Shard, parts: list[tuple[ReadRequest, Region]]) -> np.ndarray | None:
+    """Where a DCP chunk of at least :data:`STRAIGHT_MIN_BYTES` that one request wants whole goes, if that is
+    C-ordered memory (a view of the request's output), to be read straight into it; else None."""
     if len(parts) != 1 or not isinstance(sh.fetch, StoredChunk) or parts[0][1] != sh.region \
             or sh.region.numel * sh.fetch.dtype.itemsize < STRAIGHT_MIN_BYTES:
-        return 0
+        return None
     req, part = parts[0]
     out = req.out[part.relative_to(req.region).slices() + (Ellipsis,)]
-    return sh.fetch.read_into(out) if out.flags.c_contiguous else 0
+    return out if out.flags.c_contiguous else None
 
 
 #: The bytes of a zip local file header before its name and extra field.
