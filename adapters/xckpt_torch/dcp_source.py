@@ -10,8 +10,9 @@ read DCP chunk by DCP chunk. A chunk of 1 MiB or more whose bytes lie in its arc
 run (found without reading data, by ``torch.load`` onto the meta device) is read from its storage
 record (:class:`StoredChunk`): straight into the output of a request that wants it whole into
 C-ordered memory (a few such chunks at once, on the checkpoint's own threads), else into new memory;
-any other chunk is loaded whole with ``torch.load`` (what DCP itself reads), one at a time. The parts requests want are copied from the chunk read, and the last one
-stays in memory for the next read: reads in pieces take from it again.
+any other chunk is loaded whole with ``torch.load`` (what DCP itself reads), one at a time. The parts
+requests want are copied from the chunk read, and the last one stays in memory for the next read:
+reads in pieces take from it again.
 
 ``xckpt.load``, ``xckpt.inspect`` and the adapters' loads open it through
 :func:`xckpt.sources.detect.open_checkpoint` (entry point ``xckpt.sources``: ``dcp``), and
@@ -27,7 +28,7 @@ import sys
 import threading
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -146,7 +147,7 @@ class DcpCheckpoint:
                 part = intersect(req.region, sh.region)
                 if part is not None:
                     wanted.setdefault(id(sh), (sh, []))[1].append((req, part))
-        total, done = self._read_straight(list(wanted.values()))
+        total, done = self._read_straight(wanted.values())
         for sh, parts in wanted.values():
             if id(sh) in done:
                 continue
@@ -161,36 +162,31 @@ class DcpCheckpoint:
                 np.copyto(out, got if got.dtype == out.dtype else got.view(out.dtype))
         return total
 
-    def _read_straight(self, chunks: list[tuple[Shard, list[tuple[ReadRequest, Region]]]]) -> tuple[int, set[int]]:
-        """Read each chunk that one request wants whole (:func:`_straight_out`) straight into that output, on
-        :func:`xckpt.engine.threads.io_threads` threads of this checkpoint's own (every read done before the
-        first error is raised); the bytes read and the ids of the chunks read (the others: 0 bytes, as
-        :meth:`StoredChunk.read_into` found them not to lie as one run)."""
-        jobs = [(sh, parts, out) for sh, parts in chunks for out in [_straight_out(sh, parts)] if out is not None]
-        if len(jobs) > 1:
-            with self._lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(threads.io_threads(), thread_name_prefix="xckpt-dcp")
-                pool = self._pool
-            got = [pool.submit(sh.fetch.read_into, out) for sh, _, out in jobs]
-        else:
-            got = [None] * len(jobs)
-        total, done, first = 0, set(), None
-        for (sh, parts, out), f in zip(jobs, got):
+    def _read_straight(self, chunks: Iterable[tuple[Shard, list[tuple[ReadRequest, Region]]]]) -> tuple[int, set[int]]:
+        """Read each chunk that one request wants whole (:func:`_straight_out`) straight into that output, a few at
+        once (:func:`xckpt.engine.threads.gather`: every read done before the first error is raised), on
+        :func:`xckpt.engine.threads.io_threads` threads of this checkpoint's own (a read may come from a thread
+        of the shared pool, which must not wait on that pool); the bytes read and the ids of the chunks read
+        (the others: 0 bytes, as :meth:`StoredChunk.read_into` found them not to lie as one run)."""
+        done: set[int] = set()
+
+        def read(sh: Shard, parts: list[tuple[ReadRequest, Region]], out: np.ndarray) -> int:
             try:
-                n = sh.fetch.read_into(out) if f is None else f.result()
+                n = sh.fetch.read_into(out)
             except XckptError as exc:  # a file cut short since it was opened: name the tensor
-                first = first or exc.at(leaf=key_str(parts[0][0].entry.key))
-                continue
-            except BaseException as exc:  # noqa: BLE001 - raised once every read is done
-                first = first or exc
-                continue
+                raise exc.at(leaf=key_str(parts[0][0].entry.key)) from None
             if n:
-                total += n
                 done.add(id(sh))
-        if first is not None:
-            raise first
-        return total, done
+            return n
+
+        jobs = [(sh, parts, out) for sh, parts in chunks for out in [_straight_out(sh, parts)] if out is not None]
+        if len(jobs) <= 1:
+            return sum(read(*job) for job in jobs), done
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(threads.io_threads(), thread_name_prefix="xckpt-dcp")
+            pool = self._pool
+        return threads.gather([pool.submit(read, *job) for job in jobs]), done
 
     def _chunk(self, sh: Shard, dtype: np.dtype) -> np.ndarray:
         """A DCP chunk's data, whole (``dtype``: its storage dtype): its bytes read into new memory where they
@@ -345,6 +341,7 @@ class StoredChunk:
 
     def __init__(self, d: DcpDirectory, info: _StorageInfo, fqn: str, region: Region, dtype: torch.dtype) -> None:
         self.d, self.info, self.fqn, self.region, self.dtype = d, info, fqn, region, dtype
+        self.nbytes = region.numel * dtype.itemsize
         self._at: int | None | bool = False  # where its bytes lie in its item (False: not looked up yet)
 
     def __call__(self) -> np.ndarray:
@@ -356,7 +353,7 @@ class StoredChunk:
     def read_whole(self, dtype: np.dtype) -> np.ndarray | None:
         """The chunk's bytes read into a new array of its shape and ``dtype`` (an item size of its dtype), where
         it has at least :data:`STRAIGHT_MIN_BYTES` that lie as one C-ordered run; else None."""
-        if self.region.numel * self.dtype.itemsize < STRAIGHT_MIN_BYTES or self._where() is None:
+        if self.nbytes < STRAIGHT_MIN_BYTES or self._where() is None:
             return None
         out = np.empty(self.region.sizes, dtype)
         return out if self.read_into(out) else None
@@ -370,7 +367,7 @@ class StoredChunk:
         """Read the chunk's bytes into ``out`` (C-contiguous, its shape, an item size of its dtype); the bytes
         read, or 0 (``out`` untouched) where they do not lie as one C-ordered run of native byte order."""
         at = self._where()
-        if at is None or not out.flags.c_contiguous or out.nbytes != self.region.numel * self.dtype.itemsize:
+        if at is None or not out.flags.c_contiguous or out.nbytes != self.nbytes:
             return 0
         with self.d.item(self.info) as f:
             f.seek(at)
@@ -390,7 +387,7 @@ def _straight_out(sh: Shard, parts: list[tuple[ReadRequest, Region]]) -> np.ndar
     """Where a DCP chunk of at least :data:`STRAIGHT_MIN_BYTES` that one request wants whole goes, if that is
     C-ordered memory (a view of the request's output), to be read straight into it; else None."""
     if len(parts) != 1 or not isinstance(sh.fetch, StoredChunk) or parts[0][1] != sh.region \
-            or sh.region.numel * sh.fetch.dtype.itemsize < STRAIGHT_MIN_BYTES:
+            or sh.fetch.nbytes < STRAIGHT_MIN_BYTES:
         return None
     req, part = parts[0]
     out = req.out[part.relative_to(req.region).slices() + (Ellipsis,)]

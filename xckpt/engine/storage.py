@@ -26,7 +26,7 @@ import numpy as np
 import tensorstore as ts
 
 from xckpt.engine import threads
-from xckpt.engine.atomic import start_writeback
+from xckpt.engine.atomic import start_writeback, sync_dir
 from xckpt.errors import DataError, ResourceError, SaveError, UnsafePathError, UnsupportedError, XckptError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -323,8 +323,9 @@ def fsync_all(files: list[tuple[int | None, str]]) -> None:
             try:
                 if first is None:
                     if fd is None:
-                        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                    os.fsync(fd)
+                        sync_dir(path)
+                    else:
+                        os.fsync(fd)
             except OSError as exc:
                 first = SaveError(f"cannot sync: {exc.strerror or exc}", code="io.write", file=path)
             finally:
