@@ -293,6 +293,19 @@ def test_count_chunks_counts_what_chunks_of_yields(dims: list[tuple[int, int, in
     assert count_chunks(region, chunk) == len(list(chunks_of(region, chunk)))
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 9)), max_size=4))
+def test_chunk_boxes_tile_the_array(dims: list[tuple[int, int]]) -> None:
+    """The boxes of every chunk index cover the array exactly once, each within it and at most a chunk big."""
+    from xckpt.format.regions import chunk_box
+
+    shape, chunk = tuple(n for n, _ in dims), tuple(c for _, c in dims)
+    boxes = [chunk_box(i, chunk, shape) for i in chunk_indices(shape, chunk)]
+    assert check_tiling(shape, boxes) is None
+    assert all(b.within(shape) and all(0 < x <= c for x, c in zip(b.sizes, chunk)) for b in boxes)
+    assert [b.offsets for b in boxes] == [tuple(i * c for i, c in zip(ix, chunk)) for ix in chunk_indices(shape, chunk)]
+
+
 @given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 4)), max_size=4))
 def test_walk_visits_the_grid_in_c_order(spans: list[tuple[int, int]]) -> None:
     """walk is itertools.product over ranges of step 1: every index, once, in C order."""

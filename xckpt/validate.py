@@ -26,7 +26,7 @@ from xckpt.engine.storage import LocalStore, Location, Store, entry_kind
 from xckpt.errors import IntegrityError, XckptError, XckptWarning
 from xckpt.format import dtypes, names as naming, orbax_view as orbax_files, shard, zarr
 from xckpt.format.manifest import ArrayEntry, Manifest, StoredArray, ValueEntry
-from xckpt.format.regions import Region, chunk_indices, grid_shape, intersect
+from xckpt.format.regions import Region, chunk_box, chunk_indices, grid_shape
 from xckpt.format.tree import key_str
 from xckpt.sources.native import read_manifest, read_values
 
@@ -176,11 +176,8 @@ def _dcp_pieces(e: ArrayEntry) -> Iterator[Region]:
     if not e.shape:
         yield Region((), ())
         return
-    whole = Region.full(e.shape)
     for index in chunk_indices(e.shape, e.chunk_shape):
-        box = intersect(whole, Region(tuple(i * c for i, c in zip(index, e.chunk_shape)), e.chunk_shape))
-        if box is None:
-            continue
+        box = chunk_box(index, e.chunk_shape, e.shape)
         for piece in pieces(box.sizes, dtypes.itemsize(e.dtype), DCP_PIECE_BYTES):
             yield Region(tuple(a + b for a, b in zip(box.offsets, piece.offsets)), piece.sizes)
 

@@ -27,7 +27,7 @@ from xckpt.engine.hostcopy import stream_copy
 from xckpt.errors import DataError, IntegrityError, ResourceError, XckptError
 from xckpt.format import dtypes, shard, zarr as zarr_format
 from xckpt.format.manifest import ArrayEntry, StoredArray
-from xckpt.format.regions import Region, chunks_of, count_chunks, intersect
+from xckpt.format.regions import Region, chunk_box, chunks_of, count_chunks, intersect
 from xckpt.format.tree import key_str
 
 #: Objects at most this large are read with one request.
@@ -269,9 +269,9 @@ def _plan(groups: Sequence[_Group]) -> Iterator[_Object]:
 
 
 def _chunk_at(a: StoredArray, idx: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Where chunk ``idx`` of ``a`` starts, and its shape clipped to the array."""
-    start = tuple(i * c for i, c in zip(idx, a.chunk_shape))
-    return start, tuple(min(c, n - s) for c, n, s in zip(a.chunk_shape, a.shape, start))
+    """Where chunk ``idx`` of ``a`` starts, and its shape clipped to the array (:func:`chunk_box`)."""
+    box = chunk_box(idx, a.chunk_shape, a.shape)
+    return box.offsets, box.sizes
 
 
 def _want(a: StoredArray, req: ReadRequest, local: Region, start: tuple[int, ...], valid: tuple[int, ...]) -> _Want:

@@ -155,6 +155,13 @@ def chunk_indices(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[tuple[
     return walk([range(n) for n in grid_shape(shape, chunk)])
 
 
+def chunk_box(index: Sequence[int], chunk: Sequence[int], shape: Sequence[int]) -> Region:
+    """The region of chunk ``index`` of a grid of ``chunk``-shaped chunks over an array of ``shape``, clipped to
+    the array (the last chunk along a dimension may be partial)."""
+    start = tuple(i * c for i, c in zip(index, chunk))
+    return Region(start, tuple(min(c, n - s) for c, n, s in zip(chunk, shape, start)))
+
+
 def _chunk_ranges(region: Region, chunk: Sequence[int]) -> list[range]:
     """Along each dimension, the grid indices of the chunks that intersect ``region`` (none when it is empty)."""
     if region.is_empty():
