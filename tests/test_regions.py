@@ -306,6 +306,19 @@ def test_chunk_boxes_tile_the_array(dims: list[tuple[int, int]]) -> None:
     assert [b.offsets for b in boxes] == [tuple(i * c for i, c in zip(ix, chunk)) for ix in chunk_indices(shape, chunk)]
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20), st.integers(0, 20), st.integers(0, 20)),
+                max_size=4))
+def test_placed_in_undoes_relative_to(dims: list[tuple[int, int, int, int]]) -> None:
+    """A region inside ``outer``, made relative to it and placed back in it, is itself; placed in it, a region
+    given in ``outer``'s coordinates moves by ``outer``'s offsets and keeps its sizes."""
+    outer = Region(tuple(o for o, _, _, _ in dims), tuple(a + n + b for _, a, n, b in dims))
+    inner = Region(tuple(o + a for o, a, _, _ in dims), tuple(n for _, _, n, _ in dims))
+    assert inner.relative_to(outer).placed_in(outer) == inner
+    local = Region(tuple(a for _, a, _, _ in dims), inner.sizes)
+    assert local.placed_in(outer) == inner
+
+
 @given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 4)), max_size=4))
 def test_walk_visits_the_grid_in_c_order(spans: list[tuple[int, int]]) -> None:
     """walk is itertools.product over ranges of step 1: every index, once, in C order."""

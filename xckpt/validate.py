@@ -340,8 +340,7 @@ def _check_array(loc: Location, store: Store, e: ArrayEntry, a: StoredArray, dee
         full = f"{a.path}/{zarr.chunk_key(idx)}"
         stored.discard(full)
         report.chunks += 1
-        valid = tuple(min(c, n - i * c) for i, c, n in zip(idx, a.chunk_shape, a.shape))
-        _check_shard(loc, store, full, geom, valid, leaf, deep, report, gen)
+        _check_shard(loc, store, full, geom, chunk_box(idx, a.chunk_shape, a.shape).sizes, leaf, deep, report, gen)
 
     # the chunks stored, by grid index, in grid order: the grid may declare up to 2**24 chunks, far more than
     # are stored, and is walked only as far as the missing chunks listed and the stored ones it passes

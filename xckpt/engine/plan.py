@@ -31,7 +31,7 @@ from xckpt.errors import CoordinationError, ShapeError
 from xckpt.format import dtypes, names
 from xckpt.format.manifest import MAX_ELEMENTS
 from xckpt.format.zarr import chunk_key
-from xckpt.format.regions import Region, check_tiling, chunks_of, inner_chunk_shape_for, intersect
+from xckpt.format.regions import Region, check_tiling, chunk_box, chunks_of, inner_chunk_shape_for, intersect
 from xckpt.format.tree import Key, Node, key_str
 
 #: Default upper bound on inner chunk bytes: the unit a reader on another mesh fetches.
@@ -474,8 +474,7 @@ def local_plan(descs: Descriptors, answer: dict[str, Any], rank: int) -> LocalPl
                     continue
                 local = part.relative_to(seg.region)
                 for idx in chunks_of(local, seg.chunk) if seg.shape else [()]:
-                    box = Region(tuple(o + i * c for o, i, c in zip(seg.offset, idx, seg.chunk)),
-                                 tuple(min(c, n - i * c) for i, c, n in zip(idx, seg.chunk, seg.shape)))
+                    box = chunk_box(idx, seg.chunk, seg.shape).placed_in(seg.region)
                     if intersect(box, piece) != box:
                         raise ShapeError(f"chunk {list(idx)} of segment {s} straddles shards", leaf=key_str(d.key))
                     tasks.append(ChunkTask(pos, piece, s, tuple(idx), box))

@@ -58,6 +58,10 @@ class Region:
         """This region in the coordinates of ``outer`` (which must contain it)."""
         return Region(tuple(o - b for o, b in zip(self.offsets, outer.offsets)), self.sizes)
 
+    def placed_in(self, outer: "Region") -> "Region":
+        """This region, given in the coordinates of ``outer``, in the array's (undoes :meth:`relative_to`)."""
+        return Region(tuple(map(add, self.offsets, outer.offsets)), self.sizes)
+
     def within(self, shape: Sequence[int]) -> bool:
         """Whether the region lies inside an array of ``shape``."""
         return len(shape) == len(self.sizes) and all(map(le, self.ends, shape))
