@@ -101,8 +101,10 @@ def numpy_targets(targets: dict[str, np.ndarray | np.generic], metadata: Metadat
     """``metadata`` with each stored tensor whose target (``targets``: the numpy arrays and scalars of the
     flattened state dict, by key) is numpy described as a value, so that DCP asks the storage reader for it
     whole (DCP only reads a tensor into a tensor), and those keys, each with whether its target is a scalar;
-    ``ShapeError`` naming the key where the target's shape is not the stored one."""
+    ``ShapeError`` naming the key where the target's shape is not the stored one, and the checkpoint where the
+    storage reader gave its id (``storage_meta.checkpoint_id``, as :class:`XckptStorageReader` does)."""
     stored = metadata.state_dict_metadata
+    where = getattr(metadata.storage_meta, "checkpoint_id", None)
     retyped: dict[str, Any] = {}
     scalar: dict[str, bool] = {}
     for fqn, obj in targets.items():
@@ -111,7 +113,7 @@ def numpy_targets(targets: dict[str, np.ndarray | np.generic], metadata: Metadat
             continue
         if tuple(obj.shape) != tuple(md.size):
             raise ShapeError(f"the state dict holds a numpy array of shape {list(obj.shape)} where the checkpoint "
-                             f"has shape {list(md.size)}", leaf=fqn)
+                             f"has shape {list(md.size)}", leaf=fqn, file=str(where) if where else None)
         retyped[fqn] = BytesStorageMetadata()
         scalar[fqn] = isinstance(obj, np.generic)
     if not retyped:
