@@ -179,7 +179,7 @@ def _dcp_pieces(e: ArrayEntry) -> Iterator[Region]:
     for index in chunk_indices(e.shape, e.chunk_shape):
         box = chunk_box(index, e.chunk_shape, e.shape)
         for piece in pieces(box.sizes, dtypes.itemsize(e.dtype), DCP_PIECE_BYTES):
-            yield Region(tuple(a + b for a, b in zip(box.offsets, piece.offsets)), piece.sizes)
+            yield piece.placed_in(box)
 
 
 def _dedupe(report: Report) -> None:
