@@ -195,6 +195,68 @@ def test_copy_checksum_is_a_copy_and_its_crc32c(case: tuple[np.ndarray, np.ndarr
     assert np.array_equal(dst.view(np.uint8), want.view(np.uint8))
 
 
+@native_crc
+@settings(max_examples=200, deadline=None)
+@given(checksummed_copies(), st.integers(1, 7))
+def test_native_copy_crc_write_writes_the_copy_then_its_crc32c(case: tuple[np.ndarray, np.ndarray, int],
+                                                               block_rows: int):
+    """The compiled copy-checksum-write of one inner chunk, into a real file: the source's bytes in C order,
+    block by block through a buffer of one block and the crc32c (several blocks, a last one shorter, one
+    block alone), then the crc32c of them all (u32 LE), and that crc32c returned."""
+    import tempfile
+
+    _, src, _ = case
+    want, want_crc = _copied_and_crc(np.empty(src.shape, src.dtype), src, 0)
+    rows = min(block_rows, src.shape[0])
+    scratch = np.empty(rows * (src.nbytes // src.shape[0]) + 4, dtype=np.uint8)
+    with tempfile.TemporaryFile() as f:
+        got = hostcopy._native.copy_crc_write(f.fileno(), scratch.__array_interface__["data"][0], scratch.nbytes,
+                                              src.__array_interface__["data"][0], src.shape, src.strides,
+                                              src.itemsize, block_rows)
+        f.seek(0)
+        written = f.read()
+    assert got == want_crc
+    assert written == want.tobytes() + want_crc.to_bytes(4, "little")
+
+
+@native_crc
+def test_native_copy_crc_write_refuses_a_short_buffer_and_reports_a_failed_write(tmp_path):
+    """A buffer without room for a block and the crc32c is refused before anything is copied; a write
+    that fails raises OSError with its errno (a descriptor open for reading only: EBADF)."""
+    import errno
+
+    src = np.arange(64 * 40, dtype=np.float32).reshape(64, 40)
+    scratch = np.empty(16 * 160 + 3, dtype=np.uint8)
+    with pytest.raises(ValueError, match="less than a block"):
+        hostcopy._native.copy_crc_write(1, scratch.__array_interface__["data"][0], scratch.nbytes,
+                                        src.__array_interface__["data"][0], src.shape, src.strides, 4, 16)
+    (tmp_path / "f").write_bytes(b"")
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as info:
+            hostcopy.write_copied(fd, shard.Copied(src[:, :32], np.empty(16 * 128 + 4, np.uint8), 16,
+                                                   np.dtype("<f4"), hostcopy.copy_checksum))
+        assert info.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_write_copied_is_the_pieces_of_its_part(tmp_path, swap: bool):
+    """write_copied writes exactly the bytes its part's pieces hold (the compiled call, or piece by piece
+    for a byte-swapped source the helper does not take)."""
+    src = np.random.default_rng(9).random((300, 1000), dtype=np.float32)[:, 100:900]
+    if swap:
+        src = src.astype(">f4")
+    part = shard.Copied(src, np.empty(64 * 3200 + 4, np.uint8), 64, np.dtype("<f4"), hostcopy.copy_checksum)
+    want = b"".join(bytes(p) for p in part.pieces())
+    with open(tmp_path / "o", "wb") as f:
+        hostcopy.write_copied(f.fileno(), part)
+    assert (tmp_path / "o").read_bytes() == want
+    payload = np.ascontiguousarray(src, dtype="<f4").tobytes()
+    assert want == payload + crc32c.crc32c(payload).to_bytes(4, "little")
+
+
 def test_copy_checksum_of_a_strided_last_dimension():
     """A source whose last dimension is not contiguous is copied by numpy, then checksummed: the same."""
     a = np.random.default_rng(4).random((300, 400), dtype=np.float32)
@@ -218,7 +280,8 @@ def test_encode_parts_with_the_checksumming_copy(chunk: tuple[int, ...], inner: 
     objects = []
     for copy in (shard.copy_then_checksum, hostcopy.copy_checksum):
         scratch = np.empty(g.scratch_nbytes, dtype=np.uint8)
-        objects.append(b"".join(bytes(p) for p in shard.encode_parts(g, data, scratch, b"gen\0name", copy)))
+        objects.append(b"".join(bytes(p) for p in shard.buffers(shard.encode_parts(g, data, scratch, b"gen\0name",
+                                                                                    copy))))
     assert objects[0] == objects[1]
     shard.parse_index(g, np.frombuffer(objects[1][-shard.tail_nbytes(g, b"gen\0name"):], np.uint8),
                       len(objects[1]), valid, place=b"gen\0name")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -203,9 +204,15 @@ def test_encoded_object_equals_brute_force_layout(geom: tuple, dtype: str, piece
     """An encoded chunk object is exactly its inner chunks (zero-padded, C order, little-endian, each
     followed by its crc32c), then the place tag and the checksummed index, whatever the data's memory
     layout and however the encoder pieces it (small pieces exercise every block boundary), streamed in
-    pieces or built whole, from the data as it lies or first laid out as stored (an asynchronous save's copy)."""
+    pieces or built whole, from the data as it lies or first laid out as stored (an asynchronous save's copy),
+    and as a save's writer writes it into a file (each inner chunk copied, checksummed and written in one
+    compiled call where it can)."""
+    import tempfile
+
     import crc32c
 
+    from xckpt.engine import hostcopy
+    from xckpt.engine.storage import LocalStore
     from xckpt.format import shard
     chunk, inner, valid = geom
     data = (np.arange(math.prod(valid) or 1, dtype="f8")[:math.prod(valid)] * 1.5 + 1).reshape(valid).astype(dtype)
@@ -222,10 +229,17 @@ def test_encoded_object_equals_brute_force_layout(geom: tuple, dtype: str, piece
         place = b"gen\0a/c/0" if tagged else None
         got = shard.encode(g, data, place)
         scratch = np.empty(g.scratch_nbytes, dtype=np.uint8)
-        streamed = b"".join(bytes(part) for part in shard.encode_parts(g, data, scratch, place))
+        streamed = b"".join(bytes(part) for part in shard.buffers(shard.encode_parts(g, data, scratch, place)))
+        with tempfile.TemporaryDirectory() as d:
+            store = LocalStore(d, create=True)
+            store.write("c/0", shard.encode_parts(g, data, scratch, place, hostcopy.copy_checksum))
+            store.close()
+            with open(os.path.join(d, "c", "0"), "rb") as f:
+                written = f.read()
         buf = np.full(shard.laid_nbytes(g, valid), 0xAB, dtype=np.uint8)  # not zeroed: padding must be written
         laid = shard.lay_out(g, data, buf)
-        from_laid = b"".join(bytes(part) for part in shard.encode_parts(g, laid, np.empty(0, np.uint8), place))
+        from_laid = b"".join(bytes(part) for part in shard.buffers(shard.encode_parts(g, laid, np.empty(0, np.uint8),
+                                                                                     place)))
         laid_whole = shard.encode(g, laid, place)
     finally:
         shard.PIECE_BYTES = old
@@ -241,6 +255,7 @@ def test_encoded_object_equals_brute_force_layout(geom: tuple, dtype: str, piece
     tag = shard.place_tag(place, np.frombuffer(index_part, np.uint8)).tobytes() if tagged else b""
     assert got == body + tag + index_part
     assert streamed == got  # a writer's pieces, and a whole object built at once (a small leaf's), agree
+    assert written == got
     assert from_laid == got and laid_whole == got
     assert laid.nbytes == len(body) - 4 * sum(1 for _ in g.inner_chunks(valid))  # the payloads, nothing more
 

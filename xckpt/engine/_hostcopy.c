@@ -21,7 +21,15 @@
  * CRC32C says whether this processor has both (checked at import), else the caller copies
  * and checksums apart.
  *
- * Both prefetch the source PREFETCH_ROWS rows ahead where they copy row by row: a chunk's block
+ * A third, copy_crc_write(fd, dst_address, dst_nbytes, src_address, shape, src_strides, itemsize,
+ * block_rows), runs the synchronous save's whole loop over one inner chunk headed for a local file:
+ * block_rows rows at a time, copy_crc's copy into the buffer, then write() of the block (resumed
+ * after short writes and EINTR), the last block followed by the crc32c of all (u32 LE), with the GIL
+ * released throughout; a failed write raises OSError with its errno. Measured on the benchmark VM
+ * (W1's PyTorch save, 4 ranks on 2 cores), the Python between blocks that it replaces cost about a
+ * tenth of the save's CPU time: the interpreter runs slowly with the copies evicting it from the cache.
+ *
+ * The copies prefetch the source PREFETCH_ROWS rows ahead where they copy row by row: a chunk's block
  * of columns (a (832, 832) inner chunk of a (832, 3328) shard) is rows of 3,328 bytes 13,312
  * bytes apart, which the processor's own prefetcher does not follow. Measured on the benchmark
  * VM, one thread, W1's 24 such chunks (266 MB): the checksumming copy 0.031 s -> 0.022 s, the
@@ -32,6 +40,8 @@
 #include <string.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <errno.h>
+#include <unistd.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #define XCKPT_STREAM 1
@@ -342,6 +352,22 @@ static uint32_t copy_crc_nd(uint32_t r, char *dst, const char *src, int nd, cons
 }
 #endif
 
+/* How copy_crc_nd walks a source of shape[0:nd] with strides ss: runs of *run bytes (its trailing
+ * dimensions contiguous in the source; the destination is C-contiguous), *nruns of them, over the
+ * outer dimensions whose number it returns. */
+static inline int runs_of(Py_ssize_t nd, const Py_ssize_t *shape, const Py_ssize_t *ss, Py_ssize_t itemsize,
+                          size_t *run, size_t *nruns) {
+    *run = (size_t)itemsize;
+    while (nd > 0 && ss[nd - 1] == (Py_ssize_t)*run) {
+        *run *= (size_t)shape[nd - 1];
+        nd--;
+    }
+    *nruns = 1;
+    for (Py_ssize_t i = 0; i < nd; i++)
+        *nruns *= (size_t)shape[i];
+    return (int)nd;
+}
+
 static PyObject *hostcopy_copy_crc(PyObject *self, PyObject *args) {
     Py_ssize_t dst_addr, src_addr, itemsize;
     unsigned long crc;
@@ -362,22 +388,92 @@ static PyObject *hostcopy_copy_crc(PyObject *self, PyObject *args) {
     int any = has_elements(shape, nd);
     if (any <= 0)
         return any < 0 ? NULL : PyLong_FromUnsignedLong(crc);
-    /* the run: trailing dimensions contiguous in the source (the destination is C-contiguous) */
-    size_t run = (size_t)itemsize;
-    while (nd > 0 && ss[nd - 1] == (Py_ssize_t)run) {
-        run *= (size_t)shape[nd - 1];
-        nd--;
-    }
-    size_t nruns = 1;
-    for (Py_ssize_t i = 0; i < nd; i++)
-        nruns *= (size_t)shape[i];
+    size_t run, nruns;
+    int outer = runs_of(nd, shape, ss, itemsize, &run, &nruns);
     uint32_t r = ~(uint32_t)crc;
     Py_BEGIN_ALLOW_THREADS
-    r = copy_crc_nd(r, (char *)dst_addr, (const char *)src_addr, (int)nd, shape, ss, nruns, run);
+    r = copy_crc_nd(r, (char *)dst_addr, (const char *)src_addr, outer, shape, ss, nruns, run);
     Py_END_ALLOW_THREADS
     return PyLong_FromUnsignedLong(~r & 0xffffffffUL);
 #else
     PyErr_SetString(PyExc_RuntimeError, "copy_crc needs an x86-64 processor");
+    return NULL;
+#endif
+}
+
+/* Write n bytes from p to fd, resuming after short writes and EINTR; 0, or the errno of the failure. */
+static int write_all(int fd, const char *p, size_t n) {
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno;
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static PyObject *hostcopy_copy_crc_write(PyObject *self, PyObject *args) {
+    int fd;
+    Py_ssize_t dst_addr, dst_nbytes, src_addr, itemsize, block_rows;
+    PyObject *shape_o, *ss_o;
+    if (!PyArg_ParseTuple(args, "innnOOnn", &fd, &dst_addr, &dst_nbytes, &src_addr, &shape_o, &ss_o, &itemsize,
+                          &block_rows))
+        return NULL;
+#ifdef XCKPT_CRC
+    Py_ssize_t nd = PySequence_Size(shape_o);
+    if (nd < 0)
+        return NULL;
+    if (nd < 1 || nd > MAX_DIMS || itemsize <= 0 || block_rows <= 0) {
+        PyErr_SetString(PyExc_ValueError, "no dimension or too many, a bad item size or bad block rows");
+        return NULL;
+    }
+    Py_ssize_t shape[MAX_DIMS + 1], ss[MAX_DIMS + 1];
+    if (parse_dims(shape_o, shape, nd, "shape") || parse_dims(ss_o, ss, nd, "src strides"))
+        return NULL;
+    if (has_elements(shape, nd) < 0)
+        return NULL;
+    size_t row = (size_t)itemsize; /* bytes of one row (the elements with one first index) */
+    for (Py_ssize_t i = 1; i < nd; i++)
+        row *= (size_t)shape[i];
+    Py_ssize_t rows = shape[0] < block_rows ? shape[0] : block_rows;
+    if ((size_t)rows * row + 4 > (size_t)dst_nbytes) {
+        PyErr_SetString(PyExc_ValueError, "the buffer holds less than a block of rows and the crc32c");
+        return NULL;
+    }
+    uint32_t r = ~(uint32_t)0;
+    size_t last = 0; /* bytes of the block last copied into dst */
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t a = 0; a < shape[0] && !err; a += block_rows) {
+        Py_ssize_t bshape[MAX_DIMS + 1];
+        memcpy(bshape, shape, sizeof(Py_ssize_t) * (size_t)nd);
+        bshape[0] = shape[0] - a < block_rows ? shape[0] - a : block_rows;
+        size_t run, nruns;
+        int outer = runs_of(nd, bshape, ss, itemsize, &run, &nruns);
+        r = copy_crc_nd(r, (char *)dst_addr, (const char *)src_addr + a * ss[0], outer, bshape, ss, nruns, run);
+        last = nruns * run;
+        if (a + block_rows < shape[0]) /* the last block goes out with the crc32c */
+            err = write_all(fd, (const char *)dst_addr, last);
+    }
+    if (!err) {
+        uint32_t v = ~r;
+        unsigned char *t = (unsigned char *)dst_addr + last;
+        for (int i = 0; i < 4; i++)
+            t[i] = (unsigned char)(v >> (8 * i));
+        err = write_all(fd, (const char *)dst_addr, last + 4);
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromUnsignedLong(~r & 0xffffffffUL);
+#else
+    PyErr_SetString(PyExc_RuntimeError, "copy_crc_write needs an x86-64 processor");
     return NULL;
 #endif
 }
@@ -388,6 +484,11 @@ static PyMethodDef methods[] = {
     {"copy_crc", hostcopy_copy_crc, METH_VARARGS,
      "copy_crc(dst_address, src_address, shape, src_strides, itemsize, crc): copy into C order (the destination "
      "C-contiguous) and return the crc32c of the bytes copied, continuing from crc."},
+    {"copy_crc_write", hostcopy_copy_crc_write, METH_VARARGS,
+     "copy_crc_write(fd, dst_address, dst_nbytes, src_address, shape, src_strides, itemsize, block_rows): copy the "
+     "source into C order through the buffer at dst, block_rows rows of its first dimension at a time, taking the "
+     "crc32c as it copies; write each block to fd, the last followed by the crc32c of all (u32 LE); return that "
+     "crc32c."},
     {NULL, NULL, 0, NULL},
 };
 

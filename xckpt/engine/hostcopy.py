@@ -12,10 +12,14 @@ A synchronous save copies each block of a chunk into a small buffer, in the orde
 stores it, and takes the block's crc32c before writing it: :func:`copy_checksum` does both in one
 pass over the source with the same helper (crc32c on three lanes of the SSE4.2 instruction; rows a
 stride apart prefetched ahead, which the processor does not do for them), where
-the processor has it; else it copies, then checksums (:func:`xckpt.format.shard.checksum`).
+the processor has it; else it copies, then checksums (:func:`xckpt.format.shard.checksum`). Into a
+local file, :func:`write_copied` runs that loop over a whole inner chunk in one compiled call, the
+writes included, so no Python runs between its blocks.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -74,3 +78,22 @@ def copy_checksum(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
         return shard.copy_then_checksum(dst, src, crc)
     return int(_native.copy_crc(dst.__array_interface__["data"][0], src.__array_interface__["data"][0], src.shape,
                                 src.strides, src.itemsize, crc))
+
+
+def write_copied(fd: int, part: shard.Copied) -> None:
+    """Write ``part`` (an inner chunk's stored bytes still to be copied, and their crc32c) to the open file
+    ``fd``: in one compiled call that copies, checksums and writes each block in turn with the GIL released,
+    where the helper takes it (:func:`_compiled_takes`' conditions, the storage byte order); else piece by
+    piece (:meth:`xckpt.format.shard.Copied.pieces`). A failed write raises :class:`OSError`."""
+    src, scratch = part.src, part.scratch
+    if (_NATIVE_CRC and src.ndim and src.dtype.str == part.dtype.str and src.strides[-1] == src.itemsize
+            and not src.dtype.hasobject and scratch.dtype == np.uint8 and scratch.flags.c_contiguous):
+        _native.copy_crc_write(fd, scratch.__array_interface__["data"][0], scratch.nbytes,
+                               src.__array_interface__["data"][0], src.shape, src.strides, src.itemsize,
+                               part.block_rows)
+        return
+    for piece in part.pieces():
+        view = memoryview(piece).cast("B")
+        done = 0
+        while done < view.nbytes:
+            done += os.write(fd, view[done:])

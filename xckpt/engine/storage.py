@@ -25,9 +25,10 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 import numpy as np
 import tensorstore as ts
 
-from xckpt.engine import threads
+from xckpt.engine import hostcopy, threads
 from xckpt.engine.atomic import start_writeback, sync_dir
 from xckpt.errors import DataError, ResourceError, SaveError, UnsafePathError, UnsupportedError, XckptError
+from xckpt.format import shard
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -171,8 +172,9 @@ class Store(Protocol):
         read its own way (:meth:`open`, :meth:`read`), which says what is wrong with it."""
 
     def write(self, name: str, data: Any, *, atomic: bool = False) -> None:
-        """Create or replace an object with ``data`` (a bytes-like object, or an iterable of them
-        written in order, each consumed before the next is asked for), durably once :meth:`sync` returns.
+        """Create or replace an object with ``data`` (a bytes-like object, or an iterable of them and of
+        :class:`~xckpt.format.shard.Copied` parts written in order, each consumed before the next is asked
+        for), durably once :meth:`sync` returns.
 
         ``atomic``: a concurrent reader sees the old object or the whole new one, never a part.
         """
@@ -236,11 +238,17 @@ def make_dirs(path: str) -> None:
         os.makedirs(path, exist_ok=True)
 
 
-def _parts(data: Any) -> Iterable[Any]:
-    """The parts of what :meth:`Store.write` takes: one bytes-like object, or an iterable of them."""
+def _given(data: Any) -> Iterable[Any]:
+    """The parts of what :meth:`Store.write` takes, as given: one bytes-like object, or an iterable of them
+    and of :class:`~xckpt.format.shard.Copied` parts."""
     if isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):
         return (data,)
     return data
+
+
+def _parts(data: Any) -> Iterable[Any]:
+    """The parts of what :meth:`Store.write` takes, bytes-like only (a ``Copied`` part as its pieces)."""
+    return shard.buffers(_given(data))
 
 
 class LocalBlob:
@@ -288,8 +296,12 @@ def _check_size(size: int, limit: int, file: str) -> None:
 
 
 def _write_all(fd: int, data: Any) -> None:
-    """Write every part of ``data`` to the open file ``fd``."""
-    for part in _parts(data):
+    """Write every part of ``data`` to the open file ``fd`` (a ``Copied`` part by
+    :func:`~xckpt.engine.hostcopy.write_copied`)."""
+    for part in _given(data):
+        if isinstance(part, shard.Copied):
+            hostcopy.write_copied(fd, part)
+            continue
         view = memoryview(part)
         if view.ndim != 1 or view.itemsize != 1:
             view = view.cast("B")

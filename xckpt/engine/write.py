@@ -5,8 +5,9 @@ dtype) and, on one of its threads, streams its object into the store in pieces o
 1 MiB, checksummed as they pass (:func:`xckpt.format.shard.encode_parts`): an inner
 chunk already laid out as stored goes straight from the caller's memory, any other is
 copied block by block into a small per-thread buffer, checksummed in the same pass
-(:func:`xckpt.engine.hostcopy.copy_checksum`), so a save holds no copy of the data beyond
-one block per thread. The chunks queued but not yet written are bounded by
+(:func:`xckpt.engine.hostcopy.copy_checksum`; into a local file, block after block in one
+compiled call, :func:`xckpt.engine.hostcopy.write_copied`), so a save holds no copy of the
+data beyond one block per thread. The chunks queued but not yet written are bounded by
 ``max_inflight_bytes`` (their data stays referenced until written: for device arrays, the
 staged host copies). A small object (under :data:`SMALL_BYTES`: a ``zarr.json``, a bias
 vector's chunk) is encoded into one buffer and written on the caller's thread at once.

@@ -17,7 +17,8 @@ checkpoint, carries a tag that names another place, and the reader refuses it (`
 
 Writing streams: :func:`encode_parts` yields the object in pieces of about 1 MiB, each
 checksummed as it passes (copied into a small buffer first only where the data is not
-already laid out as stored), so a writer never holds a whole object. An asynchronous save
+already laid out as stored: such an inner chunk is one :class:`Copied` part, which a writer
+into a local file makes in one compiled call), so a writer never holds a whole object. An asynchronous save
 copies each chunk once, into the stored layout (:func:`lay_out`), and encodes that copy
 without copying again. Reading checks before it trusts: :func:`parse_index` verifies the
 index's crc32c and every entry against the object's size (no overlap, exact sizes when
@@ -138,10 +139,11 @@ class Geometry:
 
     @cached_property
     def scratch_nbytes(self) -> int:
-        """Bytes of the buffer :func:`encode_parts` needs: a block of rows (a whole inner chunk when compressed)."""
+        """Bytes of the buffer :func:`encode_parts` needs: a block of rows and a crc32c after it (a whole
+        inner chunk when compressed)."""
         if self.compression != "none" or not self.inner_shape:
             return self.inner_nbytes
-        return self.block_rows * self.row_nbytes
+        return self.block_rows * self.row_nbytes + _CRC
 
     @cached_property
     def le_dtype(self) -> np.dtype:
@@ -243,45 +245,97 @@ def _views(payload: np.ndarray) -> Iterator[np.ndarray]:
         yield payload[start:start + PIECE_BYTES]
 
 
-def _checked(pieces: Iterable[np.ndarray]) -> Iterator[tuple[np.ndarray, int]]:
-    """Each piece with the crc32c of the pieces so far, itself included."""
+def _checked(pieces: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+    """The pieces, then the crc32c of them all (u32 LE), taken as they pass."""
     crc = 0
     for piece in pieces:
         crc = checksum(piece, crc)
-        yield piece, crc
+        yield piece
+    yield _le32(crc)
 
 
-def _pieces(geom: Geometry, part: np.ndarray, scratch: np.ndarray, copy: CopyChecksum
-            ) -> Iterator[tuple[np.ndarray, int]]:
-    """The payload of one uncompressed inner chunk (``part``: its data, clipped to the array) in pieces
-    of about :data:`PIECE_BYTES`, each with the crc32c of the payload so far: views of ``part`` itself
-    when it already is the payload (C order, little-endian, not clipped), else blocks of rows copied
-    (zero-padded) into ``scratch``, whole blocks by ``copy``, which checksums as it copies."""
+@dataclass(frozen=True)
+class Copied:
+    """A part of :func:`encode_parts`'s stream still to be made: the stored bytes of one uncompressed inner
+    chunk (its payload, then the payload's crc32c) whose data ``src`` (the inner chunk's shape, in the
+    storage dtype) is not laid out as stored, so it goes through ``scratch`` (uint8, at least
+    :attr:`Geometry.scratch_nbytes`) ``block_rows`` rows at a time as ``dtype`` (the storage dtype,
+    little-endian), copied and checksummed in one pass by ``copy``. A consumer takes it as :meth:`pieces`
+    or makes it its own way (:func:`xckpt.engine.hostcopy.write_copied` writes it to a file in one compiled
+    call), before it asks for the next part."""
+
+    src: np.ndarray
+    scratch: np.ndarray
+    block_rows: int
+    dtype: np.dtype
+    copy: CopyChecksum
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it stands for: the payload and its crc32c."""
+        return int(self.src.nbytes) + _CRC
+
+    def pieces(self) -> Iterator[np.ndarray]:
+        """Its bytes: each block of rows copied into ``scratch`` (valid until the next is asked for), then
+        the crc32c."""
+        rows, step = self.src.shape[0], self.block_rows
+        row_nbytes = self.src.nbytes // max(1, rows)
+        crc = 0
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            raw = self.scratch[:(b - a) * row_nbytes]
+            crc = self.copy(np.ndarray((b - a,) + self.src.shape[1:], dtype=self.dtype, buffer=raw),
+                            self.src[a:b], crc)
+            yield raw
+        yield _le32(crc)
+
+
+def buffers(parts: Iterable[np.ndarray | bytes | Copied]) -> Iterator[np.ndarray | bytes]:
+    """:func:`encode_parts`'s stream as bytes-like parts only: each :class:`Copied` part as its pieces."""
+    for part in parts:
+        if isinstance(part, Copied):
+            yield from part.pieces()
+        else:
+            yield part
+
+
+def _padded_pieces(geom: Geometry, part: np.ndarray, scratch: np.ndarray) -> Iterator[np.ndarray]:
+    """The stored bytes of one uncompressed inner chunk cut by the array's edge (``part``: its data, clipped)
+    or of a 0-d array: blocks of rows zero-padded in ``scratch``, then the crc32c."""
     n = geom.inner_nbytes
-    if part.shape == geom.inner_shape and part.flags.c_contiguous and part.dtype.str == geom.le_dtype.str:
-        yield from _checked(_views(part.reshape(-1).view(np.uint8)))
-        return
     if not geom.inner_shape:  # a 0-d array's one element
         _fill(geom, part, geom.payload_view(scratch, 0))
-        yield from _checked((scratch[:n],))
+        yield scratch[:n]
+        yield _le32(checksum(scratch[:n]))
         return
     rows, have = geom.inner_shape[0], part.shape[0]
-    padded = part.shape[1:] != geom.inner_shape[1:]
     crc = 0
     for a in range(0, rows, geom.block_rows):
         b = min(rows, a + geom.block_rows)
         raw = scratch[:(b - a) * geom.row_nbytes]
         view = np.ndarray((b - a,) + geom.inner_shape[1:], dtype=geom.le_dtype, buffer=raw)
-        if padded or b > have:
-            view[...] = 0
-            if a < have:
-                src = part[a:min(b, have)]
-                np.copyto(view[(slice(0, src.shape[0]),) + tuple(slice(0, s) for s in src.shape[1:])], src,
-                          casting="equiv")
-            crc = checksum(raw, crc)
-        else:
-            crc = copy(view, part[a:b], crc)
-        yield raw, crc
+        view[...] = 0
+        if a < have:
+            src = part[a:min(b, have)]
+            np.copyto(view[(slice(0, src.shape[0]),) + tuple(slice(0, s) for s in src.shape[1:])], src,
+                      casting="equiv")
+        crc = checksum(raw, crc)
+        yield raw
+    yield _le32(crc)
+
+
+def _stored(geom: Geometry, part: np.ndarray, scratch: np.ndarray, copy: CopyChecksum
+            ) -> Iterator[np.ndarray | Copied]:
+    """The stored bytes of one uncompressed inner chunk (``part``: its data, clipped to the array), payload
+    then crc32c: views of ``part`` itself in pieces of about :data:`PIECE_BYTES` where it already is the
+    payload (C order, little-endian, not clipped); one :class:`Copied` part where it only needs copying;
+    else zero-padded blocks (:func:`_padded_pieces`)."""
+    if part.shape == geom.inner_shape and part.flags.c_contiguous and part.dtype.str == geom.le_dtype.str:
+        yield from _checked(_views(part.reshape(-1).view(np.uint8)))
+    elif part.shape == geom.inner_shape and geom.inner_shape:
+        yield Copied(part, scratch, geom.block_rows, geom.le_dtype, copy)
+    else:
+        yield from _padded_pieces(geom, part, scratch)
 
 
 def place_crc(place: bytes, index: bytes | np.ndarray) -> int:
@@ -302,8 +356,8 @@ def place_tag(place: bytes, index: np.ndarray) -> np.ndarray:
     return tag
 
 
-def encode_parts(geom: Geometry, data: np.ndarray | LaidOut, scratch: np.ndarray,
-                 place: bytes | None = None, copy: CopyChecksum = copy_then_checksum) -> Iterator[np.ndarray]:
+def encode_parts(geom: Geometry, data: np.ndarray | LaidOut, scratch: np.ndarray, place: bytes | None = None,
+                 copy: CopyChecksum = copy_then_checksum) -> Iterator[np.ndarray | Copied]:
     """The bytes of one chunk's object, inner chunk by inner chunk, then the place tag (when ``place``
     is given: :func:`place_of`) and the index.
 
@@ -334,12 +388,8 @@ def encode_parts(geom: Geometry, data: np.ndarray | LaidOut, scratch: np.ndarray
             yield payload
             yield _le32(checksum(payload))
         else:
-            crc = 0
-            pieces = (_pieces(geom, data[sl + (Ellipsis,)], scratch, copy) if whole is None  # type: ignore[index]
-                      else _checked(_views(whole)))
-            for piece, crc in pieces:
-                yield piece
-            yield _le32(crc)
+            yield from (_stored(geom, data[sl + (Ellipsis,)], scratch, copy) if whole is None  # type: ignore[index]
+                        else _checked(_views(whole)))
             size = n
         index[k] = (offset, size + _CRC)
         offset += size + _CRC
@@ -365,7 +415,7 @@ def encode(geom: Geometry, data: np.ndarray | LaidOut, place: bytes | None = Non
         if data.shape == geom.inner_shape and data.flags.c_contiguous and data.dtype.str == geom.le_dtype.str:
             return _encode_whole(data, place)
     scratch = np.empty(0 if isinstance(data, LaidOut) else geom.scratch_nbytes, dtype=np.uint8)
-    return b"".join(bytes(part) for part in encode_parts(geom, data, scratch, place))
+    return b"".join(bytes(part) for part in buffers(encode_parts(geom, data, scratch, place)))
 
 
 def _encode_whole(data: np.ndarray, place: bytes | None) -> bytes:
