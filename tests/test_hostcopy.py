@@ -241,6 +241,47 @@ def test_native_copy_crc_write_refuses_a_short_buffer_and_reports_a_failed_write
         os.close(fd)
 
 
+@native_crc
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 40000), st.sampled_from([1, 7, 8, 4096, 12288, 12289, 1 << 20]), st.integers(0, 15),
+       st.integers(0, 99))
+def test_native_crc_write_writes_the_bytes_then_their_crc32c(nbytes: int, piece: int, offset: int, seed: int):
+    """The compiled checksum-and-write of bytes already laid out, into a real file: the bytes as they lie,
+    piece by piece (one lane, and three lanes from 12 KiB, with remainders of any length, at any
+    alignment), then the crc32c of all (u32 LE), and that crc32c returned."""
+    import tempfile
+
+    raw = np.random.default_rng(seed).integers(0, 256, nbytes + offset, dtype=np.uint8)
+    payload = raw[offset:]
+    with tempfile.TemporaryFile() as f:
+        got = hostcopy._native.crc_write(f.fileno(), payload.__array_interface__["data"][0], payload.nbytes, piece)
+        f.seek(0)
+        written = f.read()
+    want = crc32c.crc32c(payload.tobytes())
+    assert got == want
+    assert written == payload.tobytes() + want.to_bytes(4, "little")
+
+
+@native_crc
+def test_native_crc_write_refuses_bad_sizes_and_reports_a_failed_write(tmp_path):
+    """A piece of no bytes or a negative size is refused; a write that fails raises OSError with its errno."""
+    import errno
+
+    payload = np.arange(100000, dtype=np.uint8)
+    addr = payload.__array_interface__["data"][0]
+    for nbytes, piece in ((100, 0), (-1, 8)):
+        with pytest.raises(ValueError):
+            hostcopy._native.crc_write(1, addr, nbytes, piece)
+    (tmp_path / "f").write_bytes(b"")
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as info:
+            hostcopy.write_checked(fd, shard.Checked(payload))
+        assert info.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("swap", [False, True])
 def test_write_copied_is_the_pieces_of_its_part(tmp_path, swap: bool):
     """write_copied writes exactly the bytes its part's pieces hold (the compiled call, or piece by piece

@@ -205,8 +205,8 @@ def test_encoded_object_equals_brute_force_layout(geom: tuple, dtype: str, piece
     followed by its crc32c), then the place tag and the checksummed index, whatever the data's memory
     layout and however the encoder pieces it (small pieces exercise every block boundary), streamed in
     pieces or built whole, from the data as it lies or first laid out as stored (an asynchronous save's copy),
-    and as a save's writer writes it into a file (each inner chunk copied, checksummed and written in one
-    compiled call where it can)."""
+    and as a save's writer writes it into a file (each inner chunk copied or laid out, checksummed and
+    written in one compiled call where it can)."""
     import tempfile
 
     import crc32c
@@ -240,6 +240,12 @@ def test_encoded_object_equals_brute_force_layout(geom: tuple, dtype: str, piece
         laid = shard.lay_out(g, data, buf)
         from_laid = b"".join(bytes(part) for part in shard.buffers(shard.encode_parts(g, laid, np.empty(0, np.uint8),
                                                                                      place)))
+        with tempfile.TemporaryDirectory() as d:
+            store = LocalStore(d, create=True)
+            store.write("c/0", shard.encode_parts(g, laid, np.empty(0, np.uint8), place))
+            store.close()
+            with open(os.path.join(d, "c", "0"), "rb") as f:
+                written_laid = f.read()
         laid_whole = shard.encode(g, laid, place)
     finally:
         shard.PIECE_BYTES = old
@@ -255,7 +261,7 @@ def test_encoded_object_equals_brute_force_layout(geom: tuple, dtype: str, piece
     tag = shard.place_tag(place, np.frombuffer(index_part, np.uint8)).tobytes() if tagged else b""
     assert got == body + tag + index_part
     assert streamed == got  # a writer's pieces, and a whole object built at once (a small leaf's), agree
-    assert written == got
+    assert written == got and written_laid == got
     assert from_laid == got and laid_whole == got
     assert laid.nbytes == len(body) - 4 * sum(1 for _ in g.inner_chunks(valid))  # the payloads, nothing more
 

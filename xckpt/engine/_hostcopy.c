@@ -29,6 +29,10 @@
  * (W1's PyTorch save, 4 ranks on 2 cores), the Python between blocks that it replaces cost about a
  * tenth of the save's CPU time: the interpreter runs slowly with the copies evicting it from the cache.
  *
+ * A fourth, crc_write(fd, src_address, nbytes, piece), does the same for bytes already laid out as
+ * stored (an asynchronous save's staged copy, data that is its own payload): each piece's crc32c
+ * (the same three lanes, no copy) just before it is written, then the crc32c of all.
+ *
  * The copies prefetch the source PREFETCH_ROWS rows ahead where they copy row by row: a chunk's block
  * of columns (a (832, 832) inner chunk of a (832, 3328) shard) is rows of 3,328 bytes 13,312
  * bytes apart, which the processor's own prefetcher does not follow. Measured on the benchmark
@@ -294,6 +298,40 @@ __attribute__((target("sse4.2,pclmul"))) static uint32_t copy_crc3(uint32_t r, c
 #define CRC_LONG_RUN 12288
 #define CRC_MIN_TRIPLE 64
 
+/* Take n bytes at src into the register r, without copying them: one lane, or, from CRC_LONG_RUN
+ * bytes, three (thirds, the first two of q bytes, q a multiple of 8) joined as copy_crc_run joins its. */
+__attribute__((target("sse4.2,pclmul"))) static uint32_t crc_run(uint32_t r, const char *src, size_t n) {
+    size_t q = n >= CRC_LONG_RUN ? (n / 3) & ~(size_t)7 : 0;
+    uint64_t a = r, b = 0, c = 0;
+    const char *s0 = src, *s1 = src + q, *s2 = src + 2 * q;
+    for (size_t i = 0; i < q; i += 8) {
+        uint64_t x, y, z;
+        memcpy(&x, s0 + i, 8);
+        memcpy(&y, s1 + i, 8);
+        memcpy(&z, s2 + i, 8);
+        a = _mm_crc32_u64(a, x);
+        b = _mm_crc32_u64(b, y);
+        c = _mm_crc32_u64(c, z);
+    }
+    if (!q) {
+        s2 = src;
+        c = a;
+    }
+    const char *t = s2 + q;
+    size_t left = n - 3 * q;
+    for (; left >= 8; left -= 8, t += 8) {
+        uint64_t v;
+        memcpy(&v, t, 8);
+        c = _mm_crc32_u64(c, v);
+    }
+    uint32_t rc = (uint32_t)c;
+    for (; left; left--)
+        rc = _mm_crc32_u8(rc, (unsigned char)*t++);
+    if (!q)
+        return rc;
+    return shift(shift((uint32_t)a, shift_key(q)) ^ (uint32_t)b, shift_key(n - 2 * q)) ^ rc;
+}
+
 /* Copy a long run (at least CRC_LONG_RUN bytes) from src to dst and take it into r: in three lanes
  * (thirds, the first two of q bytes, q a multiple of 8), with kq = shift_key(q) and kl =
  * shift_key(run - 2q). */
@@ -402,7 +440,7 @@ static PyObject *hostcopy_copy_crc(PyObject *self, PyObject *args) {
 }
 
 /* Write n bytes from p to fd, resuming after short writes and EINTR; 0, or the errno of the failure. */
-static int write_all(int fd, const char *p, size_t n) {
+static inline int write_all(int fd, const char *p, size_t n) {
     while (n > 0) {
         ssize_t w = write(fd, p, n);
         if (w < 0) {
@@ -414,6 +452,21 @@ static int write_all(int fd, const char *p, size_t n) {
         n -= (size_t)w;
     }
     return 0;
+}
+
+/* Store v at t as a u32, little-endian (a crc32c after its payload). */
+static inline void put_le32(unsigned char *t, uint32_t v) {
+    for (int i = 0; i < 4; i++)
+        t[i] = (unsigned char)(v >> (8 * i));
+}
+
+/* What a writing call returns: the crc32c of its register r, or OSError for the errno err of a failed write. */
+static inline PyObject *crc_or_error(uint32_t r, int err) {
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromUnsignedLong(~r & 0xffffffffUL);
 }
 
 static PyObject *hostcopy_copy_crc_write(PyObject *self, PyObject *args) {
@@ -460,20 +513,44 @@ static PyObject *hostcopy_copy_crc_write(PyObject *self, PyObject *args) {
             err = write_all(fd, (const char *)dst_addr, last);
     }
     if (!err) {
-        uint32_t v = ~r;
-        unsigned char *t = (unsigned char *)dst_addr + last;
-        for (int i = 0; i < 4; i++)
-            t[i] = (unsigned char)(v >> (8 * i));
+        put_le32((unsigned char *)dst_addr + last, ~r);
         err = write_all(fd, (const char *)dst_addr, last + 4);
     }
     Py_END_ALLOW_THREADS
-    if (err) {
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    return PyLong_FromUnsignedLong(~r & 0xffffffffUL);
+    return crc_or_error(r, err);
 #else
     PyErr_SetString(PyExc_RuntimeError, "copy_crc_write needs an x86-64 processor");
+    return NULL;
+#endif
+}
+
+static PyObject *hostcopy_crc_write(PyObject *self, PyObject *args) {
+    int fd;
+    Py_ssize_t src_addr, nbytes, piece;
+    if (!PyArg_ParseTuple(args, "innn", &fd, &src_addr, &nbytes, &piece))
+        return NULL;
+#ifdef XCKPT_CRC
+    if (nbytes < 0 || piece <= 0) {
+        PyErr_SetString(PyExc_ValueError, "a negative size or a piece of no bytes");
+        return NULL;
+    }
+    uint32_t r = ~(uint32_t)0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t a = 0; a < nbytes && !err; a += piece) {
+        size_t n = (size_t)(nbytes - a < piece ? nbytes - a : piece);
+        r = crc_run(r, (const char *)src_addr + a, n);
+        err = write_all(fd, (const char *)src_addr + a, n);
+    }
+    if (!err) {
+        unsigned char t[4];
+        put_le32(t, ~r);
+        err = write_all(fd, (const char *)t, 4);
+    }
+    Py_END_ALLOW_THREADS
+    return crc_or_error(r, err);
+#else
+    PyErr_SetString(PyExc_RuntimeError, "crc_write needs an x86-64 processor");
     return NULL;
 #endif
 }
@@ -489,6 +566,9 @@ static PyMethodDef methods[] = {
      "source into C order through the buffer at dst, block_rows rows of its first dimension at a time, taking the "
      "crc32c as it copies; write each block to fd, the last followed by the crc32c of all (u32 LE); return that "
      "crc32c."},
+    {"crc_write", hostcopy_crc_write, METH_VARARGS,
+     "crc_write(fd, src_address, nbytes, piece): write nbytes at src to fd, piece bytes at a time, each piece "
+     "checksummed just before it is written, then the crc32c of all (u32 LE); return that crc32c."},
     {NULL, NULL, 0, NULL},
 };
 

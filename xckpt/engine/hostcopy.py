@@ -14,12 +14,15 @@ pass over the source with the same helper (crc32c on three lanes of the SSE4.2 i
 stride apart prefetched ahead, which the processor does not do for them), where
 the processor has it; else it copies, then checksums (:func:`xckpt.format.shard.checksum`). Into a
 local file, :func:`write_copied` runs that loop over a whole inner chunk in one compiled call, the
-writes included, so no Python runs between its blocks.
+writes included, so no Python runs between its blocks; :func:`write_checked` does the same for an
+inner chunk already laid out as stored (an asynchronous save's staged copy), checksumming each piece
+just before it writes it.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Iterable
 
 import numpy as np
 
@@ -92,7 +95,31 @@ def write_copied(fd: int, part: shard.Copied) -> None:
                                src.__array_interface__["data"][0], src.shape, src.strides, src.itemsize,
                                part.block_rows)
         return
-    for piece in part.pieces():
+    _write_pieces(fd, part.pieces())
+
+
+def write_checked(fd: int, part: shard.Checked) -> None:
+    """Write ``part`` (an inner chunk's payload as stored, and its crc32c) to the open file ``fd``: in one
+    compiled call that checksums each piece just before writing it, with the GIL released, where the
+    helper is built; else piece by piece (:meth:`xckpt.format.shard.Checked.pieces`). A failed write raises
+    :class:`OSError`."""
+    payload = part.payload
+    if _NATIVE_CRC and payload.dtype == np.uint8 and payload.flags.c_contiguous:
+        _native.crc_write(fd, payload.__array_interface__["data"][0], payload.nbytes, shard.PIECE_BYTES)
+        return
+    _write_pieces(fd, part.pieces())
+
+
+def write_part(fd: int, part: shard.Copied | shard.Checked) -> None:
+    """Write one of :func:`xckpt.format.shard.encode_parts`' deferred parts to the open file ``fd``."""
+    if isinstance(part, shard.Copied):
+        write_copied(fd, part)
+    else:
+        write_checked(fd, part)
+
+
+def _write_pieces(fd: int, pieces: Iterable[np.ndarray]) -> None:
+    for piece in pieces:
         view = memoryview(piece).cast("B")
         done = 0
         while done < view.nbytes:

@@ -173,8 +173,8 @@ class Store(Protocol):
 
     def write(self, name: str, data: Any, *, atomic: bool = False) -> None:
         """Create or replace an object with ``data`` (a bytes-like object, or an iterable of them and of
-        :class:`~xckpt.format.shard.Copied` parts written in order, each consumed before the next is asked
-        for), durably once :meth:`sync` returns.
+        deferred parts, :data:`~xckpt.format.shard.Deferred`, written in order, each consumed before the
+        next is asked for), durably once :meth:`sync` returns.
 
         ``atomic``: a concurrent reader sees the old object or the whole new one, never a part.
         """
@@ -240,14 +240,14 @@ def make_dirs(path: str) -> None:
 
 def _given(data: Any) -> Iterable[Any]:
     """The parts of what :meth:`Store.write` takes, as given: one bytes-like object, or an iterable of them
-    and of :class:`~xckpt.format.shard.Copied` parts."""
+    and of deferred parts (:data:`~xckpt.format.shard.Deferred`)."""
     if isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):
         return (data,)
     return data
 
 
 def _parts(data: Any) -> Iterable[Any]:
-    """The parts of what :meth:`Store.write` takes, bytes-like only (a ``Copied`` part as its pieces)."""
+    """The parts of what :meth:`Store.write` takes, bytes-like only (a deferred part as its pieces)."""
     return shard.buffers(_given(data))
 
 
@@ -296,11 +296,11 @@ def _check_size(size: int, limit: int, file: str) -> None:
 
 
 def _write_all(fd: int, data: Any) -> None:
-    """Write every part of ``data`` to the open file ``fd`` (a ``Copied`` part by
-    :func:`~xckpt.engine.hostcopy.write_copied`)."""
+    """Write every part of ``data`` to the open file ``fd`` (a deferred part by
+    :func:`~xckpt.engine.hostcopy.write_part`)."""
     for part in _given(data):
-        if isinstance(part, shard.Copied):
-            hostcopy.write_copied(fd, part)
+        if isinstance(part, shard.Deferred):
+            hostcopy.write_part(fd, part)
             continue
         view = memoryview(part)
         if view.ndim != 1 or view.itemsize != 1:

@@ -17,8 +17,9 @@ checkpoint, carries a tag that names another place, and the reader refuses it (`
 
 Writing streams: :func:`encode_parts` yields the object in pieces of about 1 MiB, each
 checksummed as it passes (copied into a small buffer first only where the data is not
-already laid out as stored: such an inner chunk is one :class:`Copied` part, which a writer
-into a local file makes in one compiled call), so a writer never holds a whole object. An asynchronous save
+already laid out as stored: such an inner chunk is one :class:`Copied` part, one already laid
+out a :class:`Checked` part, either of which a writer into a local file makes in one compiled
+call), so a writer never holds a whole object. An asynchronous save
 copies each chunk once, into the stored layout (:func:`lay_out`), and encodes that copy
 without copying again. Reading checks before it trusts: :func:`parse_index` verifies the
 index's crc32c and every entry against the object's size (no overlap, exact sizes when
@@ -245,13 +246,28 @@ def _views(payload: np.ndarray) -> Iterator[np.ndarray]:
         yield payload[start:start + PIECE_BYTES]
 
 
-def _checked(pieces: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
-    """The pieces, then the crc32c of them all (u32 LE), taken as they pass."""
-    crc = 0
-    for piece in pieces:
-        crc = checksum(piece, crc)
-        yield piece
-    yield _le32(crc)
+@dataclass(frozen=True)
+class Checked:
+    """A part of :func:`encode_parts`'s stream still to be made: the stored bytes of one uncompressed inner
+    chunk whose ``payload`` (uint8, contiguous) already lies as stored (data that is its own payload, an
+    asynchronous save's staged copy): the payload, then its crc32c, taken as it passes. A consumer takes
+    it as :meth:`pieces` or makes it its own way (:func:`xckpt.engine.hostcopy.write_checked` writes it to a
+    file in one compiled call), before it asks for the next part."""
+
+    payload: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it stands for: the payload and its crc32c."""
+        return int(self.payload.nbytes) + _CRC
+
+    def pieces(self) -> Iterator[np.ndarray]:
+        """Its bytes: views of the payload of about :data:`PIECE_BYTES`, then the crc32c."""
+        crc = 0
+        for piece in _views(self.payload):
+            crc = checksum(piece, crc)
+            yield piece
+        yield _le32(crc)
 
 
 @dataclass(frozen=True)
@@ -290,10 +306,14 @@ class Copied:
         yield _le32(crc)
 
 
-def buffers(parts: Iterable[np.ndarray | bytes | Copied]) -> Iterator[np.ndarray | bytes]:
-    """:func:`encode_parts`'s stream as bytes-like parts only: each :class:`Copied` part as its pieces."""
+#: The parts of :func:`encode_parts`'s stream that are still to be made (each has ``pieces()``).
+Deferred = (Copied, Checked)
+
+
+def buffers(parts: Iterable[np.ndarray | bytes | Copied | Checked]) -> Iterator[np.ndarray | bytes]:
+    """:func:`encode_parts`'s stream as bytes-like parts only: each :data:`Deferred` part as its pieces."""
     for part in parts:
-        if isinstance(part, Copied):
+        if isinstance(part, Deferred):
             yield from part.pieces()
         else:
             yield part
@@ -325,13 +345,13 @@ def _padded_pieces(geom: Geometry, part: np.ndarray, scratch: np.ndarray) -> Ite
 
 
 def _stored(geom: Geometry, part: np.ndarray, scratch: np.ndarray, copy: CopyChecksum
-            ) -> Iterator[np.ndarray | Copied]:
+            ) -> Iterator[np.ndarray | Copied | Checked]:
     """The stored bytes of one uncompressed inner chunk (``part``: its data, clipped to the array), payload
-    then crc32c: views of ``part`` itself in pieces of about :data:`PIECE_BYTES` where it already is the
-    payload (C order, little-endian, not clipped); one :class:`Copied` part where it only needs copying;
-    else zero-padded blocks (:func:`_padded_pieces`)."""
+    then crc32c: one :class:`Checked` part of ``part`` itself where it already is the payload (C order,
+    little-endian, not clipped); one :class:`Copied` part where it only needs copying; else zero-padded
+    blocks (:func:`_padded_pieces`)."""
     if part.shape == geom.inner_shape and part.flags.c_contiguous and part.dtype.str == geom.le_dtype.str:
-        yield from _checked(_views(part.reshape(-1).view(np.uint8)))
+        yield Checked(part.reshape(-1).view(np.uint8))
     elif part.shape == geom.inner_shape and geom.inner_shape:
         yield Copied(part, scratch, geom.block_rows, geom.le_dtype, copy)
     else:
@@ -357,7 +377,7 @@ def place_tag(place: bytes, index: np.ndarray) -> np.ndarray:
 
 
 def encode_parts(geom: Geometry, data: np.ndarray | LaidOut, scratch: np.ndarray, place: bytes | None = None,
-                 copy: CopyChecksum = copy_then_checksum) -> Iterator[np.ndarray | Copied]:
+                 copy: CopyChecksum = copy_then_checksum) -> Iterator[np.ndarray | Copied | Checked]:
     """The bytes of one chunk's object, inner chunk by inner chunk, then the place tag (when ``place``
     is given: :func:`place_of`) and the index.
 
@@ -388,8 +408,10 @@ def encode_parts(geom: Geometry, data: np.ndarray | LaidOut, scratch: np.ndarray
             yield payload
             yield _le32(checksum(payload))
         else:
-            yield from (_stored(geom, data[sl + (Ellipsis,)], scratch, copy) if whole is None  # type: ignore[index]
-                        else _checked(_views(whole)))
+            if whole is None:
+                yield from _stored(geom, data[sl + (Ellipsis,)], scratch, copy)  # type: ignore[index]
+            else:
+                yield Checked(whole)
             size = n
         index[k] = (offset, size + _CRC)
         offset += size + _CRC
