@@ -283,17 +283,24 @@ def test_native_crc_write_refuses_bad_sizes_and_reports_a_failed_write(tmp_path)
 
 
 @pytest.mark.parametrize("swap", [False, True])
-def test_write_copied_is_the_pieces_of_its_part(tmp_path, swap: bool):
-    """write_copied writes exactly the bytes its part's pieces hold (the compiled call, or piece by piece
-    for a byte-swapped source the helper does not take)."""
+def test_a_local_store_writes_the_pieces_of_a_copied_part(tmp_path, swap: bool):
+    """A local store writes exactly the bytes a Copied part's pieces hold: in the compiled call, or, for a
+    byte-swapped source the helper does not take (write_copied declines, writing nothing), piece by piece."""
+    from xckpt.engine.storage import LocalStore
+
     src = np.random.default_rng(9).random((300, 1000), dtype=np.float32)[:, 100:900]
     if swap:
         src = src.astype(">f4")
     part = shard.Copied(src, np.empty(64 * 3200 + 4, np.uint8), 64, np.dtype("<f4"), hostcopy.copy_checksum)
     want = b"".join(bytes(p) for p in part.pieces())
-    with open(tmp_path / "o", "wb") as f:
-        hostcopy.write_copied(f.fileno(), part)
-    assert (tmp_path / "o").read_bytes() == want
+    with open(tmp_path / "direct", "wb") as f:
+        took = hostcopy.write_copied(f.fileno(), part)
+    assert took == (hostcopy.crc_available() and not swap)
+    assert (tmp_path / "direct").read_bytes() == (want if took else b"")
+    store = LocalStore(str(tmp_path / "store"), create=True)
+    store.write("o", [part])
+    store.close()
+    assert (tmp_path / "store" / "o").read_bytes() == want
     payload = np.ascontiguousarray(src, dtype="<f4").tobytes()
     assert want == payload + crc32c.crc32c(payload).to_bytes(4, "little")
 

@@ -21,9 +21,6 @@ just before it writes it.
 
 from __future__ import annotations
 
-import os
-from typing import Iterable
-
 import numpy as np
 
 from xckpt.format import shard
@@ -83,44 +80,35 @@ def copy_checksum(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
                                 src.strides, src.itemsize, crc))
 
 
-def write_copied(fd: int, part: shard.Copied) -> None:
+def write_copied(fd: int, part: shard.Copied) -> bool:
     """Write ``part`` (an inner chunk's stored bytes still to be copied, and their crc32c) to the open file
-    ``fd``: in one compiled call that copies, checksums and writes each block in turn with the GIL released,
-    where the helper takes it (:func:`_compiled_takes`' conditions, the storage byte order); else piece by
-    piece (:meth:`xckpt.format.shard.Copied.pieces`). A failed write raises :class:`OSError`."""
+    ``fd`` in one compiled call that copies, checksums and writes each block in turn with the GIL released,
+    where the helper takes it (:func:`_compiled_takes`' conditions, the storage byte order); False, with
+    nothing written, where it does not (the caller writes :meth:`~xckpt.format.shard.Copied.pieces`). A
+    failed write raises :class:`OSError`."""
     src, scratch = part.src, part.scratch
-    if (_NATIVE_CRC and src.ndim and src.dtype.str == part.dtype.str and src.strides[-1] == src.itemsize
+    if not (_NATIVE_CRC and src.ndim and src.dtype.str == part.dtype.str and src.strides[-1] == src.itemsize
             and not src.dtype.hasobject and scratch.dtype == np.uint8 and scratch.flags.c_contiguous):
-        _native.copy_crc_write(fd, scratch.__array_interface__["data"][0], scratch.nbytes,
-                               src.__array_interface__["data"][0], src.shape, src.strides, src.itemsize,
-                               part.block_rows)
-        return
-    _write_pieces(fd, part.pieces())
+        return False
+    _native.copy_crc_write(fd, scratch.__array_interface__["data"][0], scratch.nbytes,
+                           src.__array_interface__["data"][0], src.shape, src.strides, src.itemsize, part.block_rows)
+    return True
 
 
-def write_checked(fd: int, part: shard.Checked) -> None:
-    """Write ``part`` (an inner chunk's payload as stored, and its crc32c) to the open file ``fd``: in one
+def write_checked(fd: int, part: shard.Checked) -> bool:
+    """Write ``part`` (an inner chunk's payload as stored, and its crc32c) to the open file ``fd`` in one
     compiled call that checksums each piece just before writing it, with the GIL released, where the
-    helper is built; else piece by piece (:meth:`xckpt.format.shard.Checked.pieces`). A failed write raises
-    :class:`OSError`."""
+    helper is built; False, with nothing written, where it is not (the caller writes
+    :meth:`~xckpt.format.shard.Checked.pieces`). A failed write raises :class:`OSError`."""
     payload = part.payload
-    if _NATIVE_CRC and payload.dtype == np.uint8 and payload.flags.c_contiguous:
-        _native.crc_write(fd, payload.__array_interface__["data"][0], payload.nbytes, shard.PIECE_BYTES)
-        return
-    _write_pieces(fd, part.pieces())
+    if not (_NATIVE_CRC and payload.dtype == np.uint8 and payload.flags.c_contiguous):
+        return False
+    _native.crc_write(fd, payload.__array_interface__["data"][0], payload.nbytes, shard.PIECE_BYTES)
+    return True
 
 
-def write_part(fd: int, part: shard.Copied | shard.Checked) -> None:
-    """Write one of :func:`xckpt.format.shard.encode_parts`' deferred parts to the open file ``fd``."""
-    if isinstance(part, shard.Copied):
-        write_copied(fd, part)
-    else:
-        write_checked(fd, part)
-
-
-def _write_pieces(fd: int, pieces: Iterable[np.ndarray]) -> None:
-    for piece in pieces:
-        view = memoryview(piece).cast("B")
-        done = 0
-        while done < view.nbytes:
-            done += os.write(fd, view[done:])
+def write_part(fd: int, part: shard.Copied | shard.Checked) -> bool:
+    """Write one of :func:`xckpt.format.shard.encode_parts`' deferred parts to the open file ``fd`` in one
+    compiled call (:func:`write_copied`, :func:`write_checked`); False, with nothing written, where the
+    helper does not take it."""
+    return write_copied(fd, part) if isinstance(part, shard.Copied) else write_checked(fd, part)

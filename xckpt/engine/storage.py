@@ -296,18 +296,18 @@ def _check_size(size: int, limit: int, file: str) -> None:
 
 
 def _write_all(fd: int, data: Any) -> None:
-    """Write every part of ``data`` to the open file ``fd`` (a deferred part by
-    :func:`~xckpt.engine.hostcopy.write_part`)."""
+    """Write every part of ``data`` to the open file ``fd`` (a deferred part in one compiled call,
+    :func:`~xckpt.engine.hostcopy.write_part`, where the helper takes it, else as its pieces)."""
     for part in _given(data):
-        if isinstance(part, shard.Deferred):
-            hostcopy.write_part(fd, part)
+        if isinstance(part, shard.Deferred) and hostcopy.write_part(fd, part):
             continue
-        view = memoryview(part)
-        if view.ndim != 1 or view.itemsize != 1:
-            view = view.cast("B")
-        done = os.write(fd, view)
-        while done < view.nbytes:  # a short write: the rest
-            done += os.write(fd, view[done:])
+        for piece in part.pieces() if isinstance(part, shard.Deferred) else (part,):
+            view = memoryview(piece)
+            if view.ndim != 1 or view.itemsize != 1:
+                view = view.cast("B")
+            done = os.write(fd, view)
+            while done < view.nbytes:  # a short write: the rest
+                done += os.write(fd, view[done:])
 
 
 def _write_synced(fd: int, data: Any) -> None:

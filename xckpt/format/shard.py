@@ -319,9 +319,11 @@ def buffers(parts: Iterable[np.ndarray | bytes | Copied | Checked]) -> Iterator[
             yield part
 
 
-def _padded_pieces(geom: Geometry, part: np.ndarray, scratch: np.ndarray) -> Iterator[np.ndarray]:
+def _padded_pieces(geom: Geometry, part: np.ndarray, scratch: np.ndarray, copy: CopyChecksum
+                   ) -> Iterator[np.ndarray]:
     """The stored bytes of one uncompressed inner chunk cut by the array's edge (``part``: its data, clipped)
-    or of a 0-d array: blocks of rows zero-padded in ``scratch``, then the crc32c."""
+    or of a 0-d array: blocks of rows in ``scratch``, zero-padded where the edge cuts them (the others
+    copied by ``copy``, which checksums as it copies), then the crc32c."""
     n = geom.inner_nbytes
     if not geom.inner_shape:  # a 0-d array's one element
         _fill(geom, part, geom.payload_view(scratch, 0))
@@ -329,17 +331,21 @@ def _padded_pieces(geom: Geometry, part: np.ndarray, scratch: np.ndarray) -> Ite
         yield _le32(checksum(scratch[:n]))
         return
     rows, have = geom.inner_shape[0], part.shape[0]
+    padded = part.shape[1:] != geom.inner_shape[1:]
     crc = 0
     for a in range(0, rows, geom.block_rows):
         b = min(rows, a + geom.block_rows)
         raw = scratch[:(b - a) * geom.row_nbytes]
         view = np.ndarray((b - a,) + geom.inner_shape[1:], dtype=geom.le_dtype, buffer=raw)
-        view[...] = 0
-        if a < have:
-            src = part[a:min(b, have)]
-            np.copyto(view[(slice(0, src.shape[0]),) + tuple(slice(0, s) for s in src.shape[1:])], src,
-                      casting="equiv")
-        crc = checksum(raw, crc)
+        if padded or b > have:
+            view[...] = 0
+            if a < have:
+                src = part[a:min(b, have)]
+                np.copyto(view[(slice(0, src.shape[0]),) + tuple(slice(0, s) for s in src.shape[1:])], src,
+                          casting="equiv")
+            crc = checksum(raw, crc)
+        else:
+            crc = copy(view, part[a:b], crc)
         yield raw
     yield _le32(crc)
 
@@ -355,7 +361,7 @@ def _stored(geom: Geometry, part: np.ndarray, scratch: np.ndarray, copy: CopyChe
     elif part.shape == geom.inner_shape and geom.inner_shape:
         yield Copied(part, scratch, geom.block_rows, geom.le_dtype, copy)
     else:
-        yield from _padded_pieces(geom, part, scratch)
+        yield from _padded_pieces(geom, part, scratch, copy)
 
 
 def place_crc(place: bytes, index: bytes | np.ndarray) -> int:
