@@ -299,9 +299,12 @@ def _write_all(fd: int, data: Any) -> None:
     """Write every part of ``data`` to the open file ``fd`` (a deferred part in one compiled call,
     :func:`~xckpt.engine.hostcopy.write_part`, where the helper takes it, else as its pieces)."""
     for part in _given(data):
-        if isinstance(part, shard.Deferred) and hostcopy.write_part(fd, part):
-            continue
-        for piece in part.pieces() if isinstance(part, shard.Deferred) else (part,):
+        pieces: Iterable[Any] = (part,)
+        if isinstance(part, shard.Deferred):
+            if hostcopy.write_part(fd, part):
+                continue
+            pieces = part.pieces()
+        for piece in pieces:
             view = memoryview(piece)
             if view.ndim != 1 or view.itemsize != 1:
                 view = view.cast("B")

@@ -256,11 +256,6 @@ class Checked:
 
     payload: np.ndarray
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes it stands for: the payload and its crc32c."""
-        return int(self.payload.nbytes) + _CRC
-
     def pieces(self) -> Iterator[np.ndarray]:
         """Its bytes: views of the payload of about :data:`PIECE_BYTES`, then the crc32c."""
         crc = 0
@@ -285,11 +280,6 @@ class Copied:
     block_rows: int
     dtype: np.dtype
     copy: CopyChecksum
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes it stands for: the payload and its crc32c."""
-        return int(self.src.nbytes) + _CRC
 
     def pieces(self) -> Iterator[np.ndarray]:
         """Its bytes: each block of rows copied into ``scratch`` (valid until the next is asked for), then
