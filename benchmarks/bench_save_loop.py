@@ -1,9 +1,12 @@
-"""W1's PyTorch save in a loop, xckpt against DCP: wall time and the CPU time it costs, less noise.
+"""W1's PyTorch save in a loop, xckpt against DCP and the bare bytes: wall time and the CPU time it costs, less noise.
 
 One group of 4 gloo ranks holds W1 as ``bench_torch.py`` does (matrices ``[Shard(0)]``, vectors
 ``[Replicate()]``) and saves it ``--repeats`` times with each method, alternating their order from
 round to round, into a fresh directory each time (deleted before the next save; the first round is an
-untimed warm-up). Per save: the wall time between barriers (the max over ranks) and the CPU time of
+untimed warm-up). The third method, ``raw``, is the floor of any save in these processes: each rank
+writes the bytes it holds, its shard of every matrix and every fourth vector (rank 0 the step too),
+one file per array with ``tofile`` + flush + ``os.fsync`` on 2 threads, with no checksum, no layout,
+no metadata and no commit. Per save: the wall time between barriers (the max over ranks) and the CPU time of
 the 4 processes, all their threads (``getrusage``), user and system, summed over the ranks. On a host
 that shares its cores, a save's wall time swings with what the host does; its CPU time does not, and
 with 4 ranks on 2 cores a save's wall time is about its CPU time over 2. Timing only: ``bench_torch.py``
@@ -23,11 +26,28 @@ import tempfile
 import time
 from typing import Any
 
+import numpy as np
+
 import _common as C
 import bench_torch as B
 
 WORLD = 4
-METHODS = ("xckpt", "DCP")
+METHODS = ("xckpt", "DCP", "raw")
+
+
+def _held(state: dict[str, Any], rank: int) -> dict[str, np.ndarray]:
+    """What ``raw`` writes on this rank: its shard of every matrix, every fourth vector, and on rank 0 the step."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, np.ndarray] = {}
+    vectors = sorted(k for k, v in state.items() if isinstance(v, DTensor) and v.ndim == 1)
+    for k, v in state.items():
+        if not isinstance(v, DTensor):
+            if rank == 0:
+                out[k] = v.numpy()
+        elif v.ndim != 1 or vectors.index(k) % WORLD == rank:
+            out[k] = v.to_local().numpy()
+    return out
 
 
 def _rank(rank: int, port: int, repeats: int, root: str, out: str) -> None:
@@ -40,19 +60,22 @@ def _rank(rank: int, port: int, repeats: int, root: str, out: str) -> None:
 
     wl = C.w1(1.0)
     state = B._source_state(wl, mesh, rank, WORLD)
+    mine = _held(state, rank)
     got: list[dict[str, Any]] = []
-    for r in range(repeats + 1):
-        for m in (METHODS if r % 2 == 0 else METHODS[::-1]):
+    for r, order in C.rounds(METHODS, repeats):
+        for m in order:
             path = os.path.join(root, f"loop_{m}_{r}")
             dist.barrier()
             before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             if m == "xckpt":
                 xckpt.save(state, path)
-            else:
+            elif m == "DCP":
                 dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
+            else:
+                C.raw_save(mine, os.path.join(path, f"rank{rank}"))
             seconds, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
             dist.barrier()
-            if r:  # round 0: the warm-up
+            if r is not None:  # None: the warm-up
                 got.append({"method": m, "round": r, "s": seconds, "user": after.ru_utime - before.ru_utime,
                             "sys": after.ru_stime - before.ru_stime})
             if rank == 0:
@@ -91,9 +114,15 @@ def main() -> int:
                 f"alternating rounds\n  {C.size_note(wl)}", list(METHODS))
     t.add("save s (wall, max over ranks)", [C.median(x["s"] for x in saves[m]) for m in METHODS],
           fmt="{:.3f}", goal=C.Goal("<=", 0.6))
+    floor = C.median(x["s"] for x in saves["raw"])
+    t.add("save s / raw's", [C.median(x["s"] for x in saves[m]) / floor for m in METHODS],
+          note="0.6 x DCP's time is this many times raw's: "
+          f"{0.6 * C.median(x['s'] for x in saves['DCP']) / floor:.2f}")
     t.add("CPU-s, user (4 ranks)", [C.median(x["user"] for x in saves[m]) for m in METHODS])
     t.add("CPU-s, system (4 ranks)", [C.median(x["sys"] for x in saves[m]) for m in METHODS])
     t.add("CPU-s, total (4 ranks)", [C.median(x["user"] + x["sys"] for x in saves[m]) for m in METHODS])
+    cpu_floor = C.median(x["user"] + x["sys"] for x in saves["raw"])
+    t.add("CPU-s, total / raw's", [C.median(x["user"] + x["sys"] for x in saves[m]) / cpu_floor for m in METHODS])
     t.print()
     return 1 if args.strict and t.failed else 0
 
