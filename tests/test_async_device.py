@@ -41,6 +41,7 @@ def _alloc(nbytes: int) -> np.ndarray:
 
 
 def _source(arr: DeviceArray) -> registry.ArraySource:
+    arr.log.append(f"describe {arr.name}")
     rows = np.array_split(np.arange(arr.data.shape[0]), arr.blocks)
     shards = []
     for i, r in enumerate(rows):
@@ -139,11 +140,61 @@ def test_the_largest_device_shards_are_queued_first(tmp_path):
                                      name=f"bias{i}/") for i in range(3)}
     state["big"] = DeviceArray(rng.standard_normal((64, 64)).astype(np.float32), blocks=2, log=order, name="big/")
     state["mid"] = DeviceArray(rng.standard_normal((16, 64)).astype(np.float32), blocks=1, log=order, name="mid/")
+    xckpt.release_buffers()  # a first save: nothing starts while describing
     xckpt.save_async(state, tmp_path / "a").wait()
-    starts = [e for e in order if e.startswith("start")]
+    copies = [e for e in order if not e.startswith("describe")]
+    starts = [e for e in copies if e.startswith("start")]
     assert starts[:3] == ["start big/0", "start big/1", "start mid/0"], order  # big's 32 x 64 blocks, then 16 x 64
     assert sorted(starts[3:]) == ["start bias0/0", "start bias1/0", "start bias2/0"], order
-    assert len(starts) == 6 and all(e.startswith("start") for e in order[:6]), order  # all start before any wait
+    assert len(starts) == 6 and all(e.startswith("start") for e in copies[:6]), order  # all start before any wait
     got = xckpt.load(tmp_path / "a")
     for k, v in state.items():
         np.testing.assert_array_equal(got[k], v.data, err_msg=k)
+
+
+def test_a_later_save_starts_its_device_copies_while_the_tree_is_described(tmp_path):
+    """The shards the last save_async staged start copying into the buffers kept from it as soon as their
+    leaf is described, before the plan is agreed; a save that fails while planning gives those buffers back."""
+    rng = np.random.default_rng(11)
+    order: list[str] = []
+    state = {"a": DeviceArray(rng.standard_normal((40, 30)).astype(np.float32), blocks=2, log=order, name="a/"),
+             "b": DeviceArray(rng.integers(0, 9, (8, 5)).astype(np.int32), blocks=1, log=order, name="b/"),
+             "host": rng.standard_normal((6, 6)), "step": 3}
+    xckpt.release_buffers()
+    allocations.clear()
+    xckpt.save_async(state, tmp_path / "1").wait()
+    assert [e for e in order if not e.startswith("wait")][:2] == ["describe a/", "describe b/"], order
+    assert len(allocations) == 3
+
+    order.clear()
+    want = {k: v.data.copy() for k, v in state.items() if isinstance(v, DeviceArray)}
+    handle = xckpt.save_async(state, tmp_path / "2")
+    assert order[:5] == ["describe a/", "start a/0", "start a/1", "describe b/", "start b/0"], order
+    assert sorted(e for e in order if e.startswith("start")) == ["start a/0", "start a/1", "start b/0"], order
+    state["a"].data += 1  # the caller goes on changing its arrays
+    handle.wait()
+    assert len(allocations) == 3  # into the buffers kept from the first save
+    assert handle.stats["staged_during_planning"]  # the host array is staged while the plan is agreed
+    got = xckpt.load(tmp_path / "2")
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+    np.testing.assert_array_equal(got["host"], state["host"])
+
+    # the copies started while describing a save that then fails are waited for and their buffers given
+    # back: when planning fails (its path exists), and when a later leaf cannot be described at all
+    for path, bad, match in ((tmp_path / "2", {}, "exists"), (tmp_path / "x", {"zz": object()}, "cannot save")):
+        order.clear()
+        with pytest.raises(XckptError, match=match):
+            xckpt.save_async({**state, **bad}, path)
+        assert sorted(e for e in order if e.startswith("start")) == ["start a/0", "start a/1", "start b/0"], order
+        assert sorted(e for e in order if e.startswith("wait")) == ["wait a/0", "wait a/1", "wait b/0"], order
+    assert not (tmp_path / "x").exists()
+    # the next save allocates nothing new, and stores what the arrays hold then
+    state["b"].data -= 2
+    xckpt.save_async(state, tmp_path / "3").wait()
+    assert len(allocations) == 3
+    got = xckpt.load(tmp_path / "3")
+    for k in ("a", "b"):
+        np.testing.assert_array_equal(got[k], state[k].data, err_msg=k)
+    assert xckpt.validate(tmp_path / "3", deep=True).ok
+

@@ -27,7 +27,9 @@ A shard on an accelerator (one whose source gives :attr:`~xckpt.registry.Shard.c
 staged differently: its device-to-host copy goes straight into a page-locked buffer of the
 shard's shape, every such copy is started before the first is waited for, and the background
 lays its chunks out as it writes them (as a synchronous save does), so the caller waits for the
-device-to-host copies and nothing more.
+device-to-host copies and nothing more. The shards this process staged in its last asynchronous
+save start copying into the buffers kept from it as each leaf is described (:class:`EarlyCopies`),
+before the processes agree on the plan: the device copies while the tree is still being described.
 
 Staging buffers come from one process-wide pool and are kept for the next asynchronous
 save, so a training loop that saves the same state again copies into memory it already
@@ -57,7 +59,7 @@ from xckpt.engine.threads import background_nice, say, yield_cpu
 from xckpt.engine.write import ChunkWriter
 from xckpt.errors import CollectiveError, CoordinationError, SaveError
 from xckpt.format import dtypes, shard
-from xckpt.registry import Shard
+from xckpt.registry import ArraySource, Shard
 
 #: How long a process waits for the others (their status; the outcome of the commit), in seconds.
 COMMIT_TIMEOUT_S = 600.0
@@ -82,6 +84,7 @@ class Staged:
     def __init__(self) -> None:
         self.chunks: list[StagedChunk] = []
         self.buffers: list[tuple[np.ndarray, Allocator]] = []  # the shard buffers of accelerator shards
+        self.device_shards: set[tuple[Any, Any, str]] = set()  # those shards: (leaf key, box, dtype)
         self.values: dict[int, Any] = {}
         self.error: BaseException | None = None
 
@@ -103,16 +106,22 @@ class _Buffers:
     def __init__(self) -> None:
         self._free: dict[tuple[int, Allocator], list[np.ndarray]] = {}
         self._lock = threading.Lock()
+        #: the accelerator shards the last asynchronous save staged: ``(leaf key, box, dtype)``
+        self.device_shards: frozenset[tuple[Any, Any, str]] = frozenset()
 
     def take(self, nbytes: int, alloc: Allocator = None) -> np.ndarray:
         """A uint8 buffer of ``nbytes``, from ``alloc`` (default: plain memory)."""
+        buf = self.reuse(nbytes, alloc)
+        if buf is None:
+            buf = np.empty(nbytes, dtype=np.uint8) if alloc is None else alloc(nbytes)
+            assert buf.dtype == np.uint8 and buf.shape == (nbytes,)
+        return buf
+
+    def reuse(self, nbytes: int, alloc: Allocator = None) -> np.ndarray | None:
+        """A kept uint8 buffer of ``nbytes`` from ``alloc``, or None where none is kept."""
         with self._lock:
             free = self._free.get((nbytes, alloc))
-            if free:
-                return free.pop()
-        buf = np.empty(nbytes, dtype=np.uint8) if alloc is None else alloc(nbytes)
-        assert buf.dtype == np.uint8 and buf.shape == (nbytes,)
-        return buf
+            return free.pop() if free else None
 
     def give(self, buf: np.ndarray, alloc: Allocator = None) -> None:
         """Keep a buffer :meth:`take` returned (from ``alloc``) for later."""
@@ -125,6 +134,7 @@ class _Buffers:
         """Drop every kept buffer."""
         with self._lock:
             self._free.clear()
+            self.device_shards = frozenset()
 
 
 _staging = _Buffers()
@@ -401,17 +411,18 @@ except AttributeError:  # another interpreter: the plain hook, which runs after 
     atexit.register(_finish_at_exit)
 
 
-def stage(p: Prepared, stop: threading.Event | None = None) -> Staged:
+def stage(p: Prepared, stop: threading.Event | None = None, early: "EarlyCopies | None" = None) -> Staged:
     """Copy every chunk this process writes into host buffers of its own, then snapshot its values; a
     failure (or ``stop``) ends it instead, its buffers given back.
 
     The shards on an accelerator are copied whole into buffers of their own (every copy started
-    first); the others are copied chunk by chunk, laid out as stored, while those copies run."""
+    first, or taken from ``early``); the others are copied chunk by chunk, laid out as stored, while
+    those copies run."""
     staged = Staged()
     waits: list[Callable[[], None]] = []
     try:
         held = protocol.held_shards(p)
-        on_device = _start_device_copies(p, held, staged, waits)
+        on_device = _start_device_copies(p, held, staged, waits, early)
 
         def fetch(pos: int, piece: Any) -> Any:
             return on_device[(pos, piece)] if (pos, piece) in on_device else held[(pos, piece)].fetch()
@@ -444,9 +455,11 @@ def stage(p: Prepared, stop: threading.Event | None = None) -> Staged:
 
 
 def _start_device_copies(p: Prepared, held: dict[tuple[int, Any], Shard], staged: Staged,
-                         waits: list[Callable[[], None]]) -> dict[tuple[int, Any], np.ndarray]:
+                         waits: list[Callable[[], None]], early: "EarlyCopies | None" = None
+                         ) -> dict[tuple[int, Any], np.ndarray]:
     """Start copying every held shard that lives on an accelerator into a buffer of its own (kept in
-    ``staged``); each copy's wait goes to ``waits``. The buffers, by ``(leaf position, box)``.
+    ``staged``), or take the copy ``early`` started; each copy's wait goes to ``waits``. The buffers,
+    by ``(leaf position, box)``.
 
     The largest shards are queued first: the device copies them while this thread queues the small
     ones (a model's biases and norms, each costing the queueing's fixed time and few bytes), instead
@@ -457,6 +470,15 @@ def _start_device_copies(p: Prepared, held: dict[tuple[int, Any], Shard], staged
     on_device.sort(key=lambda e: -e[2].numel * e[0].itemsize)  # stable: equal sizes keep the plan's order
     for dtype, pos, piece, sh in on_device:
         assert sh.copy_into is not None and sh.host_buffer is not None
+        leaf = p.descs.leaves[pos]
+        staged.device_shards.add((leaf.key, piece, leaf.dtype))
+        started = early.take(pos, piece) if early is not None else None
+        if started is not None:
+            buf, arr, wait = started
+            staged.buffers.append((buf, sh.host_buffer))
+            waits.append(wait)
+            out[(pos, piece)] = arr
+            continue
         nbytes = piece.numel * dtype.itemsize
         buf = _staging.take(nbytes, sh.host_buffer)
         staged.buffers.append((buf, sh.host_buffer))
@@ -480,12 +502,61 @@ def _wait_all(waits: list[Callable[[], None]], quiet: bool = False) -> None:
         raise first
 
 
+class EarlyCopies:
+    """Device-to-host copies started while the tree is still being described (``prepare``'s
+    ``each_leaf``), before the processes agree on the plan: the copy of each accelerator shard that
+    this process's last asynchronous save staged, into the buffer kept from it. Staging takes them
+    (:meth:`take`); :meth:`discard` waits for the rest and gives their buffers back."""
+
+    def __init__(self) -> None:
+        self._last = _staging.device_shards
+        self._started: dict[tuple[int, Any], tuple[np.ndarray, Allocator, np.ndarray, Callable[[], None]]] = {}
+
+    def __call__(self, pos: int, key: Any, src: Any) -> None:
+        """Start the copies of leaf ``pos``'s shards that the last asynchronous save staged."""
+        if not self._last or not isinstance(src, ArraySource):
+            return
+        dtype = None
+        for sh in src.shards:
+            if sh.copy_into is None or sh.host_buffer is None or (key, sh.region, src.dtype) not in self._last:
+                continue
+            dtype = dtype or dtypes.numpy_dtype(src.dtype)
+            nbytes = sh.region.numel * dtype.itemsize
+            buf = _staging.reuse(nbytes, sh.host_buffer) if nbytes else None
+            if buf is None:
+                continue
+            arr = buf.view(dtype).reshape(sh.region.sizes)
+            try:
+                wait = sh.copy_into(arr)
+            except Exception:  # noqa: BLE001 - staging copies this shard again and reports the failure
+                _staging.give(buf, sh.host_buffer)
+                self._last = frozenset()
+                return
+            self._started[(pos, sh.region)] = (buf, sh.host_buffer, arr, wait)
+
+    def take(self, pos: int, piece: Any) -> tuple[np.ndarray, np.ndarray, Callable[[], None]] | None:
+        """The buffer, its typed view and the wait of the copy started for leaf ``pos``'s box ``piece``."""
+        got = self._started.pop((pos, piece), None)
+        return None if got is None else (got[0], got[2], got[3])
+
+    def discard(self) -> None:
+        """Wait for every copy no staging took, and give their buffers back."""
+        started, self._started = self._started, {}
+        for buf, alloc, _, wait in started.values():
+            try:
+                wait()
+            except Exception:  # noqa: BLE001 - a copy nobody uses: its buffer is free again either way
+                pass
+            _staging.give(buf, alloc)
+
+
 class _Speculation:
     """Staging that starts, on a helper thread, from this process's cached plan while the processes
     agree on the plan (see :func:`xckpt.engine.protocol.prepare`); kept when they agree on it."""
 
-    def __init__(self) -> None:
+    def __init__(self, early: EarlyCopies | None = None) -> None:
         self.stop = threading.Event()
+        self.early = early
         self.guess: Prepared | None = None
         self.staged: Staged | None = None
         self.interrupt: BaseException | None = None  # an interrupt that ended the staging (errors: in staged)
@@ -497,7 +568,7 @@ class _Speculation:
 
         def run() -> None:
             try:
-                self.staged = stage(guess, self.stop)
+                self.staged = stage(guess, self.stop, self.early)
             except BaseException as exc:  # noqa: BLE001 - raised by confirmed(), on the caller's thread
                 self.interrupt = exc
 
@@ -539,21 +610,27 @@ def start(tree: Any, path: Any, *, coordinator: Any, options: Any, timeout_s: fl
     """
     started = time.perf_counter()
     background_nice()  # an invalid XCKPT_BACKGROUND_NICE is config.env here, not in a background thread
-    spec = _Speculation()
+    early = EarlyCopies()
+    spec = _Speculation(early)
     try:
-        p = protocol.prepare(tree, path, coordinator=coordinator, options=options, speculate=spec)
+        p = protocol.prepare(tree, path, coordinator=coordinator, options=options, speculate=spec, each_leaf=early)
     except BaseException:
         spec.cancel()
+        early.discard()
         raise
     try:
         staged = spec.confirmed(p)
         reused = staged is not None
         if staged is None:
-            staged = stage(p)
+            staged = stage(p, early=early)
     except BaseException:  # an interrupt (KeyboardInterrupt) while staging: nothing goes on in the background
         spec.cancel()
+        early.discard()
         p.discard()
         raise
+    early.discard()  # copies of shards the agreed plan has another process write
+    if staged.error is None:
+        _staging.device_shards = frozenset(staged.device_shards)
     p.sources = []  # the background needs only what was staged: the caller's arrays are not kept alive
     pending = Pending(p, sibling(p.final, "status", p.generation), timeout_s, staged)
     pending.thread.start()

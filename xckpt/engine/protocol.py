@@ -104,8 +104,10 @@ def _source(key: Any, obj: Any) -> tuple[Any, LeafDesc]:
     return src, LeafDesc(key, "array", shape, src.dtype, tuple(s.region for s in src.shards), sharding=src.sharding)
 
 
-def describe(tree: Any) -> tuple[Descriptors, list[Any]]:
-    """Flatten ``tree`` and describe each leaf; returns the descriptors and each leaf's source or value."""
+def describe(tree: Any, each: Callable[[int, Any, Any], None] | None = None) -> tuple[Descriptors, list[Any]]:
+    """Flatten ``tree`` and describe each leaf; returns the descriptors and each leaf's source or value.
+    ``each``, if given, is called with every leaf's position, key and source (or value) as soon as it is
+    described."""
     notes: list[dict[str, Any]] = []
 
     def note(key: Any, obj: Any) -> None:
@@ -122,6 +124,8 @@ def describe(tree: Any) -> tuple[Descriptors, list[Any]]:
             raise exc.at(leaf=key_str(key)) from exc
         sources.append(src)
         descs.append(desc)
+        if each is not None:
+            each(len(sources) - 1, key, src)
     return Descriptors(structure, descs, notes), sources
 
 
@@ -152,13 +156,15 @@ def _digest(wire: bytes, coord: Coordinator, opts: SaveOptions) -> bytes:
 
 
 def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None, options: SaveOptions | None = None,
-            speculate: Callable[[Prepared], None] | None = None) -> Prepared:
+            speculate: Callable[[Prepared], None] | None = None,
+            each_leaf: Callable[[int, Any, Any], None] | None = None) -> Prepared:
     """Collective step 1: describe the tree and agree on a plan. Every process calls it.
 
     ``speculate``, when this process has planned a save of the same description before, is
     called with that plan (``tmp`` not yet known) before the processes agree, so that work
     which only depends on it can start early; the returned plan is the same object
-    (``local``) when the agreement confirms it.
+    (``local``) when the agreement confirms it. ``each_leaf`` is called with each leaf's
+    position, key and source as soon as it is described (:func:`describe`'s ``each``).
     """
     registry.autoload()
     coord = coordinator or registry.default_coordinator() or collective.LocalCoordinator()
@@ -171,7 +177,7 @@ def prepare(tree: Any, path: Any, *, coordinator: Coordinator | None = None, opt
     def describe_local() -> dict[str, Any]:
         opts.check()
         try:
-            descs, sources = describe(tree)
+            descs, sources = describe(tree, each_leaf)
         except XckptError as exc:  # a leaf that cannot be saved: the error names the save's destination too
             raise exc.at(file=str(final)) from None
         if descs.notes:
