@@ -216,8 +216,27 @@ def train_resume(rank: int, world: int, wd: Path, parallel: str = "fsdp") -> dic
             exact = same_layout or world == 1
             _same(_state_of(fresh, f_opt), want_next, exact=exact, loose=parallel == "tp")
             results[name] = results.get(name, 0) + exact
+
+    # a second save_async of the same structure: every shard starts copying as its tensor is described,
+    # into the buffers kept from the first; the training goes on at once again, the checkpoint holds
+    # the values of the call
+    want_async2 = _state_of(model, opt)
+    handle = xckpt.save_async(state(model, opt, big), wd / "async2")
+    early = handle.stats["early_copies"]
+    with torch.no_grad():
+        big.to_local().fill_(5.0)
+    _step(model, opt, 3, rank, world, replicated=False, split=split)
+    handle.wait()
+    assert xckpt.validate(wd / "async2", deep=True).ok
+    dist.barrier()
+    fresh = _net(99)
+    f_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01, weight_decay=0.1)
+    f_big = torch.zeros(BIG, device=DEV)
+    xckpt.load(wd / "async2", like=state(fresh, f_opt, f_big))
+    _same(_state_of(fresh, f_opt), want_async2, exact=True)
+    np.testing.assert_array_equal(_host(f_big), np.full(BIG, -1.0, dtype=np.float32), err_msg="async2: big")
     return {"returned_early": returned_early, "bf16": str(dict(model.b.named_parameters())["weight"].dtype),
-            **results}
+            "early_copies": early, **results}
 
 
 def cross_save(rank: int, world: int, wd: Path) -> None:

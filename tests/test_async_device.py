@@ -162,8 +162,10 @@ def test_a_later_save_starts_its_device_copies_while_the_tree_is_described(tmp_p
              "host": rng.standard_normal((6, 6)), "step": 3}
     xckpt.release_buffers()
     allocations.clear()
-    xckpt.save_async(state, tmp_path / "1").wait()
+    first = xckpt.save_async(state, tmp_path / "1")
+    first.wait()
     assert [e for e in order if not e.startswith("wait")][:2] == ["describe a/", "describe b/"], order
+    assert first.stats["early_copies"] == 0
     assert len(allocations) == 3
 
     order.clear()
@@ -175,6 +177,7 @@ def test_a_later_save_starts_its_device_copies_while_the_tree_is_described(tmp_p
     handle.wait()
     assert len(allocations) == 3  # into the buffers kept from the first save
     assert handle.stats["staged_during_planning"]  # the host array is staged while the plan is agreed
+    assert handle.stats["early_copies"] == 3
     got = xckpt.load(tmp_path / "2")
     for k, v in want.items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)

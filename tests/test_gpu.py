@@ -26,6 +26,7 @@ def test_torch_cuda_train_save_load_resume(tmp_path, backend, world, parallel):
     for r in results:
         assert r["sync"] == r["async"] == 1 and r["bf16"] == "torch.bfloat16"  # one exact resume of each
         assert r["returned_early"], "save_async returned only after its writing was done"
+        assert r["early_copies"] > 0, "a second save_async started no copy while describing"
 
 
 def test_torch_cuda_to_jax_gpu_and_back(tmp_path):

@@ -85,6 +85,7 @@ class Staged:
         self.chunks: list[StagedChunk] = []
         self.buffers: list[tuple[np.ndarray, Allocator]] = []  # the shard buffers of accelerator shards
         self.device_shards: set[tuple[Any, Any, str]] = set()  # those shards: (leaf key, box, dtype)
+        self.copied_early = 0  # how many of them started copying while the tree was described
         self.values: dict[int, Any] = {}
         self.error: BaseException | None = None
 
@@ -475,6 +476,7 @@ def _start_device_copies(p: Prepared, held: dict[tuple[int, Any], Shard], staged
         started = early.take(pos, piece) if early is not None else None
         if started is not None:
             buf, arr, wait = started
+            staged.copied_early += 1
             staged.buffers.append((buf, sh.host_buffer))
             waits.append(wait)
             out[(pos, piece)] = arr
@@ -638,6 +640,7 @@ def start(tree: Any, path: Any, *, coordinator: Any, options: Any, timeout_s: fl
         failpoints.hit("after_stage", p.coord.rank)
         p.stats["stage_s"] = time.perf_counter() - started - p.stats["plan_s"]
         p.stats["staged_during_planning"] = reused
+        p.stats["early_copies"] = staged.copied_early
     finally:
         pending.go.set()  # whatever happens here, the thread goes on: it reports and cleans up
     return pending
