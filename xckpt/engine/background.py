@@ -412,7 +412,7 @@ except AttributeError:  # another interpreter: the plain hook, which runs after 
     atexit.register(_finish_at_exit)
 
 
-def stage(p: Prepared, stop: threading.Event | None = None, early: "EarlyCopies | None" = None) -> Staged:
+def stage(p: Prepared, early: EarlyCopies, stop: threading.Event | None = None) -> Staged:
     """Copy every chunk this process writes into host buffers of its own, then snapshot its values; a
     failure (or ``stop``) ends it instead, its buffers given back.
 
@@ -456,8 +456,7 @@ def stage(p: Prepared, stop: threading.Event | None = None, early: "EarlyCopies 
 
 
 def _start_device_copies(p: Prepared, held: dict[tuple[int, Any], Shard], staged: Staged,
-                         waits: list[Callable[[], None]], early: "EarlyCopies | None" = None
-                         ) -> dict[tuple[int, Any], np.ndarray]:
+                         waits: list[Callable[[], None]], early: EarlyCopies) -> dict[tuple[int, Any], np.ndarray]:
     """Start copying every held shard that lives on an accelerator into a buffer of its own (kept in
     ``staged``), or take the copy ``early`` started; each copy's wait goes to ``waits``. The buffers,
     by ``(leaf position, box)``.
@@ -473,7 +472,7 @@ def _start_device_copies(p: Prepared, held: dict[tuple[int, Any], Shard], staged
         assert sh.copy_into is not None and sh.host_buffer is not None
         leaf = p.descs.leaves[pos]
         staged.device_shards.add((leaf.key, piece, leaf.dtype))
-        started = early.take(pos, piece) if early is not None else None
+        started = early.take(pos, piece)
         if started is not None:
             buf, arr, wait = started
             staged.copied_early += 1
@@ -556,7 +555,7 @@ class _Speculation:
     """Staging that starts, on a helper thread, from this process's cached plan while the processes
     agree on the plan (see :func:`xckpt.engine.protocol.prepare`); kept when they agree on it."""
 
-    def __init__(self, early: EarlyCopies | None = None) -> None:
+    def __init__(self, early: EarlyCopies) -> None:
         self.stop = threading.Event()
         self.early = early
         self.guess: Prepared | None = None
@@ -570,7 +569,7 @@ class _Speculation:
 
         def run() -> None:
             try:
-                self.staged = stage(guess, self.stop, self.early)
+                self.staged = stage(guess, self.early, self.stop)
             except BaseException as exc:  # noqa: BLE001 - raised by confirmed(), on the caller's thread
                 self.interrupt = exc
 
@@ -624,7 +623,7 @@ def start(tree: Any, path: Any, *, coordinator: Any, options: Any, timeout_s: fl
         staged = spec.confirmed(p)
         reused = staged is not None
         if staged is None:
-            staged = stage(p, early=early)
+            staged = stage(p, early)
     except BaseException:  # an interrupt (KeyboardInterrupt) while staging: nothing goes on in the background
         spec.cancel()
         early.discard()
