@@ -135,3 +135,71 @@ def test_the_same_api_saves_torch_tensors(tmp_path):
                                               "step": 0})
     assert torch.equal(out["w"], torch.arange(12.0).reshape(3, 4)) and out["b"].dtype == torch.bfloat16
     assert torch.equal(out["b"], torch.ones(3, dtype=torch.bfloat16)) and out["step"] == 3
+
+
+def _staged_buffers() -> int:
+    from xckpt.engine import background
+    return sum(len(v) for v in background._staging._free.values())
+
+
+def test_shards_go_through_page_locked_host_memory_of_their_own(tmp_path, meshes, monkeypatch):
+    """The accelerator path (``jax.device_put`` to ``pinned_host``, then kept as fetched), run on the CPU
+    devices, which offer that memory kind too: the checkpoint holds the values of the call although a
+    donating step overwrites the arrays' buffers right after it returns; staging takes no buffer of its
+    own; a later save starts the copies while the tree is described; where the memory kind cannot be
+    had, JAX's own path saves the same values."""
+    from xckpt.engine import background
+    from xckpt_jax import arrays
+
+    monkeypatch.setattr(arrays, "copies_to_pinned_host", lambda data: True)
+    step = jax.jit(lambda t: jax.tree.map(lambda a: a * 2 + 1, t), donate_argnums=0)
+    m42, m24 = meshes
+    want = {"a": np.arange(64 * 48, dtype=np.float32).reshape(64, 48),
+            "b": np.arange(40, dtype=np.int32) - 7}
+    tree = {"a": jax.device_put(want["a"], NamedSharding(m42, P("x", "y"))),
+            "b": jax.device_put(want["b"], NamedSharding(m42, P()))}
+    background.release_buffers()
+    for i in range(2):
+        before = [s.data.unsafe_buffer_pointer() for s in tree["a"].addressable_shards]
+        handle = xckpt.save_async(tree, tmp_path / f"async{i}")
+        tree = step(tree)  # the donated buffers are written at once
+        assert [s.data.unsafe_buffer_pointer() for s in tree["a"].addressable_shards] == before
+        handle.wait()
+        assert _staged_buffers() == 0  # no staging buffer was taken (and given back): the pinned copies are kept
+        # 8 distinct shards of "a" and one of "b", each copied early by the second save
+        assert handle.stats["early_copies"] == (0 if i == 0 else 9)
+        like = {"a": NamedSharding(m24, P("y", "x")), "b": NamedSharding(m24, P())}
+        out = xckpt.load(tmp_path / f"async{i}", like=like)
+        np.testing.assert_array_equal(np.asarray(out["a"]), want["a"])
+        np.testing.assert_array_equal(np.asarray(out["b"]), want["b"])
+        want = {k: v * 2 + 1 for k, v in want.items()}
+    xckpt.save(tree, tmp_path / "sync")
+    monkeypatch.setattr(arrays, "PINNED", "no_such_memory")  # device_put refuses it: JAX's own path
+    xckpt.save_async(tree, tmp_path / "fallback").wait()
+    for name in ("sync", "fallback"):
+        out = xckpt.load(tmp_path / name)
+        for k, v in want.items():
+            np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=name)
+
+
+def test_which_shards_take_the_page_locked_path(monkeypatch, meshes):
+    """A shard in an accelerator's memory does, unless ``XCKPT_JAX_PINNED_HOST=0``; one already in host
+    memory does not (a copy of it would gain nothing); the CPU devices do not (their memory is the host's);
+    a setting that is not a number is a ``config.env`` error."""
+    from xckpt.errors import XckptError
+    from xckpt_jax import arrays
+
+    dev = jax.devices()[0]
+    on_device = jax.device_put(np.ones(4, np.float32), dev)
+    on_host = jax.device_put(np.ones(4, np.float32), jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    monkeypatch.delenv("XCKPT_JAX_PINNED_HOST", raising=False)
+    assert arrays.copies_to_pinned_host(on_device) is False  # a CPU device
+    monkeypatch.setitem(arrays._pinned, dev, True)  # as an accelerator with that memory kind answers
+    assert arrays.copies_to_pinned_host(on_device) is True
+    assert arrays.copies_to_pinned_host(on_host) is False
+    monkeypatch.setenv("XCKPT_JAX_PINNED_HOST", "0")
+    assert arrays.copies_to_pinned_host(on_device) is False
+    monkeypatch.setenv("XCKPT_JAX_PINNED_HOST", "yes")
+    with pytest.raises(XckptError, match="XCKPT_JAX_PINNED_HOST") as info:
+        arrays.copies_to_pinned_host(on_device)
+    assert info.value.code == "config.env"

@@ -50,6 +50,10 @@ class Shard:
     (page-locked memory), and ``copy_into(out)`` starts copying the shard into ``out`` (C
     order, the shard's shape and numpy dtype) and returns a function that waits until the copy
     is done. The engine starts every such copy before it waits for the first one.
+
+    ``fetch_copies`` says that ``fetch()`` returns a host copy made for this save, which
+    nothing else writes or frees (an accelerator's shard copied to host memory of its own): an
+    asynchronous save keeps it as it is instead of copying it again before it returns.
     """
 
     region: Region
@@ -57,6 +61,7 @@ class Shard:
     prefetch: Callable[[], None] | None = None
     copy_into: Callable[[np.ndarray], Callable[[], None]] | None = None
     host_buffer: Callable[[int], np.ndarray] | None = None
+    fetch_copies: bool = False
 
 
 @dataclass

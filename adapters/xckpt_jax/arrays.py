@@ -5,7 +5,8 @@ Saving: every process lists the distinct regions its addressable devices hold
 starts the device-to-host copy (``prefetch``) of every shard this process is
 assigned to write before it waits for any, and copies no replica another process
 writes. The core planner keeps one writer per region across
-processes, balanced by bytes.
+processes, balanced by bytes. A shard in an accelerator's memory is copied into page-locked
+host memory of the save's own (:class:`PinnedCopy`), which an asynchronous save keeps as it is.
 
 Loading: a target leaf (``jax.ShapeDtypeStruct`` with a sharding, a real
 ``jax.Array``, or a bare ``jax.sharding.Sharding``) asks for the regions its
@@ -17,12 +18,14 @@ whole array on the host unless its devices need all of it.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 
+from xckpt.engine import env
 from xckpt.engine.layout import Mesh, MeshLayout, mesh, mesh_layout
 from xckpt.format import dtypes
 from xckpt.errors import KeyMismatchError, SaveError, ShapeError, UnsupportedError
@@ -85,6 +88,69 @@ def _fetch(data: jax.Array) -> np.ndarray:
     return np.asarray(data)
 
 
+#: The memory kind an accelerator shard is copied into before it is saved: page-locked host memory
+#: (the device copies into it at the bus's speed; JAX's own device-to-host path goes through pageable
+#: memory, several times slower)
+PINNED = "pinned_host"
+_pinned: dict[Any, bool] = {}
+
+
+def copies_to_pinned_host(data: jax.Array) -> bool:
+    """Whether a shard's data (a single-device array) is saved through a copy in page-locked host
+    memory: it lies in an accelerator's own memory, the device offers that memory kind, and
+    ``XCKPT_JAX_PINNED_HOST`` is not ``0`` (JAX's allocator keeps that memory for later copies)."""
+    if not env.number("XCKPT_JAX_PINNED_HOST", 1, integer=True):
+        return False
+    device = next(iter(data.devices()))
+    known = _pinned.get(device)
+    if known is None:
+        kinds = {m.kind for m in device.addressable_memories()}
+        known = _pinned[device] = device.platform != "cpu" and PINNED in kinds
+    kind = getattr(data.sharding, "memory_kind", None)
+    return known and kind in (None, "device")
+
+
+class PinnedCopy:
+    """A shard's copy in page-locked host memory of its own, made once for a save: :meth:`start` queues
+    the device-to-host copy (``jax.device_put`` to the ``pinned_host`` memory kind) and returns at
+    once, :meth:`fetch` waits for it and gives it as numpy (a view of that memory, not another copy).
+    Where the device cannot give that memory (none left), the shard takes JAX's own path instead:
+    ``copy_to_host_async``, then ``np.asarray``, a host copy of its own as well. Either way the copy is
+    the save's alone: the caller may change, donate or delete its array once :meth:`fetch` returned."""
+
+    def __init__(self, data: jax.Array) -> None:
+        self._data: jax.Array | None = data
+        self._host: jax.Array | None = None
+        self._out: np.ndarray | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Queue the copy (once; later calls do nothing)."""
+        with self._lock:
+            if self._host is not None or self._out is not None or self._data is None:
+                return
+            try:
+                self._host = jax.device_put(self._data, self._data.sharding.with_memory_kind(PINNED))
+            except Exception:  # noqa: BLE001 - no page-locked memory to be had: JAX's own path
+                self._data.copy_to_host_async()
+
+    def fetch(self) -> np.ndarray:
+        """The copy as host numpy, once it is made."""
+        self.start()
+        with self._lock:
+            if self._out is None:
+                assert self._data is not None
+                out = None
+                if self._host is not None:
+                    try:
+                        out = np.asarray(self._host)
+                    except Exception:  # noqa: BLE001 - the copy failed on the device: JAX's own path
+                        out = None
+                self._out = np.asarray(self._data) if out is None else out
+                self._host = self._data = None
+            return self._out
+
+
 def _mesh(m: Any) -> Mesh:
     key = id(m)
     hit = _meshes.get(key)
@@ -121,7 +187,8 @@ def layout_of(sharding: Sharding, shape: tuple[int, ...]) -> MeshLayout | None:
 def array_source(arr: jax.Array) -> ArraySource:
     """This process's part of a ``jax.Array``: one shard per distinct region its devices hold.
 
-    Each shard's ``prefetch`` starts its device-to-host copy asynchronously. A
+    Each shard's ``prefetch`` starts its device-to-host copy asynchronously: on an accelerator, into
+    page-locked host memory of the save's own (:class:`PinnedCopy`). A
     ``NamedSharding`` also gives the array's layout over the processes, once checked
     against the shards this process holds.
     """
@@ -142,7 +209,11 @@ def array_source(arr: jax.Array) -> ArraySource:
     shards = []
     for region, shard in chosen.items():
         data = shard.data
-        shards.append(Shard(region, functools.partial(_fetch, data), data.copy_to_host_async))
+        if copies_to_pinned_host(data):
+            copy = PinnedCopy(data)
+            shards.append(Shard(region, copy.fetch, copy.start, fetch_copies=True))
+        else:
+            shards.append(Shard(region, functools.partial(_fetch, data), data.copy_to_host_async))
     layout = layout_of(arr.sharding, shape)
     if layout is not None and {r for r, _ in layout.pieces_of(jax.process_index())} != \
             {r for r in chosen if not r.is_empty()}:

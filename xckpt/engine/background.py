@@ -20,16 +20,19 @@ writes ``outcome``, and removes the directory once every process has read it (ea
 its ``rank-<r>`` then). Every wait is bounded by the save's timeout, so when a process dies
 the others learn it (``async.timeout``) instead of waiting forever (a process that lost the
 coordinating one cannot know whether it committed: it keeps its objects, which a committed
-checkpoint may hold, and says so); :meth:`Pending.wait` is not a collective. The threads are daemons; at interpreter exit, pending saves are given
-their timeout to finish.
+checkpoint may hold, and says so); :meth:`Pending.wait` is not a collective. The threads are
+daemons; at interpreter exit, pending saves are given their timeout to finish.
 
 A shard on an accelerator (one whose source gives :attr:`~xckpt.registry.Shard.copy_into`) is
 staged differently: its device-to-host copy goes straight into a page-locked buffer of the
 shard's shape, every such copy is started before the first is waited for, and the background
 lays its chunks out as it writes them (as a synchronous save does), so the caller waits for the
-device-to-host copies and nothing more. The shards this process staged in its last asynchronous
-save start copying into the buffers kept from it as each leaf is described (:class:`EarlyCopies`),
-before the processes agree on the plan: the device copies while the tree is still being described.
+device-to-host copies and nothing more. A shard whose source fetches a copy made for the save
+(:attr:`~xckpt.registry.Shard.fetch_copies`: a JAX array's shard on an accelerator, copied to
+page-locked host memory of its own) is kept as fetched, laid out by the background alike. The
+shards this process staged in its last asynchronous save start copying into the buffers kept
+from it as each leaf is described (:class:`EarlyCopies`), before the processes agree on the plan:
+the device copies while the tree is still being described.
 
 Staging buffers come from one process-wide pool and are kept for the next asynchronous
 save, so a training loop that saves the same state again copies into memory it already
@@ -417,8 +420,9 @@ def stage(p: Prepared, early: EarlyCopies, stop: threading.Event | None = None) 
     failure (or ``stop``) ends it instead, its buffers given back.
 
     The shards on an accelerator are copied whole into buffers of their own (every copy started
-    first, or taken from ``early``); the others are copied chunk by chunk, laid out as stored, while
-    those copies run."""
+    first, or taken from ``early``); a shard whose fetch is already a copy of its own
+    (:attr:`~xckpt.registry.Shard.fetch_copies`) is kept as fetched; the others are copied chunk by
+    chunk, laid out as stored, while those copies run."""
     staged = Staged()
     waits: list[Callable[[], None]] = []
     try:
@@ -434,6 +438,13 @@ def stage(p: Prepared, early: EarlyCopies, stop: threading.Event | None = None) 
                 raise CoordinationError("staging stopped: the processes agreed on another plan")
             if (t.leaf, t.piece) in on_device:
                 staged.chunks.append((name, geom, data, leaf))  # laid out by the background as it writes
+                continue
+            if held[(t.leaf, t.piece)].fetch_copies:  # a copy of its own already: kept, laid out likewise
+                d = p.descs.leaves[t.leaf]
+                if (d.key, t.piece, d.dtype) not in staged.device_shards:
+                    staged.device_shards.add((d.key, t.piece, d.dtype))
+                    staged.copied_early += early.prefetched(t.leaf, t.piece)
+                staged.chunks.append((name, geom, data, leaf))
                 continue
             buf = _staging.take(shard.laid_nbytes(geom, data.shape))
             try:
@@ -506,12 +517,14 @@ def _wait_all(waits: list[Callable[[], None]], quiet: bool = False) -> None:
 class EarlyCopies:
     """Device-to-host copies started while the tree is still being described (``prepare``'s
     ``each_leaf``), before the processes agree on the plan: the copy of each accelerator shard that
-    this process's last asynchronous save staged, into the buffer kept from it. Staging takes them
-    (:meth:`take`); :meth:`discard` waits for the rest and gives their buffers back."""
+    this process's last asynchronous save staged, into the buffer kept from it (or, for a shard that
+    fetches a copy of its own, its ``prefetch``). Staging takes them (:meth:`take`); :meth:`discard`
+    waits for the rest and gives their buffers back."""
 
     def __init__(self) -> None:
         self._last = _staging.device_shards
         self._started: dict[tuple[int, Any], tuple[np.ndarray, Allocator, np.ndarray, Callable[[], None]]] = {}
+        self._prefetched: set[tuple[int, Any]] = set()
 
     def __call__(self, pos: int, key: Any, src: Any) -> None:
         """Start the copies of leaf ``pos``'s shards that the last asynchronous save staged."""
@@ -519,7 +532,17 @@ class EarlyCopies:
             return
         dtype = None
         for sh in src.shards:
-            if sh.copy_into is None or sh.host_buffer is None or (key, sh.region, src.dtype) not in self._last:
+            if (key, sh.region, src.dtype) not in self._last:
+                continue
+            if sh.fetch_copies and sh.prefetch is not None:  # a copy into memory of its own (a JAX array's)
+                try:
+                    sh.prefetch()
+                except Exception:  # noqa: BLE001 - staging fetches this shard again and reports the failure
+                    self._last = frozenset()
+                    return
+                self._prefetched.add((pos, sh.region))
+                continue
+            if sh.copy_into is None or sh.host_buffer is None:
                 continue
             dtype = dtype or dtypes.numpy_dtype(src.dtype)
             nbytes = sh.region.numel * dtype.itemsize
@@ -534,6 +557,11 @@ class EarlyCopies:
                 self._last = frozenset()
                 return
             self._started[(pos, sh.region)] = (buf, sh.host_buffer, arr, wait)
+
+    def prefetched(self, pos: int, piece: Any) -> bool:
+        """Whether leaf ``pos``'s box ``piece`` (a shard that fetches a copy of its own) started copying
+        while the tree was described."""
+        return (pos, piece) in self._prefetched
 
     def take(self, pos: int, piece: Any) -> tuple[np.ndarray, np.ndarray, Callable[[], None]] | None:
         """The buffer, its typed view and the wait of the copy started for leaf ``pos``'s box ``piece``."""
