@@ -9,12 +9,14 @@ process (``--one``), so that memory numbers start from the same place; a row is 
   memory (the limit), and the state's own tensors each copied into a page-locked buffer of its own,
   every copy queued before the first is waited for (the pure device-to-host copy of the state).
 * **staging**: ``xckpt.save_async``'s blocking time against that pure copy (goal: <= 1.2 x), and its
-  throughput against the limit (goal: >= 80 %); DCP's ``async_save`` beside it.
+  throughput against the limit (goal: >= 80 %); DCP's ``async_save`` beside it. For JAX, the blocking
+  time against ``jax.device_put`` of every array to the ``pinned_host`` memory kind (goal: <= 1.2 x)
+  and against JAX's own host copies (``copy_to_host_async``, then ``np.asarray``).
 * **save / load**: ``xckpt.save`` and ``xckpt.load`` (into the preallocated CUDA tensors) against DCP's
   ``save`` / ``load`` (default ``FileSystemWriter``/``Reader``); for JAX, against Orbax's
   ``StandardCheckpointer`` (restoring onto the GPU). Every load is checked element by element.
-* **memory**: the peak RSS growth of each save (host memory) and the peak of torch's CUDA allocator
-  over what the state holds (device memory).
+* **memory**: the peak RSS growth of each save (host memory; for JAX, xckpt's against Orbax's) and the
+  peak of torch's CUDA allocator over what the state holds (device memory).
 
     python benchmarks/bench_gpu.py [--repeats 5] [--root /dev/shm]
 """
