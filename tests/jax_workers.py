@@ -106,6 +106,23 @@ def phase_save(rank: int, workdir: str) -> None:
         raise AssertionError("a save under a regular file reported success")
     xckpt.save({"after": tree["params"]["w"]}, os.path.join(workdir, "after"))  # the next save goes ahead
 
+    # the accelerator path (page-locked host copies, kept as fetched; a later save starts the copies of
+    # the boxes this process wrote as each array is described), run on these CPU devices, which offer
+    # the pinned_host memory kind too; the arrays are deleted as soon as the second save returns
+    from xckpt.engine import background
+    from xckpt_jax import arrays
+    for d in jax.local_devices():
+        arrays._pinned[d] = True
+    xckpt.save_async(tree, os.path.join(workdir, "pinned1")).wait()
+    staged = len(background._staging.device_shards)
+    assert staged > 0
+    doubled = jax.jit(lambda t: jax.tree.map(lambda a: a * 2, t))({"params": tree["params"], "opt": tree["opt"]})
+    handle = xckpt.save_async({**tree, **doubled}, os.path.join(workdir, "pinned2"))
+    for a in jax.tree.leaves(doubled):
+        a.delete()
+    handle.wait()
+    assert handle.stats["early_copies"] == staged, (handle.stats, staged)
+
 
 def phase_load(rank: int, workdir: str) -> None:
     from xckpt_jax import sharded_target

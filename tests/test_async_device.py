@@ -2,7 +2,9 @@
 source registered like an adapter's whose "device" copies on threads of its own: every copy starts
 before the first is waited for, the caller's later changes do not reach the checkpoint, the buffers
 come from the source's allocator and are kept for the next save, and a failing copy fails the save
-with nothing committed. The CUDA path itself runs in tests/test_gpu.py on a machine with a GPU."""
+with nothing committed; and the path of shards whose fetch is already a host copy of their own
+(``Shard.fetch_copies``, as JAX arrays on an accelerator). The CUDA path itself runs in tests/test_gpu.py
+on a machine with a GPU."""
 
 from __future__ import annotations
 
@@ -201,3 +203,65 @@ def test_a_later_save_starts_its_device_copies_while_the_tree_is_described(tmp_p
         np.testing.assert_array_equal(got[k], state[k].data, err_msg=k)
     assert xckpt.validate(tmp_path / "3", deep=True).ok
 
+
+
+@dataclass
+class CopiedArray:
+    """An array on a pretend accelerator whose source fetches a host copy of its own (``Shard.fetch_copies``),
+    as a JAX array's on a GPU does: ``prefetch`` takes the copy, ``fetch`` gives it."""
+
+    data: np.ndarray
+    blocks: int = 2
+    log: list[str] = field(default_factory=list)
+    name: str = ""
+
+
+def _copied_source(arr: CopiedArray) -> registry.ArraySource:
+    arr.log.append(f"describe {arr.name}")
+    shards = []
+    for i, r in enumerate(np.array_split(np.arange(arr.data.shape[0]), arr.blocks)):
+        region = Region((int(r[0]), 0), (len(r), arr.data.shape[1]))
+        held: dict[str, np.ndarray] = {}
+
+        def prefetch(i: int = i, region: Region = region, held: dict = held) -> None:
+            if "copy" not in held:
+                arr.log.append(f"start {arr.name}{i}")
+                held["copy"] = arr.data[region.slices()].copy()
+
+        def fetch(prefetch: Callable[[], None] = prefetch, held: dict = held) -> np.ndarray:
+            prefetch()
+            return held["copy"]
+        shards.append(registry.Shard(region, fetch, prefetch, fetch_copies=True))
+    return registry.ArraySource(arr.data.shape, dtypes.logical_name(arr.data.dtype), shards)
+
+
+registry.register_source(lambda obj: isinstance(obj, CopiedArray), _copied_source)
+
+
+def test_shards_that_fetch_copies_of_their_own_are_kept_and_started_while_described(tmp_path):
+    """A shard whose fetch is a copy of its own is staged as fetched, with no staging buffer (the host array
+    beside it takes one); in a later save_async its copy starts as soon as its leaf is described."""
+    from xckpt.engine import background
+
+    rng = np.random.default_rng(12)
+    order: list[str] = []
+    state = {"a": CopiedArray(rng.standard_normal((40, 30)).astype(np.float32), log=order, name="a/"),
+             "b": CopiedArray(rng.integers(0, 9, (8, 5)).astype(np.int32), blocks=1, log=order, name="b/"),
+             "host": rng.standard_normal((6, 6))}
+    xckpt.release_buffers()
+    first = xckpt.save_async(state, tmp_path / "1")
+    first.wait()
+    assert order[:2] == ["describe a/", "describe b/"] and first.stats["early_copies"] == 0, order
+    assert sum(len(v) for v in background._staging._free.values()) == 1  # the host array's chunk only
+    for name in ("2", "3"):
+        order.clear()
+        want = {k: v.data.copy() for k, v in state.items() if isinstance(v, CopiedArray)}
+        handle = xckpt.save_async(state, tmp_path / name)
+        assert order == ["describe a/", "start a/0", "start a/1", "describe b/", "start b/0"], order
+        state["a"].data += 1  # the caller goes on changing its arrays
+        handle.wait()
+        assert handle.stats["early_copies"] == 3
+        assert sum(len(v) for v in background._staging._free.values()) == 1
+        got = xckpt.load(tmp_path / name)
+        for k, v in want.items():
+            np.testing.assert_array_equal(got[k], v, err_msg=f"{name} {k}")

@@ -70,4 +70,14 @@ def test_save_from_two_processes_and_restore_on_other_meshes(tmp_path):
     after = xckpt.load(os.path.join(workdir, "after"))
     assert set(after) == {"after"} and after["after"].dtype == exp["w"].dtype
     np.testing.assert_array_equal(after["after"], exp["w"])
+    # saved through page-locked host copies: the values of each call, the second one's arrays doubled
+    for name, factor in (("pinned1", 1), ("pinned2", 2)):
+        got = xckpt.load(os.path.join(workdir, name))
+        for group, keys in (("params", ("w", "e", "i")), ("opt", ("r", "f8"))):
+            for k in keys:
+                assert got[group][k].dtype == exp[k].dtype, (name, k)
+                want = (exp[k].astype(np.float64) * factor).astype(exp[k].dtype)
+                np.testing.assert_array_equal(got[group][k], want, err_msg=f"{name} {k}")
+        np.testing.assert_array_equal(got["n"], exp["n"])
+        assert got["step"] == 1000 and got["name"] == "run-1"
     assert (tmp_path / "blocker").read_bytes() == b"a file where a directory would have to be"
