@@ -104,8 +104,9 @@ def save_async(tree: Any, path: Any, *, coordinator: Coordinator | None = None, 
     """Start saving ``tree`` to ``path``; in a distributed job every process calls it.
 
     Returns once every chunk this process writes is copied into host memory of its own
-    (kept for the next asynchronous save: see :func:`release_buffers`); writing and the
-    commit go on in the background. Options are those of :func:`save`; ``commit_timeout_s``
+    (kept for the next asynchronous save: see :func:`release_buffers`; a JAX array's shards on an
+    accelerator are copied into JAX's page-locked host memory instead, which JAX keeps); writing and
+    the commit go on in the background. Options are those of :func:`save`; ``commit_timeout_s``
     bounds how long the commit waits for the other processes.
     """
     global _pending
