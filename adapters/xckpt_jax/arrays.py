@@ -130,7 +130,7 @@ class PinnedCopy:
     def start(self) -> None:
         """Queue the copy (once; later calls do nothing)."""
         with self._lock:
-            if self._host is not None or self._out is not None or self._data is None:
+            if self._host is not None or self._data is None:  # queued already, or fetched
                 return
             try:
                 self._host = jax.device_put(self._data, self._data.sharding.with_memory_kind(PINNED))
@@ -148,7 +148,7 @@ class PinnedCopy:
                     try:
                         out = np.asarray(self._host)
                     except Exception:  # noqa: BLE001 - the copy failed on the device: JAX's own path
-                        out = None
+                        pass
                 self._out = np.asarray(self._data) if out is None else out
                 self._host = self._data = None
             return self._out

@@ -428,6 +428,7 @@ def stage(p: Prepared, early: EarlyCopies, stop: threading.Event | None = None) 
     try:
         held = protocol.held_shards(p)
         on_device = _start_device_copies(p, held, staged, waits, early)
+        kept = _keep_fetched_copies(p, held, staged, early)
 
         def fetch(pos: int, piece: Any) -> Any:
             return on_device[(pos, piece)] if (pos, piece) in on_device else held[(pos, piece)].fetch()
@@ -436,15 +437,8 @@ def stage(p: Prepared, early: EarlyCopies, stop: threading.Event | None = None) 
         for t, (name, geom, data, leaf) in zip(p.local.tasks, jobs):
             if stop is not None and stop.is_set():
                 raise CoordinationError("staging stopped: the processes agreed on another plan")
-            if (t.leaf, t.piece) in on_device:
+            if (t.leaf, t.piece) in on_device or (t.leaf, t.piece) in kept:
                 staged.chunks.append((name, geom, data, leaf))  # laid out by the background as it writes
-                continue
-            if held[(t.leaf, t.piece)].fetch_copies:  # a copy of its own already: kept, laid out likewise
-                d = p.descs.leaves[t.leaf]
-                if (d.key, t.piece, d.dtype) not in staged.device_shards:
-                    staged.device_shards.add((d.key, t.piece, d.dtype))
-                    staged.copied_early += early.prefetched(t.leaf, t.piece)
-                staged.chunks.append((name, geom, data, leaf))
                 continue
             buf = _staging.take(shard.laid_nbytes(geom, data.shape))
             try:
@@ -499,6 +493,19 @@ def _start_device_copies(p: Prepared, held: dict[tuple[int, Any], Shard], staged
             waits.append(sh.copy_into(arr))
         out[(pos, piece)] = arr
     return out
+
+
+def _keep_fetched_copies(p: Prepared, held: dict[tuple[int, Any], Shard], staged: Staged,
+                         early: EarlyCopies) -> set[tuple[int, Any]]:
+    """The held shards whose fetch is a copy of their own (:attr:`~xckpt.registry.Shard.fetch_copies`),
+    staged as fetched, by ``(leaf position, box)``; each is recorded in ``staged`` (for the next save's
+    early copies), and counted there when ``early`` started it."""
+    kept = {k for k, sh in held.items() if sh.fetch_copies and sh.copy_into is None}
+    for pos, piece in kept:
+        leaf = p.descs.leaves[pos]
+        staged.device_shards.add((leaf.key, piece, leaf.dtype))
+        staged.copied_early += early.prefetched(pos, piece)
+    return kept
 
 
 def _wait_all(waits: list[Callable[[], None]], quiet: bool = False) -> None:
