@@ -432,6 +432,20 @@ class Row:
     ratio: float | None = None
 
 
+def _ratio_text(r: Row) -> str:
+    """How the ratio column shows a row's ratio: two decimals, more (up to six) where fewer would read as the
+    goal's own limit (0.2504 against <= 0.25 shows 0.2504 FAIL, not 0.25 FAIL)."""
+    if r.ratio is None:
+        return "-"
+    if r.ratio >= 1000:
+        return f"{r.ratio:.0f}"
+    digits = 2
+    if r.goal is not None and r.goal.value is None and r.ratio != r.goal.limit:
+        while digits < 6 and f"{r.ratio:.{digits}f}" == f"{r.goal.limit:.{digits}f}":
+            digits += 1
+    return f"{r.ratio:.{digits}f}"
+
+
 class Table:
     """Methods side by side, a ratio (first column / second) per row, the goal and PASS/FAIL."""
 
@@ -463,8 +477,7 @@ class Table:
                   for v in r.values] for r in self.rows]
         cw = max([len(c) for c in self.columns] + [len(c) for row in cells for c in row] + [8]) + 2
         gw = max([len(r.goal.label()) for r in self.rows if r.goal] + [6]) + 2
-        ratios = ["-" if r.ratio is None else f"{r.ratio:.2f}" if r.ratio < 1000 else f"{r.ratio:.0f}"
-                  for r in self.rows]
+        ratios = [_ratio_text(r) for r in self.rows]
         rw = max(len(x) for x in ratios + ["ratio"]) + 2
         head = " " * lw + "".join(c.rjust(cw) for c in self.columns) + "ratio".rjust(rw) + "  " + "goal".ljust(gw)
         lines = [self.title, head.rstrip()]
