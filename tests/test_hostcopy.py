@@ -219,6 +219,89 @@ def test_native_copy_crc_write_writes_the_copy_then_its_crc32c(case: tuple[np.nd
     assert written == want.tobytes() + want_crc.to_bytes(4, "little")
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 1 << 20), st.integers(0, 1 << 40), st.integers(0, 8191))
+def test_page_view_lies_within_a_page_as_its_file_position(nbytes: int, position: int, at: int):
+    """A page view of a page buffer (at any address) starts where the file position starts within a page, so
+    the kernel's copy between them is never skewed; skewed() is the destination 1 to 31 bytes past the source
+    within a page."""
+    raw = np.empty(nbytes + hostcopy.PAGE_BYTES + 8192, dtype=np.uint8)
+    buf = raw[at:at + nbytes + hostcopy.PAGE_BYTES]
+    view = hostcopy.page_view(buf, nbytes, position)
+    assert view.size == nbytes and np.shares_memory(view, buf)
+    assert (view.ctypes.data - position) % hostcopy.PAGE_BYTES == 0
+    assert view.ctypes.data + nbytes <= buf.ctypes.data + buf.size
+    assert not hostcopy.skewed(view.ctypes.data, position) and not hostcopy.skewed(position, view.ctypes.data)
+    for d in (0, 1, 31, 32, 4095, 4096, 4097, 4127, 4128):
+        assert hostcopy.skewed(position + d, position) == (d % 4096 in range(1, 32))
+
+
+def _prefixed_file(tmp_path, prefix: int):
+    """A file open for writing at position ``prefix`` (that many bytes written before)."""
+    f = open(tmp_path / f"f{prefix}", "w+b")
+    f.write(b"\x5a" * prefix)
+    f.flush()
+    return f
+
+
+@native_crc
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 5000), st.integers(0, 4095), st.integers(1, 7), st.integers(0, 99))
+def test_native_copy_crc_write_places_each_block_within_a_page_as_its_file_position(
+        tmp_path_factory, prefix: int, at: int, block_rows: int, seed: int):
+    """Given a page to spare, the compiled copy-checksum-write copies each block to where the buffer lies
+    within a page as the block's file position (the kernel's copy then runs at full speed), wherever the file
+    and the buffer start: the bytes written are the same, and the last block and the crc32c are found in the
+    buffer at that place."""
+    tmp_path = tmp_path_factory.mktemp("w")
+    src = np.random.default_rng(seed).integers(0, 1 << 30, (29, 300), dtype=np.int32)[:, 7:263]
+    want, want_crc = _copied_and_crc(np.empty(src.shape, src.dtype), src, 0)
+    row = src.shape[1] * 4
+    raw = np.zeros(block_rows * row + 4 + hostcopy.PAGE_BYTES + 4096, dtype=np.uint8)
+    scratch = raw[at:at + block_rows * row + 4 + hostcopy.PAGE_BYTES]
+    with _prefixed_file(tmp_path, prefix) as f:
+        got = hostcopy._native.copy_crc_write(f.fileno(), scratch.ctypes.data, scratch.nbytes, src.ctypes.data,
+                                              src.shape, src.strides, 4, block_rows)
+        f.seek(0)
+        written = f.read()
+    assert got == want_crc
+    assert written == b"\x5a" * prefix + want.tobytes() + want_crc.to_bytes(4, "little")
+    last_rows = src.shape[0] - (src.shape[0] - 1) // block_rows * block_rows
+    last_at = prefix + (src.shape[0] - last_rows) * row  # the last block's file position
+    start = (last_at - scratch.ctypes.data) % hostcopy.PAGE_BYTES
+    assert scratch[start:start + last_rows * row + 4].tobytes() == written[last_at:]
+
+
+@native_crc
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 5000), st.integers(0, 4095), st.integers(0, 4095),
+       st.sampled_from([1000, 4096, 12289, 40000]), st.sampled_from([4096, 12288, 1 << 20]))
+def test_native_crc_write_copies_a_skewed_piece_through_the_scratch_buffer(
+        tmp_path_factory, prefix: int, payload_at: int, scratch_at: int, nbytes: int, piece: int):
+    """Given a scratch buffer, the compiled checksum-and-write copies a piece that lies where the kernel would
+    copy it slowly (skewed against its file position) into the buffer, placed within a page as that position,
+    and writes it from there; a piece that lies well is written as it lies, the buffer untouched. The bytes
+    written are the same either way."""
+    tmp_path = tmp_path_factory.mktemp("w")
+    raw = np.random.default_rng(prefix).integers(0, 256, nbytes + 8192, dtype=np.uint8)
+    payload = raw[payload_at:payload_at + nbytes]
+    room = np.full(min(piece, nbytes) + hostcopy.PAGE_BYTES + 4096, 0xEE, dtype=np.uint8)
+    scratch = room[scratch_at:scratch_at + min(piece, nbytes) + hostcopy.PAGE_BYTES]
+    with _prefixed_file(tmp_path, prefix) as f:
+        got = hostcopy.write_checked(f.fileno(), shard.Checked(payload, scratch))
+        f.seek(0)
+        written = f.read()
+    want = crc32c.crc32c(payload.tobytes())
+    assert got and written == b"\x5a" * prefix + payload.tobytes() + want.to_bytes(4, "little")
+    last = (nbytes - 1) // piece * piece  # the last piece's offset in the payload
+    position, n = prefix + last, nbytes - last
+    start = (position - scratch.ctypes.data) % hostcopy.PAGE_BYTES
+    if hostcopy.skewed(position, payload.ctypes.data + last):
+        assert scratch[start:start + n].tobytes() == payload[last:].tobytes()
+    elif not any(hostcopy.skewed(prefix + a, payload.ctypes.data + a) for a in range(0, nbytes, piece)):
+        assert (scratch == 0xEE).all()
+
+
 @native_crc
 def test_native_copy_crc_write_refuses_a_short_buffer_and_reports_a_failed_write(tmp_path):
     """A buffer without room for a block and the crc32c is refused before anything is copied; a write
@@ -346,6 +429,52 @@ def test_lay_out_with_the_streaming_copy(chunk: tuple[int, ...], inner: tuple[in
     a = shard.lay_out(g, data, bufs[0])
     b = shard.lay_out(g, data, bufs[1], hostcopy.stream_copy)
     assert a.valid == b.valid and np.array_equal(a.payloads, b.payloads)
+
+
+def test_a_load_reads_around_outputs_the_kernel_would_copy_into_slowly(tmp_path, monkeypatch):
+    """Inner chunks an output needs whole and contiguous are read straight into it, except where the output
+    lies skewed against the chunk's file position (the kernel copies into it three times slower): those go
+    through the thread's buffer, placed within a page as the file's bytes. At every placement of the output
+    within a page, both ways give the stored values element by element, each inner chunk taking the way
+    skewed() says."""
+    from xckpt.engine import read
+    from xckpt.engine.read import ReadRequest
+    from xckpt.format.regions import Region
+    from xckpt.sources.detect import open_checkpoint
+
+    a = np.random.default_rng(5).random(1 << 18, dtype=np.float32)
+    xckpt.save({"a": a}, str(tmp_path / "c"), inner_chunk_bytes=64 << 10)
+    direct: list[int] = []
+    real = read._read_direct
+
+    def counted(blob, off, nbytes, out, geom):
+        direct.append(off)
+        return real(blob, off, nbytes, out, geom)
+
+    monkeypatch.setattr(read, "_read_direct", counted)
+    ckpt = open_checkpoint(tmp_path / "c")
+    try:
+        (e,) = ckpt.manifest.leaves
+        (stored,) = e.arrays()
+        n, per_object = stored.inner_chunk_shape[0], stored.chunk_shape[0] // stored.inner_chunk_shape[0]
+        count = a.size // n
+        assert count >= 8 and per_object >= 4, (stored.chunk_shape, stored.inner_chunk_shape)
+        raw = np.empty(a.nbytes + 2 * hostcopy.PAGE_BYTES, dtype=np.uint8)
+        for shift in range(0, 128, 4):
+            start = (-raw.ctypes.data) % hostcopy.PAGE_BYTES + shift
+            out = raw[start:start + a.nbytes].view(np.float32)
+            out[...] = np.nan
+            direct.clear()
+            ckpt.read([ReadRequest(e, Region.full(a.shape), out)])
+            np.testing.assert_array_equal(out, a)
+            # inner chunk k: at byte k * n * 4 of the output, at file position (k % per_object) * (n * 4 + 4)
+            want = [k % per_object * (n * 4 + 4) for k in range(count)
+                    if not hostcopy.skewed(out.ctypes.data + k * n * 4, k % per_object * (n * 4 + 4))]
+            assert sorted(direct) == sorted(want), shift
+            if 4 <= shift < 32:
+                assert len(want) < count  # some went through the buffer
+    finally:
+        ckpt.close()
 
 
 def test_a_load_copies_parts_of_inner_chunks_alike(tmp_path):

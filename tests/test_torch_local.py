@@ -400,12 +400,14 @@ def test_failed_load_leaves_the_model_untouched(tmp_path_factory, staging):
 
 def test_saving_tensors_does_not_import_dcp(tmp_path):
     """The adapter imports ``torch.distributed.checkpoint`` (a tenth of a second or more) only where a
-    module, an optimizer or a DCP class is used: a save and load of tensors never pays for it."""
+    module, an optimizer or a DCP class is used: a save and load of tensors never pays for it. The adapter
+    itself loads with ``import xckpt`` where torch is imported already."""
     import subprocess
     import sys
 
     code = (
         "import sys, torch, xckpt\n"
+        "assert 'xckpt_torch' in sys.modules  # loaded with xckpt (torch came first), not in the first save\n"
         "t = {'w': torch.arange(6.0).reshape(2, 3), 'step': torch.tensor(3)}\n"
         f"xckpt.save(t, {str(tmp_path / 'c')!r})\n"
         f"got = xckpt.load({str(tmp_path / 'c')!r}, like={{'w': torch.zeros(2, 3), 'step': torch.tensor(0)}})\n"

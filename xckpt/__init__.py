@@ -43,3 +43,8 @@ def __getattr__(name: str) -> Any:
         globals()[name] = module
         return module
     raise AttributeError(f"module 'xckpt' has no attribute {name!r}")
+
+
+# The adapters of the frameworks this process imported already load with xckpt, not inside its first save or
+# load: a training script imports its framework first, and its first checkpoint then pays no imports.
+registry.autoload()

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from xckpt.engine.hostcopy import page_buffer, page_view
 from xckpt.engine.read import ReadRequest, read_regions
 from xckpt.engine.storage import LocalStore, Location, Store, entry_kind
 from xckpt.errors import IntegrityError, XckptError, XckptWarning
@@ -412,10 +413,11 @@ def _check_crc_streamed(blob: Any, off: int, nbytes: int, file: str, leaf: str) 
     """Check the crc32c of the uncompressed inner chunk of ``nbytes`` bytes (its crc32c last) at ``off`` of
     ``blob``, reading it in pieces of at most :data:`CRC_PIECE_BYTES`: memory stays bounded whatever its size."""
     end = off + nbytes - 4
-    buf = np.empty(min(CRC_PIECE_BYTES, max(0, end - off)), dtype=np.uint8)
+    most = min(CRC_PIECE_BYTES, max(0, end - off))
+    buf = page_buffer(most)  # each piece placed within a page as its file position: the kernel copies it faster
     crc, pos = 0, off
     while pos < end:
-        piece = buf[:min(buf.size, end - pos)]
+        piece = page_view(buf, min(most, end - pos), pos)
         blob.read_into(pos, piece)
         crc = shard.checksum(piece, crc)
         pos += piece.size

@@ -6,7 +6,9 @@ chunk objects the regions touch, planning each as it is read (a bounded window a
 a few threads opens each object once, checks its index and place tag
 (:func:`xckpt.format.shard.parse_index`), reads only the inner chunks the requests need, checks
 each one's crc32c and copies the needed part into the outputs. An inner chunk
-that an output needs whole and contiguous is read straight into it. Host memory beyond the
+that an output needs whole and contiguous is read straight into it, unless it lies where the
+kernel would copy into it slowly (:func:`~xckpt.engine.hostcopy.skewed`); the others go through
+one buffer per thread, placed within a page as the file's bytes are. Host memory beyond the
 outputs is one inner chunk per thread.
 """
 
@@ -23,7 +25,7 @@ import numpy as np
 
 from xckpt.engine.storage import Blob, Store
 from xckpt.engine import threads as pools
-from xckpt.engine.hostcopy import stream_copy
+from xckpt.engine.hostcopy import PAGE_BYTES, page_buffer, page_view, skewed, stream_copy
 from xckpt.errors import DataError, IntegrityError, ResourceError, XckptError
 from xckpt.format import dtypes, shard, zarr as zarr_format
 from xckpt.format.manifest import ArrayEntry, StoredArray
@@ -319,12 +321,16 @@ def _check_array(store: Store, g: _Group, file: Callable[[str], str], raw: bytes
 
 
 class _Scratch(threading.local):
+    """One buffer per reading thread for the inner chunks not read straight into an output, grown as needed."""
+
     buf: np.ndarray | None = None
 
-    def get(self, n: int) -> np.ndarray:
-        if self.buf is None or self.buf.size < n:
-            self.buf = np.empty(n, dtype=np.uint8)
-        return self.buf[:n]
+    def get(self, n: int, position: int) -> np.ndarray:
+        """``n`` bytes to read an object's bytes at ``position`` into, placed within a page as that position is
+        (:func:`~xckpt.engine.hostcopy.page_view`: the kernel copies into them at full speed)."""
+        if self.buf is None or self.buf.size < n + PAGE_BYTES:
+            self.buf = page_buffer(n)
+        return page_view(self.buf, n, position)
 
 
 def _read_object(store: Store, obj: _Object, scratch: _Scratch, file: Callable[[str], str],
@@ -399,14 +405,14 @@ def _fill(obj: _Object, index: np.ndarray, whole: np.ndarray | None, blob: Blob 
         off, nbytes = int(index[k, 0]), int(index[k, 1])
         if whole is not None:
             encoded = whole[off:off + nbytes]
-        elif len(parts) == 1 and parts[0].whole:
+        elif len(parts) == 1 and parts[0].whole and not skewed(parts[0].out.ctypes.data, off):
             assert blob is not None
             _read_direct(blob, off, nbytes, parts[0].out, geom)
             done += nbytes
             continue
-        else:
+        else:  # (an output the kernel would copy into slowly goes through the scratch buffer too: faster)
             assert blob is not None
-            encoded = scratch.get(nbytes)
+            encoded = scratch.get(nbytes, off)
             blob.read_into(off, encoded)
             done += nbytes
         payload = shard.open_inner(geom, encoded)

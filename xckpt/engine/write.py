@@ -114,7 +114,8 @@ class ChunkWriter:
 
         def run() -> None:
             try:
-                scratch = _scratch.get(0 if isinstance(data, shard.LaidOut) else geom.scratch_nbytes)
+                # a page to spare: each block is placed within a page as its file position (hostcopy.skewed)
+                scratch = _scratch.get(max(geom.scratch_nbytes, shard.PIECE_BYTES) + hostcopy.PAGE_BYTES)
                 parts = shard.encode_parts(geom, data, scratch, place, hostcopy.copy_checksum)
                 self._put(name, parts, leaf, shard.array_nbytes(geom, data))
             finally:

@@ -252,9 +252,10 @@ class Checked:
     chunk whose ``payload`` (uint8, contiguous) already lies as stored (data that is its own payload, an
     asynchronous save's staged copy): the payload, then its crc32c, taken as it passes. A consumer takes
     it as :meth:`pieces` or makes it its own way (:func:`xckpt.engine.hostcopy.write_checked` writes it to a
-    file in one compiled call), before it asks for the next part."""
+    file in one compiled call, through ``scratch`` where that is faster), before it asks for the next part."""
 
     payload: np.ndarray
+    scratch: np.ndarray | None = None  # a buffer a writer may copy pieces through (:meth:`pieces` does not)
 
     def pieces(self) -> Iterator[np.ndarray]:
         """Its bytes: views of the payload of about :data:`PIECE_BYTES`, then the crc32c."""
@@ -347,7 +348,7 @@ def _stored(geom: Geometry, part: np.ndarray, scratch: np.ndarray, copy: CopyChe
     little-endian, not clipped); one :class:`Copied` part where it only needs copying; else zero-padded
     blocks (:func:`_padded_pieces`)."""
     if part.shape == geom.inner_shape and part.flags.c_contiguous and part.dtype.str == geom.le_dtype.str:
-        yield Checked(part.reshape(-1).view(np.uint8))
+        yield Checked(part.reshape(-1).view(np.uint8), scratch)
     elif part.shape == geom.inner_shape and geom.inner_shape:
         yield Copied(part, scratch, geom.block_rows, geom.le_dtype, copy)
     else:
@@ -382,7 +383,8 @@ def encode_parts(geom: Geometry, data: np.ndarray | LaidOut, scratch: np.ndarray
     outside the array are zero-filled and inner chunks wholly outside it are not stored. An
     uncompressed inner chunk goes out in pieces of about :data:`PIECE_BYTES`, checksummed as
     they pass: slices of ``data`` itself where it already is the payload, else copied into
-    ``scratch`` (uint8, at least ``scratch_nbytes``; unused for laid-out data) by ``copy``,
+    ``scratch`` (uint8, at least ``scratch_nbytes``; for payloads that need no copy, a writer may
+    copy pieces through it: :attr:`Checked.scratch`) by ``copy``,
     which checksums them as it copies (numpy's copy, then :func:`checksum`, by default); a
     compressed one is copied whole, compressed and checksummed. A yielded part
     is only valid until the next one is asked for, so a writer writes each part as it comes.
@@ -407,7 +409,7 @@ def encode_parts(geom: Geometry, data: np.ndarray | LaidOut, scratch: np.ndarray
             if whole is None:
                 yield from _stored(geom, data[sl + (Ellipsis,)], scratch, copy)  # type: ignore[index]
             else:
-                yield Checked(whole)
+                yield Checked(whole, scratch)
             size = n
         index[k] = (offset, size + _CRC)
         offset += size + _CRC
