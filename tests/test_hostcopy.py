@@ -273,33 +273,48 @@ def test_native_copy_crc_write_places_each_block_within_a_page_as_its_file_posit
 
 
 @native_crc
-@settings(max_examples=100, deadline=None)
-@given(st.integers(0, 5000), st.integers(0, 4095), st.integers(0, 4095),
-       st.sampled_from([1000, 4096, 12289, 40000]), st.sampled_from([4096, 12288, 1 << 20]))
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 5000), st.sampled_from([0, 1, 4, 16, 31, 32, 2048]), st.integers(0, 4095),
+       st.sampled_from([1000, 4096, 12289, 40000, shard.PIECE_BYTES + 5000]),
+       st.sampled_from([0, 3000, shard.PIECE_BYTES + hostcopy.PAGE_BYTES]))
 def test_native_crc_write_copies_a_skewed_piece_through_the_scratch_buffer(
-        tmp_path_factory, prefix: int, payload_at: int, scratch_at: int, nbytes: int, piece: int):
-    """Given a scratch buffer, the compiled checksum-and-write copies a piece that lies where the kernel would
-    copy it slowly (skewed against its file position) into the buffer, placed within a page as that position,
-    and writes it from there; a piece that lies well is written as it lies, the buffer untouched. The bytes
-    written are the same either way."""
+        tmp_path_factory, prefix: int, skew: int, scratch_at: int, nbytes: int, room: int):
+    """Given a scratch buffer, the compiled checksum-and-write copies each piece (of ``PIECE_BYTES``) that lies
+    where the kernel would copy it slowly (skewed against its file position) into the buffer, placed within a
+    page as that position (at the buffer's start where it has no page to spare, if that lies well), and writes
+    it from there; a piece that lies well, or that the buffer cannot hold, is written as it lies. The bytes
+    written are the same every way, and nothing is written outside the buffer."""
     tmp_path = tmp_path_factory.mktemp("w")
     raw = np.random.default_rng(prefix).integers(0, 256, nbytes + 8192, dtype=np.uint8)
+    payload_at = (prefix - skew - raw.ctypes.data) % hostcopy.PAGE_BYTES  # the first piece this far skewed
     payload = raw[payload_at:payload_at + nbytes]
-    room = np.full(min(piece, nbytes) + hostcopy.PAGE_BYTES + 4096, 0xEE, dtype=np.uint8)
-    scratch = room[scratch_at:scratch_at + min(piece, nbytes) + hostcopy.PAGE_BYTES]
+    assert (prefix - payload.ctypes.data) % hostcopy.PAGE_BYTES == skew
+    outer = np.full(room + 4096 + 128, 0xEE, dtype=np.uint8)
+    scratch = outer[64 + scratch_at:64 + scratch_at + room]
     with _prefixed_file(tmp_path, prefix) as f:
         got = hostcopy.write_checked(f.fileno(), shard.Checked(payload, scratch))
         f.seek(0)
         written = f.read()
     want = crc32c.crc32c(payload.tobytes())
     assert got and written == b"\x5a" * prefix + payload.tobytes() + want.to_bytes(4, "little")
-    last = (nbytes - 1) // piece * piece  # the last piece's offset in the payload
-    position, n = prefix + last, nbytes - last
-    start = (position - scratch.ctypes.data) % hostcopy.PAGE_BYTES
-    if hostcopy.skewed(position, payload.ctypes.data + last):
-        assert scratch[start:start + n].tobytes() == payload[last:].tobytes()
-    elif not any(hostcopy.skewed(prefix + a, payload.ctypes.data + a) for a in range(0, nbytes, piece)):
+    assert (outer[:64 + scratch_at] == 0xEE).all() and (outer[64 + scratch_at + room:] == 0xEE).all()
+    moved = []  # where each piece that went through the buffer lies in it, as the test works it out
+    for a in range(0, nbytes, shard.PIECE_BYTES):
+        n, position = min(shard.PIECE_BYTES, nbytes - a), prefix + a
+        if not hostcopy.skewed(position, payload.ctypes.data + a) or n > room:
+            continue
+        start = (position - scratch.ctypes.data) % hostcopy.PAGE_BYTES
+        if start + n > room:
+            start = 0
+            if hostcopy.skewed(position, scratch.ctypes.data):
+                continue
+        moved.append((start, a, n))
+    if not moved:
         assert (scratch == 0xEE).all()
+        assert not (0 < skew < 32 and room >= min(nbytes, shard.PIECE_BYTES) + hostcopy.PAGE_BYTES)
+    else:
+        start, a, n = moved[-1]
+        assert scratch[start:start + n].tobytes() == payload[a:a + n].tobytes()
 
 
 @native_crc

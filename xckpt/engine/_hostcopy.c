@@ -40,7 +40,7 @@
  * measured on the benchmark VM). copy_crc_write copies each block to that place in its buffer (which
  * has a page to spare for it; a buffer without one is used from its start); crc_write, given a
  * scratch buffer, copies a piece that lies so into it, at that place, before writing it (the piece,
- * just checksummed, is still in the cache). The file position comes from lseek(); where there is
+ * just checksummed, is still in the cache; a buffer too small for the piece is not used). The file position comes from lseek(); where there is
  * none (a pipe), nothing is placed.
  *
  * The copies prefetch the source PREFETCH_ROWS rows ahead where they copy row by row: a chunk's block
@@ -579,9 +579,9 @@ static PyObject *hostcopy_crc_write(PyObject *self, PyObject *args) {
         size_t n = (size_t)(nbytes - a < piece ? nbytes - a : piece);
         const char *p = (const char *)src_addr + a;
         r = crc_run(r, p, n);
-        if (skewed(p, pos)) {
+        if (skewed(p, pos) && n <= (size_t)scratch_nbytes) {
             char *to = page_place((char *)scratch_addr, (size_t)scratch_nbytes, n, pos);
-            if (to != (char *)scratch_addr || !skewed(to, pos)) { /* placed (or lying well as it is) */
+            if (!skewed(to, pos)) { /* placed (or, where it has no room to spare, lying well as it is) */
                 memcpy(to, p, n);
                 p = to;
             }

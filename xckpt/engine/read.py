@@ -287,16 +287,36 @@ def _want(a: StoredArray, req: ReadRequest, local: Region, start: tuple[int, ...
     return _Want(req.out, lo, hi, shift)
 
 
-def _check_arrays(store: Store, groups: Sequence[_Group], file: Callable[[str], str]) -> int:
-    """:func:`_check_array` of every array read, their ``zarr.json`` fetched a window at a time where the
-    store serves many requests at once (:meth:`~xckpt.engine.storage.Store.prefetch`); the bytes read."""
+@dataclass
+class ReadMemo:
+    """What the reads of one opened checkpoint found, for the reads that follow on it: the arrays whose
+    ``zarr.json`` matched the manifest, and the small objects a checking pass read whole and checked (their
+    index and every inner chunk's crc32c; at most :data:`MAX_KEPT_BYTES` of them), which a filling pass then
+    takes instead of reading them again. An opened checkpoint's objects do not change (a save that replaces it
+    makes a new directory: :meth:`~xckpt.engine.storage.Store.replaced`)."""
+
+    arrays: set[str] = field(default_factory=set)
+    kept: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    def kept_nbytes(self) -> int:
+        """Bytes of the objects kept."""
+        return sum(whole.nbytes for whole, _ in self.kept.values())
+
+
+def _check_arrays(store: Store, groups: Sequence[_Group], file: Callable[[str], str], checked: set[str]) -> int:
+    """:func:`_check_array` of every array read but those ``checked`` already (each checked is added), their
+    ``zarr.json`` fetched a window at a time where the store serves many requests at once
+    (:meth:`~xckpt.engine.storage.Store.prefetch`); the bytes read."""
     total = 0
+    groups = [g for g in groups if g.array.path not in checked]
     for at in range(0, len(groups), PREFETCH_WINDOW):
         window = groups[at:at + PREFETCH_WINDOW]
         # (those above SMALL_OBJECT, which real ones never are, are read one by one under their own bound)
         names = [f"{g.array.path}/{zarr_format.METADATA}" for g in window]
         got = store.prefetch(names, SMALL_OBJECT)
-        total += sum(_check_array(store, g, file, got.get(name)) for g, name in zip(window, names))
+        for g, name in zip(window, names):
+            total += _check_array(store, g, file, got.get(name))
+            checked.add(g.array.path)
     return total
 
 
@@ -440,7 +460,8 @@ def placeholder(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[str], str], *,
-                 generation: str | None = None, precheck: bool = False, fill: bool = True) -> int:
+                 generation: str | None = None, precheck: bool = False, fill: bool = True,
+                 memo: ReadMemo | None = None) -> int:
     """Fill every request's ``out`` from the arrays in ``store``; returns the bytes read.
 
     ``generation``: the checkpoint's (format 1.2 and later), whose every chunk object must carry the
@@ -450,10 +471,14 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
     a missing, truncated or corrupt object; outputs are then partly written. With
     ``precheck``, every object is opened and its index checked before any output is written,
     so only a corrupt inner chunk can stop the reads half way. ``fill=False`` only checks (the
-    outputs may then be views of no memory, see :func:`placeholder`).
+    outputs may then be views of no memory, see :func:`placeholder`). ``memo`` (kept by the opened
+    checkpoint across its reads) skips what an earlier read of it checked, and lets a checking pass
+    (``fill=False``) keep the small objects it read for the filling pass that follows.
     """
+    given = memo is not None
+    memo = memo if memo is not None else ReadMemo()
     groups = _groups(requests)
-    total = _check_arrays(store, groups, file)  # before planning: a lying manifest is refused
+    total = _check_arrays(store, groups, file, memo.arrays)  # before planning: a lying manifest is refused
     _check_object_count(groups, sum(r.out.size * r.out.dtype.itemsize for r in requests if not r.region.is_empty()),
                         file)  # before its chunk counts are walked
     if not groups:
@@ -462,8 +487,11 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
     ex = pools.pool()
     big = [g for g in groups if not g.small]
     small = [g for g in groups if g.small]
-    keep = fill and precheck and sum(g.count * g.geom.max_nbytes for g in small) <= MAX_KEPT_BYTES
-    kept: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # small objects the checking pass read and checked
+    # small objects a checking pass reads and checks are kept for the filling pass: this call's, or (memo
+    # given) the next call's
+    keep = (fill and precheck or not fill and given) and \
+        sum(g.count * g.geom.max_nbytes for g in small) + memo.kept_nbytes() <= MAX_KEPT_BYTES
+    kept = memo.kept
     for do_fill in ((False,) if not fill else (False, True) if precheck else (True,)):
         # finished within this pass, so the closure's do_fill is this pass's
         pump = pools.Pump(ex, lambda o: _read_object(store, o, scratch, file, generation, do_fill), _plan(big),
@@ -477,8 +505,8 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
                 if not window:
                     break
                 got = store.prefetch([o.name for o in window if o.name not in kept], SMALL_OBJECT)
-                total += sum(_read_object(store, o, scratch, file, generation, do_fill, kept if keep else None,
-                                          got.get(o.name)) for o in window)
+                total += sum(_read_object(store, o, scratch, file, generation, do_fill,
+                                          kept if keep or do_fill else None, got.get(o.name)) for o in window)
                 pump.top_up()
         except BaseException as exc:  # noqa: BLE001 - raised once no thread writes into the outputs
             first = exc

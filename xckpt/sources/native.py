@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import crc32c
 import tensorstore as ts
 
-from xckpt.engine.read import ReadRequest, placeholder, read_regions
+from xckpt.engine.read import ReadMemo, ReadRequest, placeholder, read_regions
 from xckpt.engine.storage import Location, Store
 from xckpt.errors import DataError, IntegrityError, ManifestError, NotACheckpointError, ResourceError
 from xckpt.format import dtypes, manifest as manifest_format, names, values as values_format, zarr
@@ -34,6 +34,7 @@ class NativeCheckpoint:
         self.store = store
         self.manifest = manifest
         self._values: dict[int, Any] | None = None
+        self._memo = ReadMemo()  # what its reads checked already (zarr.json; small objects a check kept)
 
     def values(self) -> dict[int, Any]:
         """Value leaves by leaf index, checked against the manifest's size and crc32c."""
@@ -47,20 +48,24 @@ class NativeCheckpoint:
         ``precheck`` opens every object and checks its index before any output is written.
         """
         return read_regions(self.store, requests, lambda name: str(self.loc.child(name)), precheck=precheck,
-                            generation=self.manifest.tag_generation)
+                            generation=self.manifest.tag_generation, memo=self._memo)
 
     def check(self, requests: Sequence[ReadRequest]) -> None:
         """Check every object the requests would read (a regular file, its index and place tag), and the
-        arrays' ``zarr.json``, without filling any output."""
+        arrays' ``zarr.json``, without filling any output. The small objects it reads whole are kept, checked,
+        for the :meth:`read` that follows (at most :data:`~xckpt.engine.read.MAX_KEPT_BYTES`), which then
+        reads neither them nor a ``zarr.json`` again."""
         read_regions(self.store, requests, lambda name: str(self.loc.child(name)), fill=False,
-                     generation=self.manifest.tag_generation)
+                     generation=self.manifest.tag_generation, memo=self._memo)
 
     def open_array(self, entry: ArrayEntry) -> "ts.Future[ts.TensorStore]":
         """A TensorStore view of an array leaf (segments concatenated), after checking that every object
         it may read is a regular file inside the checkpoint, and every chunk object's index and place tag
         (TensorStore checks the crc32c of what it decodes, not where an object belongs)."""
-        self.check([ReadRequest(entry, Region.full(entry.shape),
-                                placeholder(entry.shape, dtypes.numpy_dtype(entry.storage_dtype)))])
+        read_regions(self.store, [ReadRequest(entry, Region.full(entry.shape),
+                                              placeholder(entry.shape, dtypes.numpy_dtype(entry.storage_dtype)))],
+                     lambda name: str(self.loc.child(name)), fill=False, generation=self.manifest.tag_generation,
+                     memo=ReadMemo(self._memo.arrays))  # (no small object kept: TensorStore reads them)
         parts = []
         for a in entry.arrays():
             meta = zarr.zarr_metadata(a.shape, entry.storage_dtype, a.chunk_shape, a.inner_chunk_shape,
@@ -77,7 +82,8 @@ class NativeCheckpoint:
         return self.store.replaced()
 
     def close(self) -> None:
-        """Release the store's open directories."""
+        """Release the store's open directories (and the small objects a check kept)."""
+        self._memo = ReadMemo()
         self.store.close()
 
 
