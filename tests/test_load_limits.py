@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from xckpt.errors import DataError
 from xckpt.format.codecs import zstd_compress, zstd_decompress
@@ -139,7 +141,7 @@ def test_a_read_of_many_small_leaves_is_not_refused(tmp_path: Path) -> None:
 def test_a_failed_read_of_many_objects_stops_after_its_window(tmp_path: Path, monkeypatch) -> None:
     """A leaf declaring 4,096 objects of 64 KiB, none of them readable (the one object there was written for 4
     elements): the load fails on the first (naming it), having tried at most the objects in flight at once
-    (:data:`xckpt.engine.read.IN_FLIGHT_PER_THREAD` per I/O thread), not all 4,096 (before: every object was
+    (one per I/O thread, :class:`xckpt.engine.threads.Pump`), not all 4,096 (before: every object was
     submitted, then tried, before the error was raised; a fuzzed manifest of 262,144 such objects took longer
     than the fuzzer's 10 s)."""
     import xckpt
@@ -157,7 +159,7 @@ def test_a_failed_read_of_many_objects_stops_after_its_window(tmp_path: Path, mo
     with pytest.raises(xckpt.XckptError) as err:
         xckpt.load(path)
     assert err.value.code in ("chunk.missing", "chunk.truncated") and err.value.leaf == "x", err.value
-    assert 1 <= len(tried) <= read.IN_FLIGHT_PER_THREAD * threads.io_threads() + 1, len(tried)
+    assert 1 <= len(tried) <= threads.io_threads() + 1, len(tried)
 
 
 def test_a_read_plans_its_objects_as_it_reads_them(tmp_path: Path, monkeypatch) -> None:
@@ -228,3 +230,49 @@ def test_validating_a_grid_of_millions_of_chunks_walks_only_what_is_stored(tmp_p
                                                              for i in range(1, MAX_MISSING_LISTED + 1)]
     assert len(missing) == MAX_MISSING_LISTED + 1
     assert missing[-1].message == f"{2**24 - 1 - MAX_MISSING_LISTED} more chunks of this array are missing"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 60), st.integers(1, 4), st.sets(st.integers(0, 59), max_size=3), st.booleans())
+def test_a_pump_runs_each_item_once_and_raises_the_earliest_error(n: int, workers: int, failing: set[int],
+                                                                  plan_fails: bool) -> None:
+    """The I/O threads' pump (one loop per worker, each taking the next item as it finishes one): without an
+    error, every item runs exactly once and the results add up; with errors (an item's, or the planning
+    generator's own), the one raised is that of the earliest item taken among those that failed, and no item
+    past a failing planning step is taken."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from xckpt.engine import threads
+
+    ran: list[int] = []
+    lock = threading.Lock()
+    stop = n // 2 if plan_fails and n else None
+
+    def items():
+        for i in range(n):
+            if i == stop:
+                raise RuntimeError(f"plan {i}")
+            yield i
+
+    def fn(i: int) -> int:
+        with lock:
+            ran.append(i)
+        if i in failing:
+            raise ValueError(f"item {i}")
+        return i + 1
+
+    with ThreadPoolExecutor(4) as ex:
+        pump = threads.Pump(ex, fn, items(), workers)
+        errors = sorted(i for i in failing if i < n)
+        if not errors and stop is None:
+            assert pump.finish() == sum(i + 1 for i in range(n))
+            assert sorted(ran) == list(range(n))
+            return
+        with pytest.raises((ValueError, RuntimeError)) as info:
+            pump.finish()
+    assert len(ran) == len(set(ran))  # none twice
+    first_bad = min([i for i in errors if i in ran] + ([stop] if stop is not None else []))
+    want = f"plan {first_bad}" if first_bad == stop else f"item {first_bad}"
+    assert str(info.value) == want
+    assert stop is None or max(ran, default=-1) < stop

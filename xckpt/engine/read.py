@@ -37,9 +37,6 @@ SMALL_OBJECT = 64 << 10
 #: Small objects (and ``zarr.json`` files) an object store is asked for at once (:meth:`Store.prefetch`): at
 #: most 16 MiB of them held at a time.
 PREFETCH_WINDOW = 256
-#: Large objects queued or being read at once, per I/O thread (:class:`xckpt.engine.threads.Pump`): enough to
-#: keep every thread busy, few enough that a failed read stops soon and a read of many objects holds few futures.
-IN_FLIGHT_PER_THREAD = 4
 #: Small objects a checking pass (``precheck``) keeps, read and checked, for the filling pass, at most.
 MAX_KEPT_BYTES = 64 << 20
 #: Chunk objects one read plans at most, beyond one for every :data:`BYTES_PER_OBJECT` bytes it reads: each
@@ -495,7 +492,7 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
     for do_fill in ((False,) if not fill else (False, True) if precheck else (True,)):
         # finished within this pass, so the closure's do_fill is this pass's
         pump = pools.Pump(ex, lambda o: _read_object(store, o, scratch, file, generation, do_fill), _plan(big),
-                          IN_FLIGHT_PER_THREAD * pools.io_threads())
+                          pools.io_threads())
         first: BaseException | None = None
         try:  # small objects on this thread: their cost is Python, threads only contend (an object store's
             # requests go out a window at a time: Store.prefetch)
@@ -507,7 +504,6 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
                 got = store.prefetch([o.name for o in window if o.name not in kept], SMALL_OBJECT)
                 total += sum(_read_object(store, o, scratch, file, generation, do_fill,
                                           kept if keep or do_fill else None, got.get(o.name)) for o in window)
-                pump.top_up()
         except BaseException as exc:  # noqa: BLE001 - raised once no thread writes into the outputs
             first = exc
         total += pump.finish(first)
