@@ -40,8 +40,8 @@
  * measured on the benchmark VM). copy_crc_write copies each block to that place in its buffer (which
  * has a page to spare for it; a buffer without one is used from its start); crc_write, given a
  * scratch buffer, copies a piece that lies so into it, at that place, before writing it (the piece,
- * just checksummed, is still in the cache; a buffer too small for the piece is not used). The file position comes from lseek(); where there is
- * none (a pipe), nothing is placed.
+ * just checksummed, is still in the cache; a buffer too small for the piece is not used). The file
+ * position comes from lseek(); where there is none (a pipe), nothing is placed.
  *
  * The copies prefetch the source PREFETCH_ROWS rows ahead where they copy row by row: a chunk's block
  * of columns (a (832, 832) inner chunk of a (832, 3328) shard) is rows of 3,328 bytes 13,312

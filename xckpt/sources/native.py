@@ -47,25 +47,28 @@ class NativeCheckpoint:
 
         ``precheck`` opens every object and checks its index before any output is written.
         """
-        return read_regions(self.store, requests, lambda name: str(self.loc.child(name)), precheck=precheck,
-                            generation=self.manifest.tag_generation, memo=self._memo)
+        return self._regions(requests, self._memo, precheck=precheck)
 
     def check(self, requests: Sequence[ReadRequest]) -> None:
         """Check every object the requests would read (a regular file, its index and place tag), and the
         arrays' ``zarr.json``, without filling any output. The small objects it reads whole are kept, checked,
         for the :meth:`read` that follows (at most :data:`~xckpt.engine.read.MAX_KEPT_BYTES`), which then
         reads neither them nor a ``zarr.json`` again."""
-        read_regions(self.store, requests, lambda name: str(self.loc.child(name)), fill=False,
-                     generation=self.manifest.tag_generation, memo=self._memo)
+        self._regions(requests, self._memo, fill=False)
+
+    def _regions(self, requests: Sequence[ReadRequest], memo: ReadMemo, **how: bool) -> int:
+        """:func:`~xckpt.engine.read.read_regions` of this checkpoint (``how``: ``precheck``, ``fill``), files
+        named by their path in it; the bytes read."""
+        return read_regions(self.store, requests, lambda name: str(self.loc.child(name)),
+                            generation=self.manifest.tag_generation, memo=memo, **how)
 
     def open_array(self, entry: ArrayEntry) -> "ts.Future[ts.TensorStore]":
         """A TensorStore view of an array leaf (segments concatenated), after checking that every object
         it may read is a regular file inside the checkpoint, and every chunk object's index and place tag
         (TensorStore checks the crc32c of what it decodes, not where an object belongs)."""
-        read_regions(self.store, [ReadRequest(entry, Region.full(entry.shape),
-                                              placeholder(entry.shape, dtypes.numpy_dtype(entry.storage_dtype)))],
-                     lambda name: str(self.loc.child(name)), fill=False, generation=self.manifest.tag_generation,
-                     memo=ReadMemo(self._memo.arrays))  # (no small object kept: TensorStore reads them)
+        self._regions([ReadRequest(entry, Region.full(entry.shape),
+                                   placeholder(entry.shape, dtypes.numpy_dtype(entry.storage_dtype)))],
+                      ReadMemo(self._memo.arrays), fill=False)  # (no small object kept: TensorStore reads them)
         parts = []
         for a in entry.arrays():
             meta = zarr.zarr_metadata(a.shape, entry.storage_dtype, a.chunk_shape, a.inner_chunk_shape,
