@@ -501,3 +501,108 @@ def test_a_load_copies_parts_of_inner_chunks_alike(tmp_path):
     part = xckpt.load(str(tmp_path / "c"), like={"a": xckpt.ReadSpec(region=region)})["a"]
     assert np.array_equal(part, a[region])
     assert np.array_equal(xckpt.load(str(tmp_path / "c"))["a"], a)
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    """The array whose memory ``a`` views."""
+    while a.base is not None:
+        a = a.base
+    return a
+
+
+def _like(strided: np.ndarray, buf: np.ndarray, shift: int) -> np.ndarray:
+    """A view of ``buf`` (uint8, at least ``shift`` + 8 bytes longer than ``strided``'s :func:`_root`) laid out
+    as ``strided`` lies in its memory, moved ``shift`` bytes."""
+    assert buf.size >= _root(strided).nbytes + shift + 8
+    at = shift + strided.__array_interface__["data"][0] - _root(strided).__array_interface__["data"][0]
+    return np.lib.stride_tricks.as_strided(buf[at:at + strided.itemsize].view(strided.dtype), strided.shape,
+                                           strided.strides)
+
+
+def _filled(a: np.ndarray, seed: int) -> np.ndarray:
+    """``a`` (C-contiguous) filled with random bytes."""
+    a.reshape(-1).view(np.uint8)[...] = np.random.default_rng(seed).integers(0, 256, a.nbytes, dtype=np.uint8)
+    return a
+
+
+@native_crc
+@settings(max_examples=300, deadline=None)
+@given(checksummed_copies(), st.integers(0, 8))
+def test_native_crc_copy_is_a_copy_and_the_crc32c_of_its_source(case: tuple[np.ndarray, np.ndarray, int],
+                                                                 shift: int):
+    """The load's mirror of the checksumming copy: a C-contiguous source (an inner chunk just read) copied into
+    a strided destination (the strategy's strided view, moved ``shift`` bytes: streaming stores only where every
+    run starts 8-byte aligned) at every run length the helper splits three ways, the crc32c of the source's
+    bytes returned, and no byte of the destination's buffer written but its elements'."""
+    contiguous, strided, crc = case
+    src = _filled(contiguous, crc & 0xFF)
+    buf = np.random.default_rng(shift).integers(0, 256, _root(strided).nbytes + 16, dtype=np.uint8)
+    want = buf.copy()
+    _like(strided, want, shift)[...] = src
+    dst = _like(strided, buf, shift)
+    got = hostcopy._native.crc_copy(dst.__array_interface__["data"][0], src.__array_interface__["data"][0],
+                                    dst.shape, dst.strides, dst.itemsize, crc)
+    assert got == crc32c.crc32c(src.tobytes(), crc)
+    assert np.array_equal(buf, want)
+
+
+@settings(max_examples=100, deadline=None)
+@given(checksummed_copies(), st.booleans())
+def test_checksum_copy_is_a_copy_and_the_crc32c_of_its_source(case: tuple[np.ndarray, np.ndarray, int],
+                                                              compiled: bool):
+    """checksum_copy: the compiled pass where it applies, else the crc32c package and the streaming copy (a
+    small array, no helper, or ``compiled`` False): the same values and crc32c either way."""
+    contiguous, strided, _ = case
+    src = _filled(contiguous, 7)
+    dst = _like(strided, np.zeros(_root(strided).nbytes + 16, dtype=np.uint8), 0)
+    real = hostcopy._NATIVE_CRC
+    try:
+        hostcopy._NATIVE_CRC = real and compiled
+        assert hostcopy.checksum_copy(dst, src) == crc32c.crc32c(src.tobytes())
+    finally:
+        hostcopy._NATIVE_CRC = real
+    assert np.array_equal(dst.view(np.uint8), src.view(np.uint8))
+
+
+def test_a_load_checks_an_inner_chunk_it_copies_whole_into_a_strided_output(tmp_path):
+    """Inner chunks a resharded load copies whole into its output (a block of columns of each row, not
+    contiguous) are checksummed as they are copied: the values equal the saved ones element by element, and a
+    payload byte changed on disk fails the load with chunk.crc32c, naming the object and the leaf."""
+    from xckpt.engine import read
+    from xckpt.engine.read import ReadRequest
+    from xckpt.errors import IntegrityError
+    from xckpt.format.regions import Region
+    from xckpt.sources.detect import open_checkpoint
+
+    a = np.random.default_rng(11).random((256, 1024), dtype=np.float32)
+    xckpt.save({"a": a}, str(tmp_path / "c"), inner_chunk_bytes=64 << 10)
+    ckpt = open_checkpoint(tmp_path / "c")
+    try:
+        (e,) = ckpt.manifest.leaves
+        (stored,) = e.arrays()
+        rows, cols = stored.inner_chunk_shape
+        assert cols < a.shape[1], stored.inner_chunk_shape  # an inner chunk is a block of columns
+        out = np.full((256, 2048), np.nan, np.float32)[:, 512:1536]
+        copied: list[int] = []
+        real = read.checksum_copy
+        read.checksum_copy = lambda d, s: copied.append(s.size) or real(d, s)
+        try:
+            ckpt.read([ReadRequest(e, Region.full(a.shape), out)])
+        finally:
+            read.checksum_copy = real
+        np.testing.assert_array_equal(out, a)
+        assert len(copied) == (256 // rows) * (1024 // cols) and set(copied) == {rows * cols}
+    finally:
+        ckpt.close()
+    name = f"{stored.path}/c/0/0"
+    path = tmp_path / "c" / name
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x40
+    path.write_bytes(bytes(data))
+    ckpt = open_checkpoint(tmp_path / "c")
+    try:
+        with pytest.raises(IntegrityError) as info:
+            ckpt.read([ReadRequest(e, Region.full(a.shape), np.empty((256, 2048), np.float32)[:, 512:1536])])
+    finally:
+        ckpt.close()
+    assert info.value.code == "chunk.crc32c" and info.value.file.endswith(name) and info.value.leaf == "a"

@@ -243,7 +243,7 @@ def _edit_index(obj: Path, n_inner: int, edit: Callable[[np.ndarray], None], pre
     ckpt = obj.parents[3]
     gen = json.loads((ckpt / "xckpt.json").read_text())["generation"]
     place = shard.place_of(gen, obj.relative_to(ckpt).as_posix())
-    data[start - shard.TAG_NBYTES:start] = shard.place_tag(place, np.frombuffer(bytes(data[start:]), np.uint8)).tobytes()
+    data[start - shard.TAG_NBYTES:start] = shard.place_tag(place, bytes(data[start:]))
     obj.write_bytes(prefix + bytes(data))
 
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 
+import crc32c
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from xckpt.errors import ShapeError
+from xckpt.errors import ShapeError, XckptError
+from xckpt.format import shard
 from xckpt.format.regions import (Region, check_tiling, chunk_indices, chunks_of, grid_shape, inner_chunk_shape_for,
                                   intersect, walk)
 
@@ -258,7 +261,7 @@ def test_encoded_object_equals_brute_force_layout(geom: tuple, dtype: str, piece
         body += payload + crc32c.crc32c(payload).to_bytes(4, "little")
     raw_index = index.tobytes()
     index_part = raw_index + crc32c.crc32c(raw_index).to_bytes(4, "little")
-    tag = shard.place_tag(place, np.frombuffer(index_part, np.uint8)).tobytes() if tagged else b""
+    tag = shard.place_tag(place, index_part) if tagged else b""
     assert got == body + tag + index_part
     assert streamed == got  # a writer's pieces, and a whole object built at once (a small leaf's), agree
     assert written == got and written_laid == got
@@ -357,3 +360,76 @@ def test_walking_a_grid_makes_no_index_before_it_is_asked_for() -> None:
     first = chunks_of(Region((5, 0), (2**40, 2)), (1, 1))
     assert [next(first) for _ in range(3)] == [(5, 0), (5, 1), (6, 0)]
     assert list(chunk_indices((0, 2**40), (1, 1))) == [] and list(chunk_indices((), ())) == [()]
+
+
+def _index_verdict(g: shard.Geometry, entries: list[tuple[int, int]], valid: tuple[int, ...], data_end: int,
+                   known: bool) -> str | None:
+    """What the spec says of an index (the error code, or None), worked out another way than the reader: a
+    map of how often each data byte is covered, one byte at a time."""
+    needed = {k for k, _, _ in g.inner_chunks(valid)}
+    present = [(k, o, n) for k, (o, n) in enumerate(entries) if (o, n) != (shard.MISSING, shard.MISSING)]
+    if needed - {k for k, _, _ in present}:
+        return "chunk.missing"
+    if any(n < 4 or o + n > data_end for _, o, n in present):
+        return "chunk.truncated"
+    exact = g.inner_nbytes + 4
+    if g.compression == "none" and any(n != exact for _, _, n in present):
+        return "chunk.truncated" if any(n < exact for _, _, n in present) else "chunk.size"
+    last = max((o + n for _, o, n in present), default=0)  # at most data_end, checked above
+    cover = [0] * last
+    for _, o, n in present:
+        for b in range(o, o + n):
+            cover[b] += 1
+    if any(c > 1 for c in cover):
+        return "chunk.overlap"
+    if any(c == 0 for c in cover) or (known and last != data_end):
+        return "chunk.gap"
+    return None
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_parse_index_refuses_exactly_what_a_byte_map_refuses(data: st.DataObject) -> None:
+    """The reader's index checks against :func:`_index_verdict` on indexes made well, then disturbed: entries
+    moved, resized, swapped, dropped; objects of several sizes, with and without a known size."""
+    n_inner = data.draw(st.integers(1, 6))
+    compressed = data.draw(st.booleans())
+    g = shard.Geometry((2 * n_inner,), (2,), np.dtype("u1"), "zstd" if compressed else "none")
+    valid = (data.draw(st.integers(1, 2 * n_inner)),)
+    order = data.draw(st.permutations(range(n_inner)))
+    entries, at = [(shard.MISSING, shard.MISSING)] * n_inner, 0
+    for k in order:
+        if k * 2 >= valid[0] and data.draw(st.booleans()):
+            continue  # wholly outside the array: may be left out
+        n = 6 if not compressed else data.draw(st.integers(4, 9))
+        entries[k], at = (at, n), at + n
+    for _ in range(data.draw(st.integers(0, 2))):
+        k = data.draw(st.integers(0, n_inner - 1))
+        o, n = entries[k]
+        how = data.draw(st.sampled_from(["offset", "size", "drop", "swap"]))
+        if how == "drop":
+            entries[k] = (shard.MISSING, shard.MISSING)
+        elif how == "swap":
+            j = data.draw(st.integers(0, n_inner - 1))
+            entries[k], entries[j] = entries[j], entries[k]
+        elif (o, n) != (shard.MISSING, shard.MISSING):
+            d = data.draw(st.integers(-7, 7))
+            entries[k] = (max(0, o + d), n) if how == "offset" else (o, max(0, n + d))
+    data_end = at + data.draw(st.sampled_from([0, 0, -1, 1, 5]))
+    known = data.draw(st.booleans())
+    body = b"".join(struct.pack("<QQ", o, n) for o, n in entries)
+    tail = body + crc32c.crc32c(body).to_bytes(4, "little")
+    size = max(data_end, 0) + len(tail)
+    # an object of unknown size may be as large as any valid one (any size at all, compressed)
+    limit = max(data_end, 0) if known else 2**63 - 1 - len(tail) if compressed else n_inner * 6
+    want = _index_verdict(g, entries, valid, limit, known)
+    least = -(-valid[0] // 2) * 6 + len(tail)
+    if known and not compressed and size < least:
+        want = "chunk.truncated"  # told by the object's size before the index is read
+    try:
+        index = shard.parse_index(g, tail, size if known else None, valid)
+    except XckptError as exc:
+        assert exc.code == want, (entries, valid, data_end, known)
+    else:
+        assert want is None, (entries, valid, data_end, known)
+        assert index.tolist() == [list(e) for e in entries]

@@ -407,7 +407,7 @@ def edit_index(path: str, name: str, n_inner: int, fn: Callable[[list[list[int]]
     data[start:] = body + crc.to_bytes(4, "little")
     if fix_crc:
         index = np.frombuffer(bytes(data[start:]), dtype=np.uint8)
-        data[start - shard.TAG_NBYTES:start] = shard.place_tag(shard.place_of(FIXED_GENERATION, name), index).tobytes()
+        data[start - shard.TAG_NBYTES:start] = shard.place_tag(shard.place_of(FIXED_GENERATION, name), index)
     write(path, name, bytes(b"\0" * shift + data))
 
 

@@ -21,6 +21,11 @@
  * CRC32C says whether this processor has both (checked at import), else the caller copies
  * and checksums apart.
  *
+ * Its mirror, crc_copy(dst_address, src_address, shape, dst_strides, itemsize, crc), serves a load: it
+ * copies an inner chunk just read (C order, in the reading thread's buffer, still in the cache) into the
+ * caller's array with streaming stores and returns its crc32c, in one pass over it instead of a checksum
+ * pass and a copy pass.
+ *
  * A third, copy_crc_write(fd, dst_address, dst_nbytes, src_address, shape, src_strides, itemsize,
  * block_rows), runs the synchronous save's whole loop over one inner chunk headed for a local file:
  * block_rows rows at a time, copy_crc's copy into the buffer, then write() of the block (resumed
@@ -259,9 +264,10 @@ __attribute__((target("sse4.2"))) static uint32_t copy_crc1(uint32_t r, char *ds
 /* Copy n bytes (a multiple of 8) in three lanes, from s[j] to d[j], taking each lane into its
  * register r[j]: three crc32 instructions in flight at once. ``ahead`` (bytes, 0 for none): where,
  * from each lane's source, to prefetch the lines the next call will read (the processor's own
- * prefetcher follows one long run, not rows far apart). */
+ * prefetcher follows one long run, not rows far apart). ``stream``: with streaming stores (every
+ * d[j] 8-byte aligned). */
 __attribute__((target("sse4.2"))) static void copy_crc_lanes(uint64_t r[3], char *const d[3], const char *const s[3],
-                                                             size_t n, ptrdiff_t ahead) {
+                                                             size_t n, ptrdiff_t ahead, int stream) {
     uint64_t a = r[0], b = r[1], c = r[2];
     char *d0 = d[0], *d1 = d[1], *d2 = d[2]; /* locals: stores through char pointers may alias d and s */
     const char *s0 = s[0], *s1 = s[1], *s2 = s[2];
@@ -275,9 +281,15 @@ __attribute__((target("sse4.2"))) static void copy_crc_lanes(uint64_t r[3], char
         memcpy(&x, s0 + i, 8);
         memcpy(&y, s1 + i, 8);
         memcpy(&z, s2 + i, 8);
-        memcpy(d0 + i, &x, 8);
-        memcpy(d1 + i, &y, 8);
-        memcpy(d2 + i, &z, 8);
+        if (stream) {
+            _mm_stream_si64((long long *)(void *)(d0 + i), (long long)x);
+            _mm_stream_si64((long long *)(void *)(d1 + i), (long long)y);
+            _mm_stream_si64((long long *)(void *)(d2 + i), (long long)z);
+        } else {
+            memcpy(d0 + i, &x, 8);
+            memcpy(d1 + i, &y, 8);
+            memcpy(d2 + i, &z, 8);
+        }
         a = _mm_crc32_u64(a, x);
         b = _mm_crc32_u64(b, y);
         c = _mm_crc32_u64(c, z);
@@ -287,20 +299,17 @@ __attribute__((target("sse4.2"))) static void copy_crc_lanes(uint64_t r[3], char
     r[2] = c;
 }
 
-/* Copy three runs of n bytes (their sources s0, s1, s2) to dst, one after another, and take them into
- * the register r in that order: three lanes at once, joined with k = shift_key(n); ``ahead`` as for
- * copy_crc_lanes. */
-__attribute__((target("sse4.2,pclmul"))) static uint32_t copy_crc3(uint32_t r, char *dst, const char *s0,
-                                                                    const char *s1, const char *s2, size_t n,
-                                                                    uint32_t k, ptrdiff_t ahead) {
-    char *const d[3] = {dst, dst + n, dst + 2 * n};
-    const char *const s[3] = {s0, s1, s2};
+/* Copy three runs of n bytes, s[j] to d[j], and take them into the register r in that order: three
+ * lanes at once, joined with k = shift_key(n); ``ahead`` and ``stream`` as for copy_crc_lanes. */
+__attribute__((target("sse4.2,pclmul"))) static uint32_t copy_crc3(uint32_t r, char *const d[3],
+                                                                    const char *const s[3], size_t n, uint32_t k,
+                                                                    ptrdiff_t ahead, int stream) {
     uint64_t reg[3] = {r, 0, 0};
     size_t body = n & ~(size_t)7;
-    copy_crc_lanes(reg, d, s, body, ahead);
-    uint32_t ra = copy_crc1((uint32_t)reg[0], d[0] + body, s0 + body, n - body);
-    uint32_t rb = copy_crc1((uint32_t)reg[1], d[1] + body, s1 + body, n - body);
-    uint32_t rc = copy_crc1((uint32_t)reg[2], d[2] + body, s2 + body, n - body);
+    copy_crc_lanes(reg, d, s, body, ahead, stream);
+    uint32_t ra = copy_crc1((uint32_t)reg[0], d[0] + body, s[0] + body, n - body);
+    uint32_t rb = copy_crc1((uint32_t)reg[1], d[1] + body, s[1] + body, n - body);
+    uint32_t rc = copy_crc1((uint32_t)reg[2], d[2] + body, s[2] + body, n - body);
     return shift(shift(ra, k) ^ rb, k) ^ rc;
 }
 
@@ -345,14 +354,14 @@ __attribute__((target("sse4.2,pclmul"))) static uint32_t crc_run(uint32_t r, con
 
 /* Copy a long run (at least CRC_LONG_RUN bytes) from src to dst and take it into r: in three lanes
  * (thirds, the first two of q bytes, q a multiple of 8), with kq = shift_key(q) and kl =
- * shift_key(run - 2q). */
+ * shift_key(run - 2q); ``stream`` as for copy_crc_lanes. */
 __attribute__((target("sse4.2,pclmul"))) static uint32_t copy_crc_run(uint32_t r, char *dst, const char *src,
                                                                        size_t run, size_t q, uint32_t kq,
-                                                                       uint32_t kl) {
+                                                                       uint32_t kl, int stream) {
     char *const d[3] = {dst, dst + q, dst + 2 * q};
     const char *const s[3] = {src, src + q, src + 2 * q};
     uint64_t reg[3] = {r, 0, 0};
-    copy_crc_lanes(reg, d, s, q, 0);
+    copy_crc_lanes(reg, d, s, q, 0, stream);
     uint32_t rc = copy_crc1((uint32_t)reg[2], d[2] + q, s[2] + q, run - 3 * q);
     return shift(shift((uint32_t)reg[0], kq) ^ (uint32_t)reg[1], kl) ^ rc;
 }
@@ -369,34 +378,57 @@ static const char *next_run(int nd, const Py_ssize_t *shape, const Py_ssize_t *s
     return src;
 }
 
-/* Copy every run of the source (nruns of run bytes, outer dimensions shape[0:nd] with strides ss)
- * to dst one after another, and return the crc32c register r moved over them. */
+/* Copy nruns runs of run bytes one after another and return the crc32c register r moved over them, in
+ * their order. The strided side has outer dimensions shape[0:nd] with strides st: with ``to_strided`` 0 the
+ * source (copied into C order at dst, ordinary stores: a save's buffer, written next), with 1 the
+ * destination (copied from C order at src, streaming stores where every run starts 8-byte aligned: a
+ * load's output, read only later). */
 static uint32_t copy_crc_nd(uint32_t r, char *dst, const char *src, int nd, const Py_ssize_t *shape,
-                            const Py_ssize_t *ss, size_t nruns, size_t run) {
+                            const Py_ssize_t *st, size_t nruns, size_t run, int to_strided) {
     Py_ssize_t at[MAX_DIMS + 1] = {0};
     size_t i = 0;
+    int stream = to_strided && ((uintptr_t)dst & 7) == 0;
+    for (int d = 0; d < nd && stream; d++)
+        stream = (st[d] & 7) == 0;
+    /* the next run after (*s, *d) */
+#define NEXT_RUN(s, d)                                                     \
+    do {                                                                   \
+        if (to_strided) {                                                  \
+            (d) = (char *)next_run(nd, shape, st, at, (d));                \
+            (s) += run;                                                    \
+        } else {                                                           \
+            (s) = next_run(nd, shape, st, at, (s));                        \
+            (d) += run;                                                    \
+        }                                                                  \
+    } while (0)
     if (run >= CRC_LONG_RUN) {
         size_t q = (run / 3) & ~(size_t)7;
         uint32_t kq = shift_key(q), kl = shift_key(run - 2 * q);
-        for (; i < nruns; i++, dst += run) {
-            r = copy_crc_run(r, dst, src, run, q, kq, kl);
-            src = next_run(nd, shape, ss, at, src);
+        for (; i < nruns; i++) {
+            r = copy_crc_run(r, dst, src, run, q, kq, kl, stream);
+            NEXT_RUN(src, dst);
         }
         return r;
     }
     if (run >= CRC_MIN_TRIPLE && nruns >= 3) {
         uint32_t k = shift_key(run);
-        ptrdiff_t ahead = PREFETCH_ROWS * ss[nd - 1];
-        for (; i + 3 <= nruns; i += 3, dst += 3 * run) {
-            const char *s0 = src, *s1 = next_run(nd, shape, ss, at, s0), *s2 = next_run(nd, shape, ss, at, s1);
-            r = copy_crc3(r, dst, s0, s1, s2, run, k, ahead);
-            src = next_run(nd, shape, ss, at, s2);
+        ptrdiff_t ahead = to_strided ? 0 : PREFETCH_ROWS * st[nd - 1];
+        for (; i + 3 <= nruns; i += 3) {
+            char *d[3];
+            const char *s[3];
+            for (int j = 0; j < 3; j++) {
+                d[j] = dst;
+                s[j] = src;
+                NEXT_RUN(src, dst);
+            }
+            r = copy_crc3(r, d, s, run, k, ahead, stream);
         }
     }
-    for (; i < nruns; i++, dst += run) {
+    for (; i < nruns; i++) {
         r = copy_crc1(r, dst, src, run);
-        src = next_run(nd, shape, ss, at, src);
+        NEXT_RUN(src, dst);
     }
+#undef NEXT_RUN
     return r;
 }
 #endif
@@ -441,11 +473,45 @@ static PyObject *hostcopy_copy_crc(PyObject *self, PyObject *args) {
     int outer = runs_of(nd, shape, ss, itemsize, &run, &nruns);
     uint32_t r = ~(uint32_t)crc;
     Py_BEGIN_ALLOW_THREADS
-    r = copy_crc_nd(r, (char *)dst_addr, (const char *)src_addr, outer, shape, ss, nruns, run);
+    r = copy_crc_nd(r, (char *)dst_addr, (const char *)src_addr, outer, shape, ss, nruns, run, 0);
     Py_END_ALLOW_THREADS
     return PyLong_FromUnsignedLong(~r & 0xffffffffUL);
 #else
     PyErr_SetString(PyExc_RuntimeError, "copy_crc needs an x86-64 processor");
+    return NULL;
+#endif
+}
+
+static PyObject *hostcopy_crc_copy(PyObject *self, PyObject *args) {
+    Py_ssize_t dst_addr, src_addr, itemsize;
+    unsigned long crc;
+    PyObject *shape_o, *ds_o;
+    if (!PyArg_ParseTuple(args, "nnOOnk", &dst_addr, &src_addr, &shape_o, &ds_o, &itemsize, &crc))
+        return NULL;
+#ifdef XCKPT_CRC
+    Py_ssize_t nd = PySequence_Size(shape_o);
+    if (nd < 0)
+        return NULL;
+    if (nd > MAX_DIMS || itemsize <= 0 || crc > 0xffffffffUL) {
+        PyErr_SetString(PyExc_ValueError, "too many dimensions, a bad item size or a bad crc");
+        return NULL;
+    }
+    Py_ssize_t shape[MAX_DIMS + 1], ds[MAX_DIMS + 1];
+    if (parse_dims(shape_o, shape, nd, "shape") || parse_dims(ds_o, ds, nd, "dst strides"))
+        return NULL;
+    int any = has_elements(shape, nd);
+    if (any <= 0)
+        return any < 0 ? NULL : PyLong_FromUnsignedLong(crc);
+    size_t run, nruns;
+    int outer = runs_of(nd, shape, ds, itemsize, &run, &nruns);
+    uint32_t r = ~(uint32_t)crc;
+    Py_BEGIN_ALLOW_THREADS
+    r = copy_crc_nd(r, (char *)dst_addr, (const char *)src_addr, outer, shape, ds, nruns, run, 1);
+    _mm_sfence(); /* streaming stores are weakly ordered: make them visible before returning */
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(~r & 0xffffffffUL);
+#else
+    PyErr_SetString(PyExc_RuntimeError, "crc_copy needs an x86-64 processor");
     return NULL;
 #endif
 }
@@ -542,7 +608,7 @@ static PyObject *hostcopy_copy_crc_write(PyObject *self, PyObject *args) {
         int outer = runs_of(nd, bshape, ss, itemsize, &run, &nruns);
         last = nruns * run;
         blk = page_place((char *)dst_addr, (size_t)dst_nbytes, last + 4, pos);
-        r = copy_crc_nd(r, blk, (const char *)src_addr + a * ss[0], outer, bshape, ss, nruns, run);
+        r = copy_crc_nd(r, blk, (const char *)src_addr + a * ss[0], outer, bshape, ss, nruns, run, 0);
         if (a + block_rows < shape[0]) { /* the last block goes out with the crc32c */
             err = write_all(fd, blk, last);
             if (pos >= 0)
@@ -609,6 +675,9 @@ static PyMethodDef methods[] = {
     {"copy_crc", hostcopy_copy_crc, METH_VARARGS,
      "copy_crc(dst_address, src_address, shape, src_strides, itemsize, crc): copy into C order (the destination "
      "C-contiguous) and return the crc32c of the bytes copied, continuing from crc."},
+    {"crc_copy", hostcopy_crc_copy, METH_VARARGS,
+     "crc_copy(dst_address, src_address, shape, dst_strides, itemsize, crc): copy a C-contiguous source into the "
+     "destination with streaming stores and return the crc32c of the source's bytes, continuing from crc."},
     {"copy_crc_write", hostcopy_copy_crc_write, METH_VARARGS,
      "copy_crc_write(fd, dst_address, dst_nbytes, src_address, shape, src_strides, itemsize, block_rows): copy the "
      "source into C order through the buffer at dst, block_rows rows of its first dimension at a time, taking the "

@@ -16,7 +16,8 @@ the processor has it; else it copies, then checksums (:func:`xckpt.format.shard.
 local file, :func:`write_copied` runs that loop over a whole inner chunk in one compiled call, the
 writes included, so no Python runs between its blocks; :func:`write_checked` does the same for an
 inner chunk already laid out as stored (an asynchronous save's staged copy), checksumming each piece
-just before it writes it.
+just before it writes it. A load's mirror, :func:`checksum_copy`, copies an inner chunk it read into
+the caller's array and checksums it in the same pass.
 """
 
 from __future__ import annotations
@@ -105,6 +106,18 @@ def copy_checksum(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
         return shard.copy_then_checksum(dst, src, crc)
     return int(_native.copy_crc(dst.__array_interface__["data"][0], src.__array_interface__["data"][0], src.shape,
                                 src.strides, src.itemsize, crc))
+
+
+def checksum_copy(dst: np.ndarray, src: np.ndarray) -> int:
+    """:func:`stream_copy` of a C-contiguous ``src`` (a load's inner chunk, just read); return the crc32c of
+    ``src``'s bytes (:func:`xckpt.format.shard.checksum`'s value). In one pass where it can
+    (:func:`_compiled_takes`, ``dst``'s last dimension contiguous), else a checksum, then the copy."""
+    if not (_NATIVE_CRC and src.flags.c_contiguous and _compiled_takes(dst, src) and dst.strides[-1] == dst.itemsize):
+        crc = shard.checksum(src.reshape(-1).view(np.uint8))
+        stream_copy(dst, src)
+        return crc
+    return int(_native.crc_copy(dst.__array_interface__["data"][0], src.__array_interface__["data"][0], dst.shape,
+                                dst.strides, dst.itemsize, 0))
 
 
 def write_copied(fd: int, part: shard.Copied) -> bool:

@@ -5,7 +5,8 @@ A request names an array leaf, a region of it and an output array of the region'
 chunk objects the regions touch, planning each as it is read (a bounded window at a time), and on
 a few threads opens each object once, checks its index and place tag
 (:func:`xckpt.format.shard.parse_index`), reads only the inner chunks the requests need, checks
-each one's crc32c and copies the needed part into the outputs. An inner chunk
+each one's crc32c and copies the needed part into the outputs (an inner chunk one output takes
+whole is checksummed as it is copied: :func:`~xckpt.engine.hostcopy.checksum_copy`). An inner chunk
 that an output needs whole and contiguous is read straight into it, unless it lies where the
 kernel would copy into it slowly (:func:`~xckpt.engine.hostcopy.skewed`); the others go through
 one buffer per thread, placed within a page as the file's bytes are. Host memory beyond the
@@ -14,19 +15,20 @@ outputs is one inner chunk per thread.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import islice
+from itertools import chain, islice
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from xckpt.engine.storage import Blob, Store
 from xckpt.engine import threads as pools
-from xckpt.engine.hostcopy import PAGE_BYTES, page_buffer, page_view, skewed, stream_copy
-from xckpt.errors import DataError, IntegrityError, ResourceError, XckptError
+from xckpt.engine.hostcopy import PAGE_BYTES, checksum_copy, page_buffer, page_view, skewed, stream_copy
+from xckpt.errors import DataError, ResourceError, XckptError
 from xckpt.format import dtypes, shard, zarr as zarr_format
 from xckpt.format.manifest import ArrayEntry, StoredArray
 from xckpt.format.regions import Region, chunk_box, chunks_of, count_chunks, intersect
@@ -110,7 +112,8 @@ class _Part:
     inner: int  # inner chunk number
     src: tuple[slice, ...]  # in the inner chunk
     out: np.ndarray  # the destination view
-    whole: bool  # the destination is exactly the whole inner chunk, contiguous
+    full: bool  # it takes every element of the inner chunk (its payload holds nothing else)
+    whole: bool  # full, and the destination is contiguous, uncompressed, in the stored dtype: the payload itself
 
 
 @dataclass
@@ -152,9 +155,9 @@ def _parts_of(geom: shard.Geometry, valid: tuple[int, ...], w: _Want) -> Iterato
         got = [(max(x.start, a), min(x.stop, b)) for x, a, b in zip(sl, lo, hi)]
         src = tuple(slice(g0 - i, g1 - i) for (g0, g1), i in zip(got, inner_start))
         dst = w.out[tuple(slice(g0 + d, g1 + d) for (g0, g1), d in zip(got, shift)) + (Ellipsis,)]
-        whole = (all(g1 - g0 == n for (g0, g1), n in zip(got, geom.inner_shape))
-                 and dst.flags.c_contiguous and geom.compression == "none" and dst.dtype == geom.le_dtype)
-        yield _Part(k, src, dst, whole)
+        full = all(g1 - g0 == n for (g0, g1), n in zip(got, geom.inner_shape))
+        whole = full and dst.flags.c_contiguous and geom.compression == "none" and dst.dtype == geom.le_dtype
+        yield _Part(k, src, dst, full, whole)
 
 
 def _whole(req: ReadRequest, geom: shard.Geometry, a: StoredArray) -> bool:
@@ -193,6 +196,12 @@ class _Group:
         return (a.shape, e.storage_dtype, a.chunk_shape, a.inner_chunk_shape, e.compression)
 
     @cached_property
+    def chunks(self) -> int:
+        """How many chunk objects its array has: at least :attr:`count`, and cheaper to tell."""
+        a = self.array
+        return math.prod(-(-s // c) for s, c in zip(a.shape, a.chunk_shape))
+
+    @cached_property
     def count(self) -> int:
         """How many objects :func:`_plan` makes of it, at most (counted without planning any)."""
         a = self.array
@@ -218,9 +227,11 @@ def _groups(requests: Sequence[ReadRequest]) -> list[_Group]:
 def _check_object_count(groups: Sequence[_Group], nbytes: int, file: Callable[[str], str]) -> None:
     """Refuse a read of ``nbytes`` bytes that would plan more chunk objects than :data:`MAX_OBJECTS` allows for
     them, naming the leaf that declares the most (its ``zarr.json``); counted without planning any."""
+    limit = MAX_OBJECTS + nbytes // BYTES_PER_OBJECT
+    if sum(g.chunks for g in groups) <= limit:  # (the usual: not worth counting exactly)
+        return
     counts = [g.count for g in groups]
     count = sum(counts)
-    limit = MAX_OBJECTS + nbytes // BYTES_PER_OBJECT
     if count > limit:
         n, g = max(zip(counts, groups), key=lambda c: c[0])
         a = g.array
@@ -240,7 +251,7 @@ def _plan(groups: Sequence[_Group]) -> Iterator[_Object]:
             dst = g.requests[0].out[(Ellipsis,)]
             whole = dst.flags.c_contiguous and geom.compression == "none" and dst.dtype == geom.le_dtype
             yield _Object(f"{a.path}/{zarr_format.chunk_key((0,) * len(a.shape))}", geom, a.shape, e,
-                          [_Part(0, (Ellipsis,), dst, whole)])
+                          [_Part(0, (Ellipsis,), dst, True, whole)])
             continue
         locals_: list[tuple[ReadRequest, Region]] = []
         for req in g.requests:
@@ -432,6 +443,10 @@ def _fill(obj: _Object, index: np.ndarray, whole: np.ndarray | None, blob: Blob 
             encoded = scratch.get(nbytes, off)
             blob.read_into(off, encoded)
             done += nbytes
+        if len(parts) == 1 and parts[0].full and geom.compression == "none":  # checked as it is copied
+            data = np.ndarray(geom.inner_shape, dtype=geom.le_dtype, buffer=encoded[:-_CRC])  # (its size: the index's)
+            shard.check_inner(encoded, checksum_copy(parts[0].out, data))
+            continue
         payload = shard.open_inner(geom, encoded)
         data = np.ndarray(geom.inner_shape, dtype=geom.le_dtype, buffer=payload)
         for p in parts:
@@ -447,8 +462,7 @@ def _read_direct(blob: Blob, off: int, nbytes: int, out: np.ndarray, geom: shard
     blob.read_into(off, raw)
     crc = np.empty(_CRC, dtype=np.uint8)
     blob.read_into(off + raw.size, crc)
-    if shard.checksum(raw) != int.from_bytes(crc.tobytes(), "little"):
-        raise IntegrityError("inner chunk crc32c does not match", code="chunk.crc32c")
+    shard.check_inner(crc, shard.checksum(raw))
 
 
 def placeholder(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -487,16 +501,19 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
     # small objects a checking pass reads and checks are kept for the filling pass: this call's, or (memo
     # given) the next call's
     keep = (fill and precheck or not fill and given) and \
-        sum(g.count * g.geom.max_nbytes for g in small) + memo.kept_nbytes() <= MAX_KEPT_BYTES
+        sum(g.chunks * g.geom.max_nbytes for g in small) + memo.kept_nbytes() <= MAX_KEPT_BYTES
     kept = memo.kept
     for do_fill in ((False,) if not fill else (False, True) if precheck else (True,)):
+        # a local object's check reads only its index: on this thread too, where a thread's handover would
+        # cost more (an object store's wait for each answer is what the threads overlap)
+        here = not do_fill and not store.remote
         # finished within this pass, so the closure's do_fill is this pass's
-        pump = pools.Pump(ex, lambda o: _read_object(store, o, scratch, file, generation, do_fill), _plan(big),
-                          pools.io_threads())
+        pump = pools.Pump(ex, lambda o: _read_object(store, o, scratch, file, generation, do_fill),
+                          () if here else _plan(big), pools.io_threads())
         first: BaseException | None = None
         try:  # small objects on this thread: their cost is Python, threads only contend (an object store's
             # requests go out a window at a time: Store.prefetch)
-            planned = _plan(small)
+            planned = chain(_plan(small), _plan(big)) if here else _plan(small)
             while pump.first is None:  # (a large object failed: stop here)
                 window = list(islice(planned, PREFETCH_WINDOW))
                 if not window:

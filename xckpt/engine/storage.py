@@ -157,6 +157,9 @@ class Store(Protocol):
     """The objects under one checkpoint root (names are '/'-separated, relative to the root)."""
 
     location: Location
+    #: Whether every request waits a round trip (an object store), so that reads gain from being sent
+    #: at once; False where a small read costs less than handing it to another thread (a local directory).
+    remote: bool
 
     def open(self, name: str) -> Blob | None:
         """Open an object for reading; None when it does not exist."""
@@ -381,6 +384,8 @@ class LocalStore:
     that descriptor: a reader keeps reading the directory it opened even if another save
     replaces the checkpoint at the same path meanwhile (:meth:`replaced` tells).
     """
+
+    remote = False  # (Store.remote)
 
     def __init__(self, root: str, *, create: bool = False) -> None:
         self.location = Location(root)
@@ -812,6 +817,8 @@ class KvStore:
     them that failed is raised there, naming its object (``io.write``). So nothing reads, lists, creates
     (the commit's manifest) or deletes before every earlier write has landed.
     """
+
+    remote = True  # (Store.remote)
 
     def __init__(self, location: Location) -> None:
         self.location = location

@@ -365,12 +365,9 @@ def place_of(generation: str, name: str) -> bytes:
     return generation.encode() + b"\0" + name.encode()
 
 
-def place_tag(place: bytes, index: np.ndarray) -> np.ndarray:
+def place_tag(place: bytes, index: bytes | np.ndarray) -> bytes:
     """The 16-byte place tag of an object whose index (crc32c included) is ``index``."""
-    tag = np.zeros(TAG_NBYTES, dtype=np.uint8)
-    tag[:8] = np.frombuffer(TAG_MAGIC, dtype=np.uint8)
-    tag[8:12] = _le32(place_crc(place, index))
-    return tag
+    return TAG_MAGIC + struct.pack("<I", place_crc(place, index)) + bytes(TAG_NBYTES - len(TAG_MAGIC) - 4)
 
 
 def encode_parts(geom: Geometry, data: np.ndarray | LaidOut, scratch: np.ndarray, place: bytes | None = None,
@@ -419,7 +416,7 @@ def encode_parts(geom: Geometry, data: np.ndarray | LaidOut, scratch: np.ndarray
     index_part[:-_CRC] = raw_index
     index_part[-_CRC:] = _le32(checksum(raw_index))
     if place is not None:
-        tail[:TAG_NBYTES] = place_tag(place, index_part)
+        tail[:TAG_NBYTES] = np.frombuffer(place_tag(place, index_part), dtype=np.uint8)
     yield tail
 
 
@@ -478,71 +475,74 @@ def parse_index(geom: Geometry, tail: bytes | np.ndarray, size: int | None, vali
         if size < least:
             raise DataError(f"object has {size} bytes, less than the {least} of its inner chunks and index",
                             code="chunk.truncated", file=file, leaf=leaf)
-    raw = np.frombuffer(tail, dtype=np.uint8) if isinstance(tail, bytes) else tail
-    if raw.size != need_bytes:
+    raw = tail if isinstance(tail, bytes) else tail.tobytes()
+    if len(raw) != need_bytes:
         raise DataError("shard index is truncated", code="chunk.truncated", file=file, leaf=leaf)
     tag, raw = raw[:need_bytes - geom.index_nbytes], raw[need_bytes - geom.index_nbytes:]
     body = raw[:-_CRC]
-    if checksum(body) != int.from_bytes(raw[-_CRC:].tobytes(), "little"):
+    if crc32c.crc32c(body) != int.from_bytes(raw[-_CRC:], "little"):
         raise IntegrityError("shard index crc32c does not match", code="chunk.crc32c", file=file, leaf=leaf)
-    if place is not None and tag.tobytes() != place_tag(place, raw).tobytes():
-        why = "has no place tag" if tag[:8].tobytes() != TAG_MAGIC else "belongs to another place or checkpoint"
+    if place is not None and tag != place_tag(place, raw):
+        why = "has no place tag" if tag[:8] != TAG_MAGIC else "belongs to another place or checkpoint"
         raise IntegrityError(f"chunk object {why} (its tag does not name this object of this save)",
                              code="chunk.place", file=file, leaf=leaf)
-    index = body.view("<u8").reshape(-1, 2).astype(np.uint64)
-    data_end = size - need_bytes
-    if geom.n_inner == 1:  # the usual small object: the same checks on two numbers
-        _check_one(geom, int(index[0, 0]), int(index[0, 1]), data_end, known, file, leaf)
-        return index
-    present = (index[:, 0] != MISSING) | (index[:, 1] != MISSING)
-    need = geom.needed(valid)
-    lost = np.nonzero(need & ~present)[0]
-    if lost.size:
-        raise DataError(f"inner chunk {int(lost[0])} is missing from the shard", code="chunk.missing",
-                        file=file, leaf=leaf)
-    offs, lens = index[present, 0], index[present, 1]
-    if np.any(lens < _CRC) or np.any(offs > data_end) or np.any(lens > data_end - np.minimum(offs, data_end)):
-        raise DataError(f"an inner chunk lies outside the {data_end} data bytes of the object",
-                        code="chunk.truncated", file=file, leaf=leaf)
-    if geom.compression == "none" and np.any(lens != geom.inner_nbytes + _CRC):
-        short = bool(np.any(lens < geom.inner_nbytes + _CRC))
-        raise DataError(f"an inner chunk does not have the {geom.inner_nbytes + _CRC} bytes of an uncompressed one",
-                        code="chunk.truncated" if short else "chunk.size", file=file, leaf=leaf)
-    order = np.argsort(offs, kind="stable")
-    starts, ends = offs[order], offs[order] + lens[order]
-    if offs.size > 1 and np.any(starts[1:] < ends[:-1]):
-        raise DataError("two inner chunks of the shard overlap", code="chunk.overlap", file=file, leaf=leaf)
-    covered = int(lens.sum()) if offs.size else 0
-    gap = (offs.size and (int(starts[0]) != 0 or np.any(starts[1:] != ends[:-1]))) or (known and covered != data_end)
-    if gap:  # the inner chunks must tile the data bytes, [0, data_end), exactly
-        raise DataError(f"the inner chunks leave a gap in the {data_end} data bytes of the object",
-                        code="chunk.gap", file=file, leaf=leaf)
-    return index
+    flat = struct.unpack(f"<{len(body) // 8}Q", body)
+    _check_entries(geom, flat, valid, size - need_bytes, known, file, leaf)
+    return np.frombuffer(body, dtype="<u8").reshape(-1, 2).astype(np.uint64)
 
 
-def _check_one(geom: Geometry, off: int, nbytes: int, data_end: int, known: bool, file: str | None,
-               leaf: str | None) -> None:
-    """:func:`parse_index`'s checks for an object of one inner chunk (which always intersects the array)."""
-    if off == MISSING and nbytes == MISSING:
-        raise DataError("inner chunk 0 is missing from the shard", code="chunk.missing", file=file, leaf=leaf)
-    if nbytes < _CRC or off > data_end or nbytes > data_end - off:
+def _check_entries(geom: Geometry, flat: tuple[int, ...], valid: tuple[int, ...], data_end: int, known: bool,
+                   file: str | None, leaf: str | None) -> None:
+    """:func:`parse_index`'s checks of the entries (``flat``: offset, size, offset, size, ...) of an index whose
+    crc32c matched, against the object's ``data_end`` data bytes (exact when ``known``). Plain Python: an
+    object holds a few inner chunks, and numpy's cost per call is many times theirs."""
+    offs, lens = flat[0::2], flat[1::2]
+    present = [k for k, (o, n) in enumerate(zip(offs, lens)) if o != MISSING or n != MISSING]
+    if len(present) < len(offs):
+        need = geom.needed(valid)
+        kept = set(present)
+        lost = [k for k in range(len(offs)) if need[k] and k not in kept]
+        if lost:
+            raise DataError(f"inner chunk {lost[0]} is missing from the shard", code="chunk.missing",
+                            file=file, leaf=leaf)
+        offs, lens = [offs[k] for k in present], [lens[k] for k in present]
+    if any(n < _CRC or o > data_end or n > data_end - o for o, n in zip(offs, lens)):
         raise DataError(f"an inner chunk lies outside the {data_end} data bytes of the object",
                         code="chunk.truncated", file=file, leaf=leaf)
-    if geom.compression == "none" and nbytes != geom.inner_nbytes + _CRC:
-        raise DataError(f"an inner chunk does not have the {geom.inner_nbytes + _CRC} bytes of an uncompressed one",
-                        code="chunk.truncated" if nbytes < geom.inner_nbytes + _CRC else "chunk.size",
-                        file=file, leaf=leaf)
-    if off != 0 or (known and nbytes != data_end):
-        raise DataError(f"the inner chunks leave a gap in the {data_end} data bytes of the object",
-                        code="chunk.gap", file=file, leaf=leaf)
+    exact = geom.inner_nbytes + _CRC
+    if geom.compression == "none" and any(n != exact for n in lens):
+        raise DataError(f"an inner chunk does not have the {exact} bytes of an uncompressed one",
+                        code="chunk.truncated" if min(lens) < exact else "chunk.size", file=file, leaf=leaf)
+    spans = sorted(zip(offs, lens))  # by offset (ties: either order fails below)
+    end = 0
+    for k, (o, n) in enumerate(spans):
+        if k and o < end:
+            raise DataError("two inner chunks of the shard overlap", code="chunk.overlap", file=file, leaf=leaf)
+        end = o + n
+    at = 0
+    for o, n in spans:
+        if o != at:
+            break
+        at = o + n
+    else:
+        if not known or at == data_end:
+            return
+    raise DataError(f"the inner chunks leave a gap in the {data_end} data bytes of the object", code="chunk.gap",
+                    file=file, leaf=leaf)
+
+
+def check_inner(encoded: np.ndarray, crc: int, *, file: str | None = None, leaf: str | None = None) -> None:
+    """Refuse an encoded inner chunk (uint8) whose payload's crc32c, ``crc`` (taken by the caller, perhaps as
+    it copied the payload), is not the one stored after it."""
+    if crc != int.from_bytes(encoded[-_CRC:].tobytes(), "little"):
+        raise IntegrityError("inner chunk crc32c does not match", code="chunk.crc32c", file=file, leaf=leaf)
 
 
 def open_inner(geom: Geometry, encoded: np.ndarray, *, file: str | None = None,
                leaf: str | None = None) -> np.ndarray:
     """The payload of one encoded inner chunk (uint8), its crc32c checked (and zstd undone)."""
     payload = encoded[:-_CRC]
-    if checksum(payload) != int.from_bytes(encoded[-_CRC:].tobytes(), "little"):
-        raise IntegrityError("inner chunk crc32c does not match", code="chunk.crc32c", file=file, leaf=leaf)
+    check_inner(encoded, checksum(payload), file=file, leaf=leaf)
     if geom.compression == "zstd":
         from xckpt.format.codecs import zstd_decompress
         try:
