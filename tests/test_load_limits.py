@@ -276,3 +276,34 @@ def test_a_pump_runs_each_item_once_and_raises_the_earliest_error(n: int, worker
     want = f"plan {first_bad}" if first_bad == stop else f"item {first_bad}"
     assert str(info.value) == want
     assert stop is None or max(ran, default=-1) < stop
+
+
+def test_a_checking_pass_keeps_only_small_arrays_objects(tmp_path: Path) -> None:
+    """The objects a checking pass keeps for the filling pass are small arrays' (counted against the bound
+    before the pass), never a large array's object that compressed small; the read that follows fills
+    every output from them and from the store, element by element."""
+    import xckpt
+    from xckpt.engine.read import ReadRequest, SMALL_OBJECT, placeholder
+    from xckpt.format import dtypes
+    from xckpt.format.manifest import ArrayEntry
+    from xckpt.format.regions import Region
+    from xckpt.sources.detect import open_checkpoint
+
+    rng = np.random.default_rng(1)
+    tree = {"zeros": np.zeros((512, 512), np.float32), **{f"v{i}": rng.random(64, dtype=np.float32) for i in range(5)}}
+    xckpt.save(tree, str(tmp_path / "c"), compression="zstd")
+    ckpt = open_checkpoint(tmp_path / "c")
+    try:
+        entries = {e.key[-1]: e for e in ckpt.manifest.leaves if isinstance(e, ArrayEntry)}
+        (zeros,) = entries["zeros"].arrays()
+        assert (tmp_path / "c" / zeros.path / "c" / "0" / "0").stat().st_size < SMALL_OBJECT  # compressed small
+        ckpt.check([ReadRequest(e, Region.full(e.shape),
+                                placeholder(e.shape, dtypes.numpy_dtype(e.storage_dtype))) for e in entries.values()])
+        assert sorted(ckpt._memo.kept) == sorted(f"{a.path}/c/0" for k, e in entries.items() if k != "zeros"
+                                                 for a in e.arrays())
+        outs = {k: np.full(e.shape, np.nan, np.float32) for k, e in entries.items()}
+        ckpt.read([ReadRequest(e, Region.full(e.shape), outs[k]) for k, e in entries.items()])
+    finally:
+        ckpt.close()
+    for k, want in tree.items():
+        np.testing.assert_array_equal(outs[k], want)

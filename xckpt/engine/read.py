@@ -519,8 +519,10 @@ def read_regions(store: Store, requests: Sequence[ReadRequest], file: Callable[[
                 if not window:
                     break
                 got = store.prefetch([o.name for o in window if o.name not in kept], SMALL_OBJECT)
+                # (only small arrays' objects are kept, as counted above: not a large one compressed small)
                 total += sum(_read_object(store, o, scratch, file, generation, do_fill,
-                                          kept if keep or do_fill else None, got.get(o.name)) for o in window)
+                                          kept if (keep or do_fill) and o.geom.max_nbytes < SMALL_OBJECT else None,
+                                          got.get(o.name)) for o in window)
         except BaseException as exc:  # noqa: BLE001 - raised once no thread writes into the outputs
             first = exc
         total += pump.finish(first)
