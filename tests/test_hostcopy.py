@@ -564,7 +564,7 @@ def test_checksum_copy_is_a_copy_and_the_crc32c_of_its_source(case: tuple[np.nda
     assert np.array_equal(dst.view(np.uint8), src.view(np.uint8))
 
 
-def test_a_load_checks_an_inner_chunk_it_copies_whole_into_a_strided_output(tmp_path):
+def test_a_load_checks_an_inner_chunk_it_copies_whole_into_a_strided_output(tmp_path, monkeypatch):
     """Inner chunks a resharded load copies whole into its output (a block of columns of each row, not
     contiguous) are checksummed as they are copied: the values equal the saved ones element by element, and a
     payload byte changed on disk fails the load with chunk.crc32c, naming the object and the leaf."""
@@ -585,11 +585,9 @@ def test_a_load_checks_an_inner_chunk_it_copies_whole_into_a_strided_output(tmp_
         out = np.full((256, 2048), np.nan, np.float32)[:, 512:1536]
         copied: list[int] = []
         real = read.checksum_copy
-        read.checksum_copy = lambda d, s: copied.append(s.size) or real(d, s)
-        try:
-            ckpt.read([ReadRequest(e, Region.full(a.shape), out)])
-        finally:
-            read.checksum_copy = real
+        monkeypatch.setattr(read, "checksum_copy", lambda d, s: copied.append(s.size) or real(d, s))
+        ckpt.read([ReadRequest(e, Region.full(a.shape), out)])
+        monkeypatch.undo()
         np.testing.assert_array_equal(out, a)
         assert len(copied) == (256 // rows) * (1024 // cols) and set(copied) == {rows * cols}
     finally:

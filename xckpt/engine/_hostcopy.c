@@ -449,11 +449,14 @@ static inline int runs_of(Py_ssize_t nd, const Py_ssize_t *shape, const Py_ssize
     return (int)nd;
 }
 
-static PyObject *hostcopy_copy_crc(PyObject *self, PyObject *args) {
+/* copy_crc and crc_copy: (dst_address, src_address, shape, strides, itemsize, crc), the strides those of the
+ * source (to_strided 0: copied into C order at dst) or of the destination (to_strided 1: copied from C order
+ * at src, with streaming stores where copy_crc_nd can); the crc32c of the bytes copied, continuing from crc. */
+static PyObject *copy_crc_call(PyObject *args, int to_strided) {
     Py_ssize_t dst_addr, src_addr, itemsize;
     unsigned long crc;
-    PyObject *shape_o, *ss_o;
-    if (!PyArg_ParseTuple(args, "nnOOnk", &dst_addr, &src_addr, &shape_o, &ss_o, &itemsize, &crc))
+    PyObject *shape_o, *st_o;
+    if (!PyArg_ParseTuple(args, "nnOOnk", &dst_addr, &src_addr, &shape_o, &st_o, &itemsize, &crc))
         return NULL;
 #ifdef XCKPT_CRC
     Py_ssize_t nd = PySequence_Size(shape_o);
@@ -463,57 +466,34 @@ static PyObject *hostcopy_copy_crc(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "too many dimensions, a bad item size or a bad crc");
         return NULL;
     }
-    Py_ssize_t shape[MAX_DIMS + 1], ss[MAX_DIMS + 1];
-    if (parse_dims(shape_o, shape, nd, "shape") || parse_dims(ss_o, ss, nd, "src strides"))
+    Py_ssize_t shape[MAX_DIMS + 1], st[MAX_DIMS + 1];
+    if (parse_dims(shape_o, shape, nd, "shape") ||
+        parse_dims(st_o, st, nd, to_strided ? "dst strides" : "src strides"))
         return NULL;
     int any = has_elements(shape, nd);
     if (any <= 0)
         return any < 0 ? NULL : PyLong_FromUnsignedLong(crc);
     size_t run, nruns;
-    int outer = runs_of(nd, shape, ss, itemsize, &run, &nruns);
+    int outer = runs_of(nd, shape, st, itemsize, &run, &nruns);
     uint32_t r = ~(uint32_t)crc;
     Py_BEGIN_ALLOW_THREADS
-    r = copy_crc_nd(r, (char *)dst_addr, (const char *)src_addr, outer, shape, ss, nruns, run, 0);
+    r = copy_crc_nd(r, (char *)dst_addr, (const char *)src_addr, outer, shape, st, nruns, run, to_strided);
+    if (to_strided)
+        _mm_sfence(); /* streaming stores are weakly ordered: make them visible before returning */
     Py_END_ALLOW_THREADS
     return PyLong_FromUnsignedLong(~r & 0xffffffffUL);
 #else
-    PyErr_SetString(PyExc_RuntimeError, "copy_crc needs an x86-64 processor");
+    PyErr_Format(PyExc_RuntimeError, "%s needs an x86-64 processor", to_strided ? "crc_copy" : "copy_crc");
     return NULL;
 #endif
 }
 
+static PyObject *hostcopy_copy_crc(PyObject *self, PyObject *args) {
+    return copy_crc_call(args, 0);
+}
+
 static PyObject *hostcopy_crc_copy(PyObject *self, PyObject *args) {
-    Py_ssize_t dst_addr, src_addr, itemsize;
-    unsigned long crc;
-    PyObject *shape_o, *ds_o;
-    if (!PyArg_ParseTuple(args, "nnOOnk", &dst_addr, &src_addr, &shape_o, &ds_o, &itemsize, &crc))
-        return NULL;
-#ifdef XCKPT_CRC
-    Py_ssize_t nd = PySequence_Size(shape_o);
-    if (nd < 0)
-        return NULL;
-    if (nd > MAX_DIMS || itemsize <= 0 || crc > 0xffffffffUL) {
-        PyErr_SetString(PyExc_ValueError, "too many dimensions, a bad item size or a bad crc");
-        return NULL;
-    }
-    Py_ssize_t shape[MAX_DIMS + 1], ds[MAX_DIMS + 1];
-    if (parse_dims(shape_o, shape, nd, "shape") || parse_dims(ds_o, ds, nd, "dst strides"))
-        return NULL;
-    int any = has_elements(shape, nd);
-    if (any <= 0)
-        return any < 0 ? NULL : PyLong_FromUnsignedLong(crc);
-    size_t run, nruns;
-    int outer = runs_of(nd, shape, ds, itemsize, &run, &nruns);
-    uint32_t r = ~(uint32_t)crc;
-    Py_BEGIN_ALLOW_THREADS
-    r = copy_crc_nd(r, (char *)dst_addr, (const char *)src_addr, outer, shape, ds, nruns, run, 1);
-    _mm_sfence(); /* streaming stores are weakly ordered: make them visible before returning */
-    Py_END_ALLOW_THREADS
-    return PyLong_FromUnsignedLong(~r & 0xffffffffUL);
-#else
-    PyErr_SetString(PyExc_RuntimeError, "crc_copy needs an x86-64 processor");
-    return NULL;
-#endif
+    return copy_crc_call(args, 1);
 }
 
 /* Write n bytes from p to fd, resuming after short writes and EINTR; 0, or the errno of the failure. */

@@ -88,9 +88,9 @@ TAG_MAGIC = b"XCKPLACE"
 TAG_NBYTES = 16
 
 
-def checksum(data: np.ndarray, value: int = 0) -> int:
-    """The crc32c of a contiguous uint8 array, continuing from ``value`` (the crc32c of what came before;
-    the GIL is released while it runs)."""
+def checksum(data: np.ndarray | bytes, value: int = 0) -> int:
+    """The crc32c of a contiguous uint8 array (or bytes), continuing from ``value`` (the crc32c of what came
+    before; the GIL is released while it runs)."""
     return crc32c.crc32c(data, value)
 
 
@@ -480,7 +480,7 @@ def parse_index(geom: Geometry, tail: bytes | np.ndarray, size: int | None, vali
         raise DataError("shard index is truncated", code="chunk.truncated", file=file, leaf=leaf)
     tag, raw = raw[:need_bytes - geom.index_nbytes], raw[need_bytes - geom.index_nbytes:]
     body = raw[:-_CRC]
-    if crc32c.crc32c(body) != int.from_bytes(raw[-_CRC:], "little"):
+    if checksum(body) != int.from_bytes(raw[-_CRC:], "little"):
         raise IntegrityError("shard index crc32c does not match", code="chunk.crc32c", file=file, leaf=leaf)
     if place is not None and tag != place_tag(place, raw):
         why = "has no place tag" if tag[:8] != TAG_MAGIC else "belongs to another place or checkpoint"
