@@ -293,6 +293,7 @@ class _Results(dict):
 
 
 def main() -> int:
+    """Parse flags, run the measurements (each in a process of its own), print the tables."""
     p = C.common_args(__doc__, workload=False)
     p.add_argument("--one", help=argparse_hidden())
     p.add_argument("--json", help="also write every measurement to this file")
@@ -371,6 +372,7 @@ def main() -> int:
 
 
 def argparse_hidden() -> str:
+    """The help text that hides a flag (the one each measurement's process is started with)."""
     import argparse
     return argparse.SUPPRESS
 

@@ -102,6 +102,7 @@ class Link:
         self.received = [0, 0]
 
     def exchange(self, rank: int, data: Any) -> tuple[Any, Any]:
+        """Hand ``data`` to the other side and wait for its: both sides' data, rank 0's first."""
         self.barrier.wait()
         self.slots[rank] = data
         self.barrier.wait()

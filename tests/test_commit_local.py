@@ -288,6 +288,99 @@ def test_overwrite_never_deletes_files_put_into_a_checkpoint(tmp_path, kind):
     assert (out["step"], out["tag"]) == (2, "b")
 
 
+def _files(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("kind", ["save", "save_async"])
+def test_overwrite_never_deletes_files_put_below_a_checkpoints_top_level(tmp_path, kind):
+    """A note in a leaf's directory, a folder among its chunk directories: not what a save writes there, so an
+    overwrite refuses (save.foreign, naming the first) and writes nothing; once they are moved out, it replaces
+    the checkpoint."""
+    path = tmp_path / "ckpt"
+    xckpt.save({"model": {"w0": np.ones((4, 4)), "w1": np.ones(3)}, "step": 1}, path)
+    (path / "model.w0" / "NOTES.txt").write_text("mine")
+    (path / "model.w1" / "c" / "mine").mkdir()
+    (path / "model.w1" / "c" / "mine" / "data").write_bytes(b"x")
+    before = _files(path)
+
+    def save(tree):
+        if kind == "save":
+            xckpt.save(tree, path, overwrite=True)
+        else:
+            xckpt.save_async(tree, path, overwrite=True).wait()
+    new = {"model": {"w0": np.zeros((4, 4)), "w1": np.zeros(3)}, "step": 2}
+    with pytest.raises(xckpt.XckptError) as info:
+        save(new)
+    assert info.value.code == "save.foreign" and info.value.file == str(path / "model.w0" / "NOTES.txt"), info.value
+    assert "model.w1/c/mine" in str(info.value) and "model.w1/c/mine/data" not in str(info.value)
+    assert _files(path) == before and hidden(tmp_path) == []
+    (path / "model.w0" / "NOTES.txt").unlink()
+    shutil.rmtree(path / "model.w1" / "c" / "mine")
+    save(new)
+    out = xckpt.load(path)
+    np.testing.assert_array_equal(out["model"]["w0"], np.zeros((4, 4)))
+    np.testing.assert_array_equal(out["model"]["w1"], np.zeros(3))
+    assert out["step"] == 2
+
+
+def test_a_manifest_owns_what_its_save_wrote_and_nothing_else(tmp_path):
+    """Every file and directory a save wrote (nested names, a value's Orbax mirror, strings, a multi-chunk array,
+    the Orbax marker) is one its manifest owns; a note in a leaf's directory, a folder among its chunks, a
+    ``zarr.json`` in a chunk directory, a file under the marker's directory, a reserved name as a directory, are
+    not."""
+    from xckpt.format.manifest import parse
+
+    path = tmp_path / "ckpt"
+    xckpt.save({"mlp/~/lin": {"w": np.ones((64, 64))}, "a": {"b": np.arange(6)}, "step": 3, "tag": "x"}, path,
+               inner_chunk_bytes=1024)
+    m = parse((path / "xckpt.json").read_bytes(), file="xckpt.json")
+    written = [(str(p.relative_to(path)), p.is_dir()) for p in path.rglob("*")]
+    assert any(n.count("/") >= 4 for n, _ in written) and ("step/c", False) in written
+    assert all(m.owns(n, d) for n, d in written), [n for n, d in written if not m.owns(n, d)]
+    for name, is_dir in (("a.b/NOTES.txt", False), ("a.b/c/mine", True), ("a.b/c/0/zarr.json", False),
+                         (".orbax_marker/other", False), ("xckpt.json", True), ("a.b", False), ("mlp", False),
+                         ("a.b/zarr.json", True), ("step/c/x", False), ("zarr.json", False), ("a.c/c/0", False)):
+        assert not m.owns(name, is_dir), name
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+@pytest.mark.parametrize("kind", ["save", "save_async"])
+def test_files_put_into_a_checkpoint_while_it_is_replaced_are_kept(tmp_path, monkeypatch, kind, exchange):
+    """Files put into the old checkpoint after the save checked it (while it wrote, for as long as an asynchronous
+    save runs): the new checkpoint commits, the old one's own files are deleted, and the files put there are
+    kept, with the directories they lie in, in ``<name>.xckpt-kept-<generation>``, with a warning naming it;
+    with an atomic exchange and with two renames alike."""
+    from xckpt.engine import atomic, commit
+
+    path = tmp_path / "ckpt"
+    xckpt.save({"model": {"w0": np.ones((4, 4))}, "step": 1}, path)
+    real = commit.identity
+
+    def identity(loc, kind_):  # called on the displaced checkpoint just before it is removed
+        if os.path.basename(loc.local_path).startswith("."):
+            (Path(loc.local_path) / "README.md").write_text("late")
+            (Path(loc.local_path) / "model.w0" / "NOTES.txt").write_text("later")
+        return real(loc, kind_)
+    monkeypatch.setattr(commit, "identity", identity)
+    if not exchange:
+        monkeypatch.setattr(atomic, "_renameat2", None)
+    with pytest.warns(xckpt.XckptWarning, match="xckpt-kept-") as said:
+        if kind == "save":
+            xckpt.save({"model": {"w0": np.zeros((4, 4))}, "step": 2}, path, overwrite=True)
+        else:
+            xckpt.save_async({"model": {"w0": np.zeros((4, 4))}, "step": 2}, path, overwrite=True).wait()
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("ckpt.xckpt-kept-")]
+    assert len(kept) == 1 and str(kept[0]) in str(said[0].message)
+    assert _files(kept[0]) == {"README.md": b"late", "model.w0/NOTES.txt": b"later"}  # only what was put there
+    assert sorted(str(p.relative_to(kept[0])) for p in kept[0].rglob("*")) == ["README.md", "model.w0",
+                                                                                "model.w0/NOTES.txt"]
+    out = xckpt.load(path)
+    np.testing.assert_array_equal(out["model"]["w0"], np.zeros((4, 4)))
+    assert out["step"] == 2 and hidden(tmp_path) == []
+    assert xckpt.validate(path).ok
+
+
 @pytest.mark.parametrize("kind", ["save", "save_async"])
 @pytest.mark.parametrize("where", ["commit_marker", "manifest", "publish"])
 def test_an_io_error_in_the_commit_names_its_file(tmp_path, monkeypatch, kind, where):
@@ -465,6 +558,34 @@ def test_a_load_waits_for_this_process_pending_save_async_to_the_path(tmp_path):
     np.testing.assert_array_equal(out["w"], np.full((2048, 2048), 2.0, np.float32))
     handle.wait()
     assert hidden(tmp_path) == []
+
+
+def test_a_wait_interrupted_by_ctrl_c_waits_again(tmp_path, monkeypatch):
+    """Ctrl-C in ``SaveHandle.wait()`` (a KeyboardInterrupt) leaves the save running and known to be running:
+    ``done()`` is False, a load of the path waits for it, and ``wait()`` again returns its manifest (CPython
+    before 3.13 forgets a thread whose ``join`` was interrupted: ``is_alive()`` then says False)."""
+    import signal
+
+    from xckpt.engine import background
+
+    go = threading.Event()
+    real = background.Pending._write
+
+    def held(self):
+        go.wait(60)
+        real(self)
+    monkeypatch.setattr(background.Pending, "_write", held)
+    path = tmp_path / "ckpt"
+    xckpt.save({"w": np.ones(4)}, path)
+    h = xckpt.save_async({"w": np.zeros(4)}, path, overwrite=True)
+    main = threading.main_thread().ident
+    threading.Timer(0.05, lambda: signal.pthread_kill(main, signal.SIGINT)).start()  # a real Ctrl-C wakes a wait
+    with pytest.raises(KeyboardInterrupt):
+        h.wait()
+    assert not h.done()
+    threading.Timer(0.2, go.set).start()
+    np.testing.assert_array_equal(xckpt.load(path)["w"], np.zeros(4))  # waited for the pending save
+    assert h.done() and h.wait() is not None
 
 
 def test_a_failure_in_save_async_after_staging_lets_the_background_finish(tmp_path, monkeypatch):

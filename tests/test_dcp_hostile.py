@@ -482,6 +482,55 @@ def test_not_metadata(ckpt, tmp_path, obj):
     assert err.file == str(ckpt / ".metadata")
 
 
+def _shared_tuple_key(levels: int) -> bytes:
+    """A pickle of ``{T: 1}`` where ``T`` is a tuple of two references to a tuple of two references ... ``levels``
+    deep (through the memo): about 10 bytes a level, 2**levels steps to hash."""
+    level = b"r\x00\x00\x00\x00" + b"0" + b"j\x00\x00\x00\x00" * 2 + b"\x86"  # memo[0] = T; pop; (T, T)
+    return b"\x80\x02}" + b")" + level * levels + b"K\x01s."
+
+
+@pytest.mark.timeout(120)
+def test_structures_costly_to_hash_or_to_walk_are_refused_at_once(ckpt, tmp_path):
+    """A 1 KB pickle whose dict key takes 2**60 steps to hash, a huge int as a key (hashed again at every use), a
+    MetadataIndex whose offset is not a short tuple of integers; tensor properties that are not a layout and two
+    flags (ranks' files compare them: a deep list took the recursion limit); a flattening path longer than a
+    tree is deep (walked recursively):
+    each refused at once (``convert.dcp_metadata``), by conversion, load and validation alike."""
+    good = (ckpt / ".metadata").read_bytes()
+    assert pickle.loads(_shared_tuple_key(2)) == {(((), ()), ((), ())): 1}  # the pickle is what it says
+    for blob in (_shared_tuple_key(60), pickle.dumps({10 ** 5000: 1})):
+        (ckpt / ".metadata").write_bytes(blob)
+        assert "dict key" in str(_fails(ckpt, tmp_path / "out", "convert.dcp_metadata"))
+    (ckpt / ".metadata").write_bytes(good)
+    md = _md(ckpt)
+    index = next(i for i in md.storage_data if i.offset is not None)
+    info = md.storage_data.pop(index)
+    object.__setattr__(index, "offset", ((0, 0), (0, 0)))
+    md.storage_data[index] = info
+    _write_md(ckpt, md)
+    assert "dict key" in str(_fails(ckpt, tmp_path / "out", "convert.dcp_metadata"))
+    for field, value in (("layout", [[["deep"]]]), ("requires_grad", 1), ("pin_memory", None)):
+        md = pickle.loads(good)
+        setattr(md.state_dict_metadata["f32"].properties, field, value)
+        _write_md(ckpt, md)
+        err = _fails(ckpt, tmp_path / "out", "convert.dcp_metadata")
+        assert err.leaf == "f32" and "properties" in str(err), str(err)
+    for parts, ok in ((64, True), (65, False), (20000, False)):
+        md = pickle.loads(good)
+        md.planner_data = {**(md.planner_data or {}), "step": ("s",) * parts}
+        _write_md(ckpt, md)
+        if ok:  # as deep as a tree may be: converted (the path names the value's place)
+            _convert(ckpt, tmp_path / "deep")
+            got = xckpt.load(tmp_path / "deep")
+            for _ in range(parts):
+                got = got["s"]
+            assert got == 12
+            shutil.rmtree(tmp_path / "deep")
+            continue
+        err = _fails(ckpt, tmp_path / "out", "convert.dcp_metadata")
+        assert err.leaf == "step" and "more than 64" in str(err), str(err)
+
+
 def test_inconsistent_or_broken_metadata(ckpt, tmp_path):
     good = (ckpt / ".metadata").read_bytes()
     (ckpt / ".metadata").write_bytes(good[: len(good) // 2])

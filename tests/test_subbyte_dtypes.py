@@ -37,8 +37,9 @@ def _every_value(name: str, shape: tuple[int, ...] = (4, 8)) -> np.ndarray:
 @pytest.mark.parametrize("name", SUBBYTE)
 def test_numpy_round_trip_raw_low_bits_and_version(tmp_path, name):
     """Every value round-trips bit for bit; stored as uint8 holding the element in its low bits (what zarr-python
-    reads); the manifest says 1.4. High bits set in memory (ml_dtypes ignores them for the integer types, not for
-    float4_e2m1fn) are cleared as stored, and cleared again on load where a file holds them."""
+    reads); the manifest says 1.4. High bits set in memory are cleared as stored, each element keeping its value:
+    ml_dtypes ignores them for the integer types, and reads a float4_e2m1fn byte with any of them set as negative
+    (stored with the sign bit, bit 3)."""
     arr = _every_value(name)
     junk = (arr.view(np.uint8) | np.uint8(0xFC if name.endswith("int2") else 0xF0)).view(arr.dtype)
     xckpt.save({"x": arr, "junk": junk, "w": np.arange(3, dtype=np.float32)}, tmp_path / "c")
@@ -49,13 +50,16 @@ def test_numpy_round_trip_raw_low_bits_and_version(tmp_path, name):
     got = xckpt.load(tmp_path / "c")
     assert got["x"].dtype == arr.dtype and got["junk"].dtype == arr.dtype
     np.testing.assert_array_equal(got["x"].view(np.uint8), arr.view(np.uint8))
-    np.testing.assert_array_equal(got["junk"].view(np.uint8), arr.view(np.uint8))
+    stored = arr.view(np.uint8) | np.uint8(0x08) if name == "float4_e2m1fn" else arr.view(np.uint8)
+    np.testing.assert_array_equal(got["junk"].view(np.uint8), stored)
+    np.testing.assert_array_equal(got["junk"].astype(np.float32).view(np.uint32),
+                                  junk.astype(np.float32).view(np.uint32))  # the values it held, -0.0 included
     assert (junk.view(np.uint8) >= 0xF0).all()  # the caller's array is left as it was
     import zarr
-    for name_ in ("x", "junk"):
+    for name_, want in (("x", arr.view(np.uint8)), ("junk", stored)):
         raw = zarr.open_array(str(tmp_path / "c" / name_), mode="r")[...]
         assert raw.dtype == np.uint8
-        np.testing.assert_array_equal(raw, arr.view(np.uint8))
+        np.testing.assert_array_equal(raw, want)
 
 
 def test_casts_into_and_out_of_subbyte_targets(tmp_path):

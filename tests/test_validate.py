@@ -154,12 +154,19 @@ def test_mirror_on_a_value_orbax_cannot_hold(tmp_path: Path) -> None:
      "array.metadata_mismatch"),
     (lambda z: z.update(chunk_key_encoding={"name": "default", "configuration": {"separator": "."}}),
      "array.metadata_mismatch"),
+    (lambda z: z.update(chunk_key_encoding={"name": "default", "configuration": {"seperator": "."}}),
+     "array.metadata_mismatch"),  # a misspelt member is not the default separator
+    (lambda z: z.update(chunk_key_encoding={"name": "default", "configuration": {"separator": "/", "x": 1}}),
+     "array.metadata_mismatch"),
+    (lambda z: z.update(chunk_key_encoding={"name": "default", "configuration": {"separator": "/"}, "extra": {}}),
+     "array.metadata_mismatch"),
     (lambda z: z.update(fill_value=1.0), "array.metadata_mismatch"),
     (lambda z: z["codecs"][0]["configuration"].update(index_location="start"), "array.metadata_mismatch"),
     (lambda z: [z], "array.metadata_json"),
     (lambda z: z.update(attributes={"note": "free"}, dimension_names=["rows", "cols"]), None),
     (lambda z: z["codecs"][0]["configuration"].update(index_location="end"), None),
     (lambda z: z.update(chunk_key_encoding={"name": "default", "configuration": {"separator": "/"}}), None),
+    (lambda z: z.update(chunk_key_encoding={"name": "default"}), None),  # the configuration may be omitted
 ])
 def test_zarr_json_is_checked_strictly(tmp_path: Path, edit: Callable, code: str | None) -> None:
     ckpt = _copy(SHARDED, tmp_path / "c")

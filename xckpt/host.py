@@ -41,6 +41,11 @@ def ndarray_target(like: np.ndarray, entry: Any) -> ArrayTarget:
     return full_target(tuple(like.shape), dtypes.logical_name(like.dtype))
 
 
+def scalar_target(like: np.generic, entry: Any) -> ArrayTarget:
+    """Load a stored 0-d array as a numpy scalar of ``like``'s dtype (``np.float32(0)`` gives an ``np.float32``)."""
+    return ArrayTarget((), dtypes.logical_name(like.dtype), [Region.full(())], lambda parts: parts[0][()])
+
+
 def readspec_target(like: ReadSpec, entry: Any) -> ArrayTarget:
     """Load a region of an array, optionally cast."""
     dtype = None if like.dtype is None else dtypes.logical_name(like.dtype)
@@ -69,4 +74,5 @@ def readspec_target(like: ReadSpec, entry: Any) -> ArrayTarget:
 register_source(lambda x: isinstance(x, ArraySource), lambda x: x)
 register_source(lambda x: isinstance(x, (np.ndarray, np.generic)), array_source)
 register_target(lambda x: isinstance(x, np.ndarray), ndarray_target)
+register_target(lambda x: isinstance(x, np.generic), scalar_target)
 register_target(lambda x: isinstance(x, ReadSpec), readspec_target)

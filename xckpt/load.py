@@ -12,7 +12,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-import ml_dtypes
 import numpy as np
 
 from xckpt import registry
@@ -23,6 +22,7 @@ from xckpt.engine.read import ReadRequest, empty, memory_limit, placeholder
 from xckpt.errors import (CollectiveLoadError, KeyMismatchError, ResourceError, ShapeError, XckptError,
                           XckptWarning)
 from xckpt.format import dtypes
+from xckpt.format.casts import cast_refusal, narrows, scalar_refusal, unfit
 from xckpt.format.manifest import ArrayEntry, Entry, ValueEntry
 from xckpt.format.regions import Region, refuse_overlap
 from xckpt.format.tree import Default, Key, is_namedtuple, key_str, unflatten
@@ -380,8 +380,12 @@ def _made(make: Callable[[Any, Any], ArrayTarget], like: Any, entry: ArrayEntry,
 
 
 def _scalar(arr: np.ndarray, kind: type, key: Key) -> Any:
-    """A stored 0-d array as the Python scalar type of its target (``int(nan)`` is ``tree.key_mismatch``)."""
+    """A stored 0-d array as the Python scalar type of its target (``int(nan)``, ``bool(2)`` are
+    ``tree.key_mismatch``)."""
     try:
+        why = scalar_refusal(arr.item(), kind)
+        if why is not None:
+            raise ValueError(why)
         return kind(arr.item())
     except (TypeError, ValueError, OverflowError) as exc:
         raise KeyMismatchError(f"the stored {arr.dtype} {arr.item()!r} cannot become a {kind.__name__}: {exc}",
@@ -406,7 +410,15 @@ def _value_as(v: Any, target: ArrayTarget | None, key: Key, file: str) -> Callab
             raise TypeError("it is not a number (or nested lists of numbers)")
         if "c" in kinds and want.kind != "c":
             raise TypeError("its imaginary part would be lost")
-        arr = np.asarray(v, dtype=want)
+        with warnings.catch_warnings():  # a float beyond the target's range: refused below, not warned of
+            warnings.simplefilter("ignore", RuntimeWarning)
+            arr = np.asarray(v, dtype=want)
+        natural = np.asarray(v)
+        if natural.dtype.kind == "O":  # an int beyond 64 bits (into a floating target: as float64)
+            natural = np.asarray(v, dtype=np.float64)
+        why = unfit(natural, target.dtype)
+        if why is not None:
+            raise ValueError(f"it {why}")
     except (TypeError, ValueError, OverflowError) as exc:
         raise mismatch(str(exc)) from exc
     if arr.shape != tuple(target.shape):
@@ -503,8 +515,9 @@ def _logical(raw: np.ndarray, e: ArrayEntry, dtype: str) -> np.ndarray:
 
 
 def _fits(raw: np.ndarray, p: "_Part") -> None:
-    """:func:`_check_fits` of a part's raw storage data, where its cast narrows (:func:`_narrows`)."""
-    if p.dtype != p.entry.dtype and _narrows(p.entry.dtype, p.dtype):
+    """:func:`_check_fits` of a part's raw storage data, where its cast narrows
+    (:func:`xckpt.format.casts.narrows`)."""
+    if p.dtype != p.entry.dtype and narrows(p.entry.dtype, p.dtype):
         stored = raw.view(dtypes.numpy_dtype(p.entry.dtype)) if dtypes.is_raw(p.entry.dtype) else raw
         _check_fits(stored, p.entry.dtype, p.dtype, p.entry.key)
 
@@ -596,7 +609,7 @@ class _Reads:
         if self.unstaged and casts:  # cast reads are not checked by the direct reads' own pass
             self.check()
             # nor their values: those a target cannot hold are found before anything is read into a target
-            for batch in _batches([c for c in casts if _narrows(c[0].entry.dtype, c[0].dtype)]):
+            for batch in _batches([c for c in casts if narrows(c[0].entry.dtype, c[0].dtype)]):
                 raws = [np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype)) for p, _ in batch]
                 ckpt.read([ReadRequest(p.entry, p.region, raw) for (p, _), raw in zip(batch, raws)])
                 for (p, _), raw in zip(batch, raws):
@@ -635,81 +648,21 @@ class _Reads:
 
 
 def _check_cast(stored: str, wanted: str, key: Key) -> None:
-    """Refuse, before anything is read, a cast numpy (with ml_dtypes) cannot make, and a complex array into a
-    real target (its imaginary part would be dropped)."""
-    src, dst = np.dtype(dtypes.numpy_dtype(stored)), np.dtype(dtypes.numpy_dtype(wanted))
-    why = "its imaginary part would be lost" if src.kind == "c" and dst.kind != "c" else None
-    if why is None:
-        try:
-            np.zeros(1, src).astype(dst)
-        except (TypeError, ValueError) as exc:
-            why = str(exc)
+    """Refuse, before anything is read, a cast from ``stored`` to ``wanted`` that cannot be made
+    (:func:`xckpt.format.casts.cast_refusal`)."""
+    why = cast_refusal(stored, wanted)
     if why is not None:
         raise KeyMismatchError(f"the stored {stored} cannot be cast to the target's {wanted}: {why}",
                                mismatched=[key_str(key)], leaf=key_str(key))
 
 
-def _narrows(stored: str, wanted: str) -> bool:
-    """Whether a cast from ``stored`` to ``wanted`` can meet values the target cannot hold: a number target
-    (integer or floating) that does not hold every value of the stored dtype (int64 into int32, float64 into
-    float32 or bfloat16, floats into integers)."""
-    src, dst = np.dtype(dtypes.numpy_dtype(stored)), np.dtype(dtypes.numpy_dtype(wanted))
-    return _limits(dst) is not None and src.kind != "b" and not np.can_cast(src, dst, "safe")
-
-
-def _limits(dst: np.dtype) -> tuple[Any, Any, bool] | None:
-    """``(lowest, highest, integer)`` of the values a number dtype holds (floats, ml_dtypes' bfloat16, float8 and
-    float4 included: finite ones; ml_dtypes' int4, uint4, int2 and uint2 too), else None."""
-    if dst.kind in "iu":
-        info = np.iinfo(dst)
-        return int(info.min), int(info.max), True
-    if dst.kind not in "fV":
-        return None
-    if dst.kind == "V" and dst.name in dtypes.SUBBYTE_DTYPES and "int" in dst.name:
-        sub = ml_dtypes.iinfo(dst)
-        return int(sub.min), int(sub.max), True
-    try:
-        finfo = np.finfo(dst) if dst.kind == "f" else ml_dtypes.finfo(dst)
-    except (ValueError, TypeError, KeyError):  # a structured or raw dtype: no range
-        return None
-    return float(finfo.min), float(finfo.max), False
-
-
-#: Elements a range check converts at a time (to float64 or int64): bounded memory for any region.
-_CHECK_PIECE = 1 << 20
-
-
 def _check_fits(arr: np.ndarray, stored: str, wanted: str, key: Key) -> None:
-    """Refuse stored values (``arr``, the stored logical dtype) that the target's ``wanted`` dtype cannot hold:
-    beyond its range (an int64 of 2**40 into int32 would wrap to 0; a float64 of 1e39 would become inf in
-    float32), and NaN or infinity into an integer. Rounding (1.5 into an integer, float64 into float32) is a
-    cast's business, not refused."""
-    limits = _limits(np.dtype(dtypes.numpy_dtype(wanted)))
-    if limits is None or arr.size == 0:
-        return
-    lo, hi, integer = limits
-    flat = arr.reshape(-1)
-    for at in range(0, flat.size, _CHECK_PIECE):
-        piece = flat[at:at + _CHECK_PIECE]
-        if piece.dtype.kind in "iub":
-            low, high = int(piece.min()), int(piece.max())
-        else:
-            if piece.dtype.kind != "f":  # bfloat16, float8: exact in float32
-                piece = piece.astype(np.float32)
-            finite = np.isfinite(piece)
-            if integer and not finite.all():
-                bad = piece[~finite][0]
-                raise KeyMismatchError(f"the stored {stored} holds {bad}, which the target's {wanted} cannot hold",
-                                       mismatched=[key_str(key)], leaf=key_str(key))
-            # NaN and infinity stay themselves in a floating target: the finite values must fit
-            low = float(np.min(piece, where=finite, initial=np.inf))
-            high = float(np.max(piece, where=finite, initial=-np.inf))
-            if low > high:  # none finite
-                continue
-        if low < lo or high > hi:
-            raise KeyMismatchError(f"the stored {stored} holds values from {low} to {high}, beyond what the "
-                                   f"target's {wanted} holds ({lo} to {hi}); load into a wider dtype",
-                                   mismatched=[key_str(key)], leaf=key_str(key))
+    """Refuse stored values (``arr``, the stored logical dtype) that the target's ``wanted`` dtype cannot hold
+    (:func:`xckpt.format.casts.unfit`)."""
+    why = unfit(arr, wanted)
+    if why is not None:
+        raise KeyMismatchError(f"the stored {stored} {why}, which the target's {wanted} cannot hold; load into a "
+                               f"wider dtype", mismatched=[key_str(key)], leaf=key_str(key))
 
 
 def _batches(casts: list[tuple[_Part, int]], limit: int = 64 << 20) -> list[list[tuple[_Part, int]]]:

@@ -35,6 +35,7 @@ from xckpt.engine import atomic, background, claims, collective
 from xckpt.engine.collective import Coordinator, LocalCoordinator
 from xckpt.engine.commit import COMMIT_TEXT
 from xckpt.engine.storage import LocalStore, Location
+from xckpt.engine.threads import Worker
 from xckpt.errors import NotACheckpointError, SaveError, UnsupportedError, XckptError, XckptWarning
 from xckpt.format import jsonobj, names, orbax_view
 from xckpt.format.tree import key_str
@@ -525,9 +526,8 @@ class CheckpointManager:
         # runs, so that an unrelated xckpt.save meanwhile does not raise this step's failure
         handle.claim()
         flight = _InFlight(step, staging, previous=self._last_step)
-        flight.thread = threading.Thread(target=self._finish_in_background,
-                                         args=(flight, handle, plain_metrics, started_ns),
-                                         name="xckpt-manager-finish", daemon=True)
+        flight.thread = Worker(lambda: self._finish_in_background(flight, handle, plain_metrics, started_ns),
+                               "xckpt-manager-finish")
         with self._lock:
             self._inflight = flight
         self._last_step = step if self._last_step is None else max(self._last_step, step)  # (a forced older step)

@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesSt
 from xckpt.errors import DataError, ResourceError, ShapeError, UnsafePathError, UnsupportedError, XckptError
 from xckpt.format import names
 from xckpt.format.manifest import MAX_ELEMENTS, MAX_RANK
+from xckpt.format.tree import MAX_DEPTH
 
 __all__ = ["ADMITTED", "MAX_METADATA_BYTES", "METADATA_NAME", "REFUSED_OPCODES", "DcpDirectory", "MetadataUnpickler",
            "check_metadata", "check_storage_name", "load_metadata", "merge_rank_metadata", "rank_metadata_name"]
@@ -155,6 +156,27 @@ def _dtype(name: str) -> torch.dtype | None:
     return value if isinstance(value, torch.dtype) else None
 
 
+#: What a dict key or set member of DCP metadata may be made of (besides a ``MetadataIndex``): objects whose
+#: hash costs little and is computed once (an int is bounded to 64 bits: a huge int's hash is not cached).
+_KEY_ATOMS = (str, bytes, bool, float, type(None))
+
+
+def _cheap_key(k: Any) -> bool:
+    """Whether hashing ``k`` costs little: an atom, a bounded int, or a tuple (``torch.Size``) of at most
+    :data:`~xckpt.format.manifest.MAX_RANK` of them; a ``MetadataIndex`` of such fields. A pickle can share one
+    object many times (its memo), so a key built of shared tuples (a tuple of two references to a tuple of two
+    ...) would take 2**depth steps to hash, and a huge one would be hashed again at every use."""
+    if type(k) is MetadataIndex:
+        return _cheap_key(getattr(k, "fqn", None)) and _cheap_key(getattr(k, "offset", None))
+    if type(k) in (tuple, torch.Size):
+        return len(k) <= MAX_RANK and all(_cheap_atom(x) for x in k)
+    return _cheap_atom(k)
+
+
+def _cheap_atom(x: Any) -> bool:
+    return type(x) in _KEY_ATOMS or (type(x) is int and -(1 << 63) <= x < 1 << 63)
+
+
 class MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
     """An unpickler that builds DCP metadata and nothing else (see the module docstring).
 
@@ -213,6 +235,17 @@ class MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
         cls = self.stack.pop()
         self._new(cls, args, kwargs)
 
+    def _check_keys(self, keys: list[Any]) -> None:
+        """Refuse, before anything hashes them, dict keys or set members that are costly to hash
+        (:func:`_cheap_key`): DCP metadata's keys are names and ``MetadataIndex`` objects."""
+        for k in keys:
+            if not _cheap_key(k):
+                fqn = getattr(k, "fqn", None) if type(k) is MetadataIndex else None
+                raise XckptError(f"the DCP metadata pickle uses {_describe(k)} as a dict key or set member that is "
+                                 "not a name, a bounded integer, a short tuple of them or a MetadataIndex of them",
+                                 code="convert.dcp_metadata", file=self.file,
+                                 leaf=fqn if type(fqn) is str else None)
+
     def _load_build(self) -> None:
         state = self.stack.pop()
         inst = self.stack[-1]
@@ -244,6 +277,20 @@ MetadataUnpickler.dispatch[pickle.NEWOBJ_EX[0]] = MetadataUnpickler._load_newobj
 MetadataUnpickler.dispatch[pickle.BUILD[0]] = MetadataUnpickler._load_build
 for _op in REFUSED_OPCODES:
     MetadataUnpickler.dispatch[getattr(pickle, _op)[0]] = MetadataUnpickler._refuse_opcode
+
+
+def _hashing(base: Callable[[Any], None], keys: Callable[[list[Any]], list[Any]]) -> Callable[[Any], None]:
+    """An opcode that hashes ``keys(stack)`` (dict keys, set members), checked first (``_check_keys``)."""
+    def load(self: MetadataUnpickler) -> None:
+        self._check_keys(keys(self.stack))
+        base(self)
+    return load
+
+
+for _op, _keys in (("SETITEM", lambda st: st[-2:-1]), ("SETITEMS", lambda st: st[0::2]), ("DICT", lambda st: st[0::2]),
+                   ("ADDITEMS", lambda st: st), ("FROZENSET", lambda st: st)):
+    _code = getattr(pickle, _op)[0]
+    MetadataUnpickler.dispatch[_code] = _hashing(pickle._Unpickler.dispatch[_code], _keys)  # type: ignore[attr-defined]
 
 
 def load_metadata(data: bytes, *, file: str) -> Metadata:
@@ -342,8 +389,11 @@ def _check_metadata(md: Metadata, file: str) -> None:
                                    code="convert.dcp_transform", file=file, leaf=index.fqn)
     for fqn, smd in sdm.items():
         path = planner.get(fqn) if planner else None
-        if path is not None and not (isinstance(path, (tuple, list)) and all(type(p) in (str, int) for p in path)):
+        if path is not None and not (isinstance(path, (tuple, list)) and all(
+                type(p) is str or (type(p) is int and 0 <= p < 1 << 63) for p in path)):
             raise bad(f"the flattening path of {fqn!r} is not a tuple of names and indices", fqn)
+        if path is not None and len(path) > MAX_DEPTH:
+            raise bad(f"the flattening path of {fqn!r} has {len(path)} parts, more than {MAX_DEPTH}", fqn)
         if type(smd) is BytesStorageMetadata:
             if MetadataIndex(fqn) not in storage:
                 raise bad(f"value {fqn!r} has no storage entry", fqn)
@@ -353,6 +403,11 @@ def _check_metadata(md: Metadata, file: str) -> None:
         props = smd.properties
         if type(props) is not TensorProperties or not isinstance(getattr(props, "dtype", None), torch.dtype):
             raise bad(f"tensor {fqn!r} has no dtype", fqn)
+        if not (type(getattr(props, "layout", None)) is torch.layout
+                and type(getattr(props, "memory_format", None)) is torch.memory_format
+                and type(getattr(props, "requires_grad", None)) is bool
+                and type(getattr(props, "pin_memory", None)) is bool):  # (ranks' files compare them)
+            raise bad(f"tensor {fqn!r} has properties that are not a layout, a memory format and two flags", fqn)
         if not _dims(smd.size) or not isinstance(smd.chunks, list):
             raise bad(f"tensor {fqn!r} has an invalid size or chunk list", fqn)
         _check_shape(tuple(smd.size), props.dtype, fqn, file)

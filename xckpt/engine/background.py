@@ -58,7 +58,7 @@ from xckpt.engine.commit import commit_failed, identity
 from xckpt.engine.hostcopy import stream_copy
 from xckpt.engine.protocol import Prepared
 from xckpt.engine.storage import Location
-from xckpt.engine.threads import background_nice, say, yield_cpu
+from xckpt.engine.threads import Worker, background_nice, say, yield_cpu
 from xckpt.engine.write import ChunkWriter
 from xckpt.errors import CollectiveError, CoordinationError, SaveError
 from xckpt.format import dtypes, shard
@@ -164,7 +164,7 @@ class Pending:
         self.manifest: Any = None
         self.claimed = False  # a caller of wait() reports the outcome (it may still be waiting)
         self.go = threading.Event()  # set when the caller may go on: the writing starts then
-        self.thread = threading.Thread(target=self._run, name="xckpt-save-async", daemon=True)
+        self.thread = Worker(self._run, "xckpt-save-async")
         with _live_lock:
             _live.add(self)
 
@@ -608,7 +608,7 @@ class _Speculation:
             except BaseException as exc:  # noqa: BLE001 - raised by confirmed(), on the caller's thread
                 self.interrupt = exc
 
-        self.thread = threading.Thread(target=run, name="xckpt-stage")
+        self.thread = Worker(run, "xckpt-stage", daemon=False)
         self.thread.start()
 
     def confirmed(self, p: Prepared) -> Staged | None:

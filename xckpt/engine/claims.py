@@ -39,7 +39,7 @@ import msgpack
 from xckpt.engine import atomic, env
 from xckpt.engine.storage import ABSENT, Location, kv_result, landed, open_kvstore
 from xckpt.errors import SaveError, XckptError, XckptWarning
-from xckpt.format import names, orbax_view, safetensors
+from xckpt.format import names, safetensors
 
 #: Object that claims an object-store prefix for one save.
 CLAIM = ".xckpt-claim"
@@ -446,21 +446,15 @@ def _written_at(kv: Any, key: str, file: str) -> float | None:
     return float(t) if type(t) in (int, float) and t == t else None
 
 
-#: A name a save may write below its top level (3.2, 4, 4.2, 7): a leaf's (or a segment's) ``zarr.json`` and
-#: chunk objects, and the Orbax marker. No part of a storage name (a nested one, 1.3, has several) starts with ``.``.
-_BELOW_TOP = re.compile(r"(?:[^/.][^/]*/)+(?:zarr\.json|c(?:/[0-9]+)*)|" + re.escape(orbax_view.MARKER))
-
-
 def _own_objects(keys: Iterable[str]) -> list[str]:
     """Of the keys under a dead save's claimed prefix, those that save may have written (its claim aside): the
-    names a save writes (:data:`names.RESERVED` at the top, :data:`_BELOW_TOP` below), and none under a
-    sub-prefix holding a manifest or a claim (a checkpoint committed, or a save begun, inside the prefix after
-    it was claimed: a save writes neither name below its top level). Objects put there by others stay."""
+    names a save writes (:func:`xckpt.format.names.may_write`), and none under a sub-prefix holding a manifest
+    or a claim (a checkpoint committed, or a save begun, inside the prefix after it was claimed: a save writes
+    neither name below its top level). Objects put there by others stay."""
     keys = list(keys)
     nested = tuple({k.rsplit("/", 1)[0] + "/" for k in keys
                     if "/" in k and k.rsplit("/", 1)[1] in (names.MANIFEST, CLAIM)})
-    return [k for k in keys if k != CLAIM and not k.startswith(nested)
-            and (k in names.RESERVED if "/" not in k else _BELOW_TOP.fullmatch(k) is not None)]
+    return [k for k in keys if k != CLAIM and not k.startswith(nested) and names.may_write(k)]
 
 
 def remove(leftover: Leftover) -> None:

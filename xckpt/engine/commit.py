@@ -16,9 +16,10 @@ import math
 import os
 import re
 import shutil
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import crc32c
 import numpy as np
@@ -26,9 +27,9 @@ import numpy as np
 from xckpt._version import __version__
 from xckpt.engine import atomic, claims, failpoints
 from xckpt.engine.plan import INNER_CHUNK_BYTES, ArrayPlan, GlobalPlan, LeafLayout
-from xckpt.engine.storage import Location, Store
+from xckpt.engine.storage import LocalStore, Location, Store
 from xckpt.engine.write import MAX_INFLIGHT_BYTES, ChunkWriter
-from xckpt.errors import CollectiveError, SaveError, XckptError
+from xckpt.errors import CollectiveError, SaveError, XckptError, XckptWarning
 from xckpt.format import dtypes, names, orbax_view, safetensors, values as values_format, zarr
 from xckpt.format.manifest import ArrayEntry, Entry, Manifest, StoredArray, ValueEntry, parse as parse_manifest, \
     version_for
@@ -68,6 +69,7 @@ class Target:
     replaces: str | None = None  # identity (:func:`identity`) of the committed checkpoint it replaces
     empty_dir: bool = False  # an empty local directory stands at the destination (it is removed)
     kind: str = "xckpt"  # what it writes and may replace: "xckpt", or "dcp" (a torch DCP directory)
+    writes: frozenset[str] = frozenset()  # top-level names the new one writes too, which a replaced one may hold
 
 
 #: What each kind of directory a save may replace is, for messages.
@@ -154,8 +156,8 @@ def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt", writes
         if held is None:
             raise SaveError(f"{path} is not {KINDS[kind]}; overwrite=True replaces only one, so nothing was written",
                             code="save.not_checkpoint", file=path)
-        _refuse_foreign(final, kind, set(writes))
-        return Target(final, replaces=held, kind=kind)
+        _refuse_foreign(final, kind, frozenset(writes))
+        return Target(final, replaces=held, kind=kind, writes=frozenset(writes))
     store = final.store()
     if store.exists(names.MANIFEST):
         raise SaveError(f"{final} holds a committed checkpoint; object stores cannot replace one atomically, so a "
@@ -181,46 +183,98 @@ def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt", writes
 _DCP_NAME = re.compile(r"__[0-9]+_[0-9]+\.distcp|\.metadata")
 
 
-def _own_names(final: Location, kind: str) -> tuple[set[str], str]:
-    """The top-level names a committed directory of ``kind`` is made of, and what tells them (for messages).
-    One whose manifest or index cannot be read is refused (``save.not_checkpoint``): which of its files are its
-    own cannot be told, so replacing it could delete files put into it."""
+def _owner(root: Location, kind: str, writes: frozenset[str]) -> tuple[Callable[[str, str], bool], str]:
+    """Which entries of a committed directory of ``kind`` at ``root`` are its own, as ``owns(name, kind)`` (a name
+    relative to ``root``, its kind as :meth:`LocalStore.walk` gives it: links and special files never are), and
+    what tells them (for messages). An xckpt checkpoint's are what its manifest says a save writes
+    (:meth:`Manifest.owns`: a note put into a leaf's directory is not); a DCP directory's, its metadata and data
+    files; a safetensors export's, its index and the files it names (or its one file); the top-level names
+    ``writes`` too. One whose manifest or index cannot be read is refused (``save.not_checkpoint``): which of its
+    files are its own cannot be told, so replacing it could delete files put into it."""
     if kind == "dcp":
-        return ({n for n in os.listdir(final.local_path) if _DCP_NAME.fullmatch(n)},
-                "which are not DCP's own files (.metadata, __<rank>_<n>.distcp)")
+        made_of = {n for n in os.listdir(root.local_path) if _DCP_NAME.fullmatch(n)}
+        return _flat(made_of | writes), "which are not DCP's own files (.metadata, __<rank>_<n>.distcp)"
     telling = safetensors.INDEX_FILE if kind == "safetensors" else names.MANIFEST
-    file = str(final.child(telling))
-    store = final.store()
+    file = str(root.child(telling))
+    store = root.store()
     try:
         if kind == "safetensors":
             raw = store.read(safetensors.INDEX_FILE, limit=safetensors.MAX_INDEX_BYTES)
             if raw is None:
-                return {safetensors.SINGLE_FILE}, f"which are not its {safetensors.SINGLE_FILE}"
-            return {safetensors.INDEX_FILE, *safetensors.parse_index(raw, file=file).values()}, \
+                return _flat({safetensors.SINGLE_FILE} | writes), f"which are not its {safetensors.SINGLE_FILE}"
+            return _flat({safetensors.INDEX_FILE, *safetensors.parse_index(raw, file=file).values()} | writes), \
                 "which its index does not name"
         raw = store.read(names.MANIFEST)
         if raw is None:  # (identity() found it a moment ago)
             raise XckptError("the manifest is gone", code="manifest.missing", file=file)
-        return parse_manifest(raw, file=file).top_names(), "which no leaf of its manifest refers to"
+        m = parse_manifest(raw, file=file)
     except XckptError as exc:
-        raise SaveError(f"{telling} of {final} cannot be read ([{exc.code}] {exc.message}), so which files are its "
+        raise SaveError(f"{telling} of {root} cannot be read ([{exc.code}] {exc.message}), so which files are its "
                         "own cannot be told and replacing it could delete files put into it; nothing was written: "
                         "remove it yourself, or save elsewhere", code="save.not_checkpoint", file=file) from None
     finally:
         store.close()
 
+    def owns(name: str, what: str) -> bool:
+        return what in ("file", "dir") and (name in writes or m.owns(name, what == "dir"))
+    return owns, "which its manifest does not account for"
 
-def _refuse_foreign(final: Location, kind: str, writes: set[str]) -> None:
-    """Refuse to replace a committed directory of ``kind`` that holds names it is not made of (a README, a
-    tokenizer folder or a ``config.json`` put there by hand): replacing it would delete them (``save.foreign``).
-    One whose own names cannot be told (its manifest or index unreadable) is refused too (:func:`_own_names`)."""
-    made_of, which = _own_names(final, kind)
-    foreign = sorted(set(os.listdir(final.local_path)) - made_of - writes)
+
+def _flat(made_of: set[str] | frozenset[str]) -> Callable[[str, str], bool]:
+    """``owns`` of a directory made of the files ``made_of`` at its top level and nothing else."""
+    return lambda name, what: what == "file" and name in made_of
+
+
+def _refuse_foreign(final: Location, kind: str, writes: frozenset[str]) -> None:
+    """Refuse to replace a committed directory of ``kind`` that holds anything it is not made of (a README, a
+    tokenizer folder, a ``config.json``, a note in a leaf's directory, put there by hand): replacing it would
+    delete them (``save.foreign``, naming the first; :func:`_owner`). One whose own names cannot be told (its
+    manifest or index unreadable) is refused too."""
+    owns, which = _owner(final, kind, writes)
+    foreign: list[str] = []
+    store = final.store()
+    try:
+        assert isinstance(store, LocalStore)  # (overwrite replaces on file systems only)
+        for name, what in store.walk():
+            if not any(name.startswith(f"{f}/") for f in foreign) and not owns(name, what):
+                foreign.append(name)
+    finally:
+        store.close()
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise SaveError(f"{final} holds {shown}, {which}; overwrite replaces what a save wrote, never files "
                         "put into it, so nothing was written: move them out first",
                         code="save.foreign", file=str(final.child(foreign[0])))
+
+
+def _remove_replaced(old: str, target: Target, generation: str) -> None:
+    """Delete the checkpoint this save replaced, now at ``old`` (moved out of the way): what it is made of only
+    (:func:`_owner`, as :func:`_refuse_foreign` found it when the save began). Anything put into it since stays:
+    its directory is renamed ``<name>.xckpt-kept-<generation>`` beside the new checkpoint, with a warning."""
+    loc = Location(old)
+    try:
+        owns, _ = _owner(loc, target.kind, target.writes)
+    except XckptError:  # its manifest is unreadable now: which files are its own cannot be told, so none is deleted
+        owns = _owns_nothing
+    store = loc.store()
+    try:
+        assert isinstance(store, LocalStore)
+        gone = store.prune(owns)
+    finally:
+        store.close()
+    if gone:
+        return
+    kept = f"{target.final.local_path.rstrip('/')}.xckpt-kept-{generation}"
+    try:
+        os.rename(old, kept)
+    except OSError:
+        kept = old
+    warnings.warn(f"{target.final}: the checkpoint this save replaced held files put into it while the save ran; "
+                  f"they were not deleted, and are in {kept}", XckptWarning, stacklevel=2)
+
+
+def _owns_nothing(name: str, what: str) -> bool:
+    return False
 
 
 def _io_error(file: str, what: str, exc: OSError) -> SaveError:
@@ -285,7 +339,7 @@ def publish(tmp: Location, target: Target, generation: str, rank: int = 0) -> No
         raise SaveError(f"another save replaced {dst} while this one was writing; nothing was committed",
                         code="save.conflict", file=dst)
     atomic.sync_dir(parent)
-    shutil.rmtree(src, ignore_errors=True)
+    _remove_replaced(src, target, generation)
     failpoints.hit("after_publish", rank)
 
 
@@ -317,7 +371,7 @@ def _publish_aside(src: str, dst: str, target: Target, generation: str, rank: in
             os.rename(aside, dst)
         raise
     atomic.sync_dir(os.path.dirname(dst) or ".")
-    shutil.rmtree(aside, ignore_errors=True)
+    _remove_replaced(aside, target, generation)
     failpoints.hit("after_publish", rank)
 
 

@@ -672,6 +672,48 @@ class LocalStore:
             for d, _, _ in stack:
                 os.close(d)
 
+    def prune(self, owns: Callable[[str, str], bool]) -> bool:
+        """Delete what below the root ``owns(name, kind)`` says is its own (kinds as :meth:`walk` gives them): its
+        files, then its directories once emptied, deepest first, then the root once empty. Each unlink and rmdir
+        is relative to a descriptor of its directory, opened without following links (a link swapped in meanwhile
+        leads nowhere); anything else stays, as does what cannot be deleted. Whether the root is gone."""
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        self._prune_in(fd, "", owns)
+        try:
+            os.rmdir(self.root)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False
+        return True
+
+    def _prune_in(self, fd: int, rel: str, owns: Callable[[str, str], bool]) -> None:
+        """:meth:`prune` below the directory ``rel``, open as ``fd`` (closed here)."""
+        try:
+            try:
+                entries = [(e.name, entry_kind(e)) for e in os.scandir(fd)]
+            except OSError:
+                return
+            for base, kind in entries:
+                name = f"{rel}/{base}" if rel else base
+                if not owns(name, kind):
+                    continue
+                try:
+                    if kind == "dir":
+                        self._prune_in(os.open(base, _DIR_FLAGS, dir_fd=fd), name, owns)
+                        os.rmdir(base, dir_fd=fd)
+                    else:
+                        os.unlink(base, dir_fd=fd)
+                except OSError:  # gone, swapped for a link, not empty: it stays
+                    continue
+        finally:
+            os.close(fd)
+
     def _entries(self, fd: int, rel: str) -> Iterator[os.DirEntry[str]]:
         try:
             with os.scandir(fd) as it:

@@ -29,6 +29,35 @@ _lock = threading.Lock()
 _pools: dict[bool | str, tuple[int, ThreadPoolExecutor]] = {}
 
 
+class Worker(threading.Thread):
+    """A thread whose end is told by an event it sets as its target returns (or raises), not by the
+    interpreter's own lock: on CPython before 3.13, a ``join`` interrupted by Ctrl-C (``KeyboardInterrupt``)
+    releases that lock while the thread still runs, and from then on ``join`` returns at once and
+    ``is_alive()`` is False. An interrupted wait on the event changes nothing, so ``join`` and ``is_alive``
+    stay true to the thread after an interrupt (a save waited for again is waited for)."""
+
+    def __init__(self, target: Callable[[], None], name: str, daemon: bool = True) -> None:
+        super().__init__(target=target, name=name, daemon=daemon)
+        self._ended = threading.Event()
+
+    def run(self) -> None:
+        """Run the target, then tell that it ended."""
+        try:
+            super().run()
+        finally:
+            self._ended.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the target has returned or raised (at most ``timeout`` seconds)."""
+        if not self._started.is_set():  # type: ignore[attr-defined] - as Thread.join refuses it
+            raise RuntimeError("cannot join thread before it is started")
+        self._ended.wait(timeout)
+
+    def is_alive(self) -> bool:
+        """Whether it started and its target has not yet returned or raised."""
+        return self._started.is_set() and not self._ended.is_set()  # type: ignore[attr-defined]
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on: its affinity mask where the system has one (a container or a
     ``taskset`` limits it), else every CPU."""

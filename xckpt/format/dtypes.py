@@ -35,6 +35,8 @@ _RAW = {**_FLOAT8, **_SUBBYTE}
 
 #: Every logical dtype name this version of the format defines.
 LOGICAL_DTYPES: tuple[str, ...] = _NATIVE + tuple(_EXTENSION) + tuple(_FLOAT8) + tuple(_SUBBYTE)
+#: The logical dtypes numpy defines itself (its casting table holds for them, not for ml_dtypes' types).
+NATIVE_DTYPES: frozenset[str] = frozenset(_NATIVE)
 #: The logical dtypes format 1.4 added (a checkpoint holding one says 1.4; an older manifest may not name one).
 SUBBYTE_DTYPES: frozenset[str] = frozenset(_SUBBYTE)
 
@@ -89,17 +91,22 @@ def low_bits(name: str) -> int | None:
 
 
 def canonical(raw: np.ndarray, name: str) -> np.ndarray:
-    """``raw`` (a sub-byte array's uint8 bytes) with every high bit clear, as stored: itself when they all are
-    (checked a band of 16 MiB at a time), else a masked copy. Other dtypes' bytes are returned as they are.
-    (ml_dtypes ignores an integer type's high bits, not ``float4_e2m1fn``'s: the stored form says which value.)"""
+    """``raw`` (a sub-byte array's uint8 bytes) with every high bit clear, as stored, each element keeping the
+    value ml_dtypes gives it: itself when they all are clear (checked a band of 16 MiB at a time), else a copy.
+    Other dtypes' bytes are returned as they are. ml_dtypes ignores an integer type's high bits, so they are
+    masked off; a ``float4_e2m1fn`` byte with any of bits 3 to 7 set is negative (0x11 is -0.5), so its
+    stored form is its magnitude's three bits with the sign bit (0x09)."""
     mask = low_bits(name)
     if mask is None or raw.size == 0:
         return raw
     flat = raw.reshape(-1) if raw.flags.c_contiguous else None
     bands = ((flat[i:i + (16 << 20)] for i in range(0, flat.size, 16 << 20)) if flat is not None else (raw,))
-    if any(np.bitwise_and(band, np.uint8(~mask & 0xFF)).any() for band in bands):
-        return np.bitwise_and(raw, np.uint8(mask))
-    return raw
+    if not any(np.bitwise_and(band, np.uint8(~mask & 0xFF)).any() for band in bands):
+        return raw
+    if name == "float4_e2m1fn":
+        negative = np.bitwise_and(raw, np.uint8(0xF8)) != 0
+        return np.bitwise_or(np.bitwise_and(raw, np.uint8(0x07)), negative.astype(np.uint8) << np.uint8(3))
+    return np.bitwise_and(raw, np.uint8(mask))
 
 
 def itemsize(name: str) -> int:

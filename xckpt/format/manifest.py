@@ -209,6 +209,37 @@ class Manifest:
         return [(e.path, e.key) if isinstance(e, ArrayEntry) else (e.orbax_path, e.key) for e in self.leaves
                 if isinstance(e, ArrayEntry) or e.orbax_path]
 
+    def owns(self, name: str, is_dir: bool) -> bool:
+        """Whether ``name`` (relative to the checkpoint's root) is a file (or, ``is_dir``, a directory) a save of
+        this manifest writes: a reserved file at the top, the Orbax marker and its directory, each array's (a
+        segment's, a value's mirror's) directory and those it lies in, its ``zarr.json``, its chunk objects and
+        the directories they lie in (``c/0``), a segmented leaf's directory and group ``zarr.json``."""
+        homes, groups, between = self._homes
+        if "/" not in name and not is_dir:
+            return name in names.RESERVED
+        if name in (names.ORBAX_MARKER_DIR if is_dir else names.ORBAX_MARKER,):
+            return True
+        if is_dir and (name in homes or name in groups or name in between):
+            return True
+        head, _, last = name.rpartition("/")
+        if not is_dir and last == "zarr.json" and (head in homes or head in groups):
+            return True
+        parts = name.split("/")  # a chunk object (or its directory): <home>/c/<i>/<j>...
+        for at in range(1, len(parts)):
+            if parts[at] == "c" and all(p.isdigit() for p in parts[at + 1:]) and "/".join(parts[:at]) in homes:
+                return True
+        return False
+
+    @cached_property
+    def _homes(self) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+        """The Zarr arrays' directories (segments and mirrors included), the segmented leaves' directories, and
+        the directories a nested one lies in."""
+        homes = {a.path for e in self.arrays() for a in e.arrays()} | {
+            e.orbax_path for e in self.leaves if isinstance(e, ValueEntry) and e.orbax_path}
+        groups = {e.path for e in self.arrays() if e.segments is not None}
+        between = {p for h in homes | groups for p in names.parents(h)}
+        return frozenset(homes), frozenset(groups), frozenset(between)
+
     def top_names(self) -> set[str]:
         """The names at the checkpoint's top level that belong to it: the reserved files, every array's
         directory and every value's Orbax mirror (the first part of one that nests); anything else there

@@ -10,6 +10,7 @@ storage name may lie inside another's directory.
 from __future__ import annotations
 
 import posixpath
+import re
 from typing import Iterable, Iterator
 
 from xckpt.errors import TreeError, UnsafePathError
@@ -23,6 +24,8 @@ ORBAX_CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 ORBAX_SHARDING = "_sharding"
 #: A hidden directory holding an empty zarr v2 array's ``.zarray``: what Orbax v1 looks for before it loads.
 ORBAX_MARKER_DIR = ".orbax_marker"
+#: The file in it.
+ORBAX_MARKER = f"{ORBAX_MARKER_DIR}/.zarray"
 #: The file that makes a directory a committed torch DCP checkpoint (written by ``xckpt convert --to dcp``).
 DCP_METADATA = ".metadata"
 #: Longest part of a stored path, in UTF-8 bytes (a file name on ext4, XFS, tmpfs, APFS, NTFS).
@@ -39,6 +42,19 @@ DCP_MARKERS = (DCP_METADATA, DCP_RANK0_METADATA)
 #: File and directory names at the top of a checkpoint that no array may take.
 RESERVED = frozenset({MANIFEST, VALUES, COMMIT, ORBAX_METADATA, ORBAX_CHECKPOINT_METADATA,
                       ORBAX_SHARDING, "_strings.json", "manifest.ocdbt", "array_metadatas", ORBAX_MARKER_DIR})
+
+
+#: An object a save writes below its checkpoint's top level (spec 3.2, 4, 4.2, 7): a leaf's (or a segment's)
+#: ``zarr.json`` or chunk object. No part of a storage name (a nested one, 1.3, has several) starts with ``.``.
+_BELOW_TOP = re.compile(r"(?:[^/.][^/]*/)+(?:zarr\.json|c(?:/[0-9]+)*)")
+
+
+def may_write(name: str) -> bool:
+    """Whether a save may write the object ``name`` (relative to its checkpoint's root): a reserved name at the
+    top (:data:`RESERVED`); below it a leaf's or a segment's ``zarr.json`` or chunk object, or the Orbax marker."""
+    if "/" not in name:
+        return name in RESERVED
+    return name == ORBAX_MARKER or _BELOW_TOP.fullmatch(name) is not None
 
 
 def storage_name(key: Key) -> str:

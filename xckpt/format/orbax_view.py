@@ -36,7 +36,7 @@ _SCALAR_DTYPES = {"bool": "bool", "int": "int64", "float": "float64"}
 #: The directory of :data:`MARKER` (a top-level name of every checkpoint, see the module documentation).
 MARKER_DIR = naming.ORBAX_MARKER_DIR
 #: What Orbax v1 looks for before it loads: a top-level directory holding a zarr v2 ``.zarray``.
-MARKER = f"{MARKER_DIR}/.zarray"
+MARKER = naming.ORBAX_MARKER
 #: :data:`MARKER`'s bytes: a valid zarr v2 array of shape [0] (no chunk), which nothing ever reads.
 MARKER_ZARRAY = json.dumps({"zarr_format": 2, "shape": [0], "chunks": [1], "dtype": "|u1", "compressor": None,
                             "fill_value": 0, "order": "C", "filters": None, "dimension_separator": "."},

@@ -139,7 +139,8 @@ def mismatch(meta: dict[str, Any], expected: dict[str, Any]) -> str | None:
     enc = meta.get("chunk_key_encoding")
     conf = enc.get("configuration", {}) if isinstance(enc, dict) else None
     if not (isinstance(enc, dict) and enc.get("name") == "default" and isinstance(conf, dict)
-            and conf.get("separator", "/") == "/"):
+            and conf.get("separator", "/") == "/" and set(enc) <= {"name", "configuration"}
+            and set(conf) <= {"separator"}):
         return f"chunk_key_encoding is {_brief(enc)}, expected default with '/'"
     unknown = sorted(set(meta) - _ZARR_KEYS)
     if unknown or meta.get("storage_transformers", []) != []:
