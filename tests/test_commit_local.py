@@ -173,6 +173,30 @@ def test_gc_lists_removes_dead_leftovers_and_restores_a_side_copy(tmp_path, caps
     assert_holds(tmp_path / "b", 5)
 
 
+def test_gc_removes_only_entries_a_save_makes_under_a_leftovers_name(tmp_path):
+    """A directory named as a lease (leases are files), a file named as a temporary directory, a directory named
+    as a side copy holding no checkpoint: none is what a save leaves, so however old, neither ``xckpt gc`` nor
+    the cleanup a save does first removes them; a real dead save's leftovers beside them are removed."""
+    g = "0123456789abcdef0123456789abcdef"
+    xckpt.save({"w": np.ones(2)}, tmp_path / "d")
+    (tmp_path / f".b.xckpt-lease-{g}").mkdir()
+    (tmp_path / f".b.xckpt-lease-{g}" / "precious.txt").write_text("mine")
+    (tmp_path / f".c.xckpt-tmp-{g}").write_text("mine too")
+    (tmp_path / f".d.xckpt-old-{g}").mkdir()
+    (tmp_path / f".d.xckpt-old-{g}" / "precious.txt").write_text("and mine")
+    crash(tmp_path / "a", 1, "after_write")  # a dead save: tmp + lease
+    old = time.time() - 7200
+    for entry in tmp_path.iterdir():
+        os.utime(entry, (old, old))
+    looks = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".b.", ".c.", ".d.")))
+    xckpt.save({"w": np.zeros(2)}, tmp_path / "e")  # a save's own cleanup first
+    assert [c.leftover.name for c in xckpt.gc(tmp_path)] == []  # the dead save's went with the save's cleanup
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == looks
+    assert (tmp_path / f".b.xckpt-lease-{g}" / "precious.txt").read_text() == "mine"
+    assert (tmp_path / f".d.xckpt-old-{g}" / "precious.txt").read_text() == "and mine"
+    np.testing.assert_array_equal(xckpt.load(tmp_path / "d")["w"], np.ones(2))
+
+
 def test_gc_of_one_checkpoint_path_and_of_an_empty_directory(tmp_path):
     """``gc PATH`` where PATH is a checkpoint finds the leftovers beside it (only its own); a directory
     with none reports none."""

@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -311,6 +312,8 @@ def scan(directory: Location, *, stale_after: float | None = None, name: str | N
     out = []
     for entry, m in found:
         path = os.path.join(root, entry)
+        if not _as_made(path, m["kind"]):
+            continue
         seen = leases.get((m["name"], m["generation"]))
         if seen is None:
             seen = _mtime(path)
@@ -322,6 +325,28 @@ def scan(directory: Location, *, stale_after: float | None = None, name: str | N
             stale = False
         out.append(Leftover(path, m["kind"], m["name"], m["generation"], age, stale))
     return sorted(out, key=lambda x: x.path)
+
+
+#: The files one of which a side copy (``old``) holds: the checkpoint that a save moved aside is xckpt's, a DCP
+#: directory or a safetensors export.
+_SIDE_COPY_HOLDS = (names.MANIFEST, names.DCP_METADATA, names.DCP_RANK0_METADATA, safetensors.INDEX_FILE,
+                    safetensors.SINGLE_FILE)
+
+
+def _as_made(path: str, kind: str) -> bool:
+    """Whether the entry ``path``, named as a leftover of ``kind``, is what a save makes under that name: a lease is
+    a regular file; a temporary or status directory a directory (not a link); a side copy a directory holding a
+    checkpoint's telling file. Anything else under such a name was not made by a save, and is never removed."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if kind == "lease":
+        return stat.S_ISREG(st.st_mode)
+    if not stat.S_ISDIR(st.st_mode):
+        return False
+    return kind != "old" or any(os.path.isfile(os.path.join(path, n)) and not os.path.islink(os.path.join(path, n))
+                                for n in _SIDE_COPY_HOLDS)
 
 
 def _newest_mtime(path: str) -> float | None:
