@@ -191,6 +191,38 @@ def test_failed_save_removes_only_what_it_wrote(bucket, monkeypatch, failure):
     assert _outside(_snapshot(bucket), "run1/step_300") == before
 
 
+def test_a_save_not_yet_committed_is_never_read(bucket, monkeypatch):
+    """A save paused just before its manifest (the commit on an object store): its Orbax view and commit marker
+    are written already, yet a load or inspect of the prefix is ``manifest.missing`` naming the manifest, never
+    the data of a save that may still fail and be removed; once it commits, the prefix loads exactly."""
+    from xckpt.engine import failpoints
+
+    url = f"{bucket.url}/run1/step_7"
+    tree = _tree(7)
+    paused, go = threading.Event(), threading.Event()
+    real = failpoints.hit
+
+    def hit(point: str, rank: int = 0) -> None:
+        if point == "after_commit_marker":
+            paused.set()
+            go.wait(60)
+        real(point, rank)
+    monkeypatch.setattr(failpoints, "hit", hit)
+    saver = threading.Thread(target=xckpt.save, args=(tree, url))
+    saver.start()
+    try:
+        assert paused.wait(60)
+        assert {"_METADATA", "commit_success.txt"} <= {k.rpartition("/")[2] for k in _keys(bucket, "run1/step_7")}
+        for read in (xckpt.load, xckpt.inspect):
+            with pytest.raises(xckpt.XckptError) as info:
+                read(url)
+            assert info.value.code == "manifest.missing" and info.value.file == f"{url}/xckpt.json", info.value
+    finally:
+        go.set()
+        saver.join(60)
+    _committed(bucket, url, tree)
+
+
 def test_overwrite_of_committed_prefix_is_refused(bucket):
     """``overwrite=True`` onto a committed prefix is ``save.exists`` (no atomic replace on S3): nothing changes."""
     t100 = _populated(bucket)

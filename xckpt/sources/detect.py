@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from xckpt import registry
-from xckpt.engine.claims import live_side_copy, recover
+from xckpt.engine.claims import CLAIM, live_side_copy, recover
 from xckpt.engine.storage import Location, Store
 from xckpt.errors import NotACheckpointError, XckptError
 from xckpt.format import names
@@ -134,6 +134,12 @@ def open_checkpoint(path: Any) -> Source:
     store = loc.store()
     try:
         kind = _kind_of(store, KINDS)
+        if (kind is None or kind.name != "xckpt") and _present(store, CLAIM):
+            # an xckpt save's prefix without its manifest: a save still writing, or one that died before its
+            # commit. Its Orbax view may be complete already, and its data goes if the save fails: never read
+            raise NotACheckpointError(f"{loc} is being written by an xckpt save, or by one that died before it "
+                                      f"committed (it holds {CLAIM} and no {names.MANIFEST}): nothing is "
+                                      "committed there", file=str(loc.child(names.MANIFEST)))
     except BaseException:
         store.close()
         raise
