@@ -307,13 +307,12 @@ def scan(directory: Location, *, stale_after: float | None = None, name: str | N
         return _scan_claims(directory, limit, now, name)
     root = directory.local_path
     entries = _listing(root)
-    found = [(e, m) for e in entries for m in [LEFTOVER.fullmatch(e)] if m and (name is None or m["name"] == name)]
+    found = [(e, m) for e in entries for m in [LEFTOVER.fullmatch(e)]
+             if m and (name is None or m["name"] == name) and _as_made(os.path.join(root, e), m["kind"])]
     leases = {(m["name"], m["generation"]): _mtime(os.path.join(root, e)) for e, m in found if m["kind"] == "lease"}
     out = []
     for entry, m in found:
         path = os.path.join(root, entry)
-        if not _as_made(path, m["kind"]):
-            continue
         seen = leases.get((m["name"], m["generation"]))
         if seen is None:
             seen = _mtime(path)

@@ -69,7 +69,8 @@ class Target:
     replaces: str | None = None  # identity (:func:`identity`) of the committed checkpoint it replaces
     empty_dir: bool = False  # an empty local directory stands at the destination (it is removed)
     kind: str = "xckpt"  # what it writes and may replace: "xckpt", or "dcp" (a torch DCP directory)
-    writes: frozenset[str] = frozenset()  # top-level names the new one writes too, which a replaced one may hold
+    #: what the checkpoint it replaces is made of (:func:`_owner`), as found when the save began: all it deletes
+    owns: Callable[[str, str], bool] | None = None
 
 
 #: What each kind of directory a save may replace is, for messages.
@@ -156,8 +157,8 @@ def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt", writes
         if held is None:
             raise SaveError(f"{path} is not {KINDS[kind]}; overwrite=True replaces only one, so nothing was written",
                             code="save.not_checkpoint", file=path)
-        _refuse_foreign(final, kind, frozenset(writes))
-        return Target(final, replaces=held, kind=kind, writes=frozenset(writes))
+        owns = _refuse_foreign(final, kind, frozenset(writes))
+        return Target(final, replaces=held, kind=kind, owns=owns)
     store = final.store()
     if store.exists(names.MANIFEST):
         raise SaveError(f"{final} holds a committed checkpoint; object stores cannot replace one atomically, so a "
@@ -192,8 +193,8 @@ def _owner(root: Location, kind: str, writes: frozenset[str]) -> tuple[Callable[
     ``writes`` too. One whose manifest or index cannot be read is refused (``save.not_checkpoint``): which of its
     files are its own cannot be told, so replacing it could delete files put into it."""
     if kind == "dcp":
-        made_of = {n for n in os.listdir(root.local_path) if _DCP_NAME.fullmatch(n)}
-        return _flat(made_of | writes), "which are not DCP's own files (.metadata, __<rank>_<n>.distcp)"
+        return (lambda name, what: what == "file" and (name in writes or _DCP_NAME.fullmatch(name) is not None)), \
+            "which are not DCP's own files (.metadata, __<rank>_<n>.distcp)"
     telling = safetensors.INDEX_FILE if kind == "safetensors" else names.MANIFEST
     file = str(root.child(telling))
     store = root.store()
@@ -225,18 +226,18 @@ def _flat(made_of: set[str] | frozenset[str]) -> Callable[[str, str], bool]:
     return lambda name, what: what == "file" and name in made_of
 
 
-def _refuse_foreign(final: Location, kind: str, writes: frozenset[str]) -> None:
+def _refuse_foreign(final: Location, kind: str, writes: frozenset[str]) -> Callable[[str, str], bool]:
     """Refuse to replace a committed directory of ``kind`` that holds anything it is not made of (a README, a
     tokenizer folder, a ``config.json``, a note in a leaf's directory, put there by hand): replacing it would
     delete them (``save.foreign``, naming the first; :func:`_owner`). One whose own names cannot be told (its
-    manifest or index unreadable) is refused too."""
+    manifest or index unreadable) is refused too. Returns what it is made of (``owns``)."""
     owns, which = _owner(final, kind, writes)
     foreign: list[str] = []
     store = final.store()
     try:
         assert isinstance(store, LocalStore)  # (overwrite replaces on file systems only)
-        for name, what in store.walk():
-            if not any(name.startswith(f"{f}/") for f in foreign) and not owns(name, what):
+        for name, what in store.walk():  # depth first: what lies in a foreign directory follows it at once
+            if not (foreign and name.startswith(f"{foreign[-1]}/")) and not owns(name, what):
                 foreign.append(name)
     finally:
         store.close()
@@ -245,21 +246,19 @@ def _refuse_foreign(final: Location, kind: str, writes: frozenset[str]) -> None:
         raise SaveError(f"{final} holds {shown}, {which}; overwrite replaces what a save wrote, never files "
                         "put into it, so nothing was written: move them out first",
                         code="save.foreign", file=str(final.child(foreign[0])))
+    return owns
 
 
 def _remove_replaced(old: str, target: Target, generation: str) -> None:
-    """Delete the checkpoint this save replaced, now at ``old`` (moved out of the way): what it is made of only
-    (:func:`_owner`, as :func:`_refuse_foreign` found it when the save began). Anything put into it since stays:
-    its directory is renamed ``<name>.xckpt-kept-<generation>`` beside the new checkpoint, with a warning."""
-    loc = Location(old)
-    try:
-        owns, _ = _owner(loc, target.kind, target.writes)
-    except XckptError:  # its manifest is unreadable now: which files are its own cannot be told, so none is deleted
-        owns = _owns_nothing
-    store = loc.store()
+    """Delete the checkpoint this save replaced, now at ``old`` (moved out of the way, and found to be the one
+    it set out to replace): what it is made of only (``target.owns``, as :func:`_refuse_foreign` found it when
+    the save began). Anything put into it since stays: its directory is renamed
+    ``<name>.xckpt-kept-<generation>`` beside the new checkpoint, with a warning."""
+    assert target.owns is not None
+    store = Location(old).store()
     try:
         assert isinstance(store, LocalStore)
-        gone = store.prune(owns)
+        gone = store.prune(target.owns)
     finally:
         store.close()
     if gone:
@@ -271,10 +270,6 @@ def _remove_replaced(old: str, target: Target, generation: str) -> None:
         kept = old
     warnings.warn(f"{target.final}: the checkpoint this save replaced held files put into it while the save ran; "
                   f"they were not deleted, and are in {kept}", XckptWarning, stacklevel=2)
-
-
-def _owns_nothing(name: str, what: str) -> bool:
-    return False
 
 
 def _io_error(file: str, what: str, exc: OSError) -> SaveError:

@@ -49,13 +49,13 @@ class Worker(threading.Thread):
 
     def join(self, timeout: float | None = None) -> None:
         """Wait until the target has returned or raised (at most ``timeout`` seconds)."""
-        if not self._started.is_set():  # type: ignore[attr-defined] - as Thread.join refuses it
+        if self.ident is None:  # as Thread.join refuses it
             raise RuntimeError("cannot join thread before it is started")
         self._ended.wait(timeout)
 
     def is_alive(self) -> bool:
         """Whether it started and its target has not yet returned or raised."""
-        return self._started.is_set() and not self._ended.is_set()  # type: ignore[attr-defined]
+        return self.ident is not None and not self._ended.is_set()
 
 
 def usable_cpus() -> int:

@@ -217,7 +217,7 @@ class Manifest:
         homes, groups, between = self._homes
         if "/" not in name and not is_dir:
             return name in names.RESERVED
-        if name in (names.ORBAX_MARKER_DIR if is_dir else names.ORBAX_MARKER,):
+        if name == (names.ORBAX_MARKER_DIR if is_dir else names.ORBAX_MARKER):
             return True
         if is_dir and (name in homes or name in groups or name in between):
             return True
