@@ -51,7 +51,7 @@ pytestmark = pytest.mark.timeout(300)
 #: Points every process reaches (a kill can hit rank 0, rank 1 or both).
 EVERY = ("after_plan", "mid_write", "after_write")
 #: Points only the coordinating process (rank 0) reaches, in protocol order, on each kind of save.
-COORD_NEW = ("before_commit_files", "after_values", "after_commit_marker", "after_manifest", "before_publish",
+COORD_NEW = ("before_commit_files", "after_values", "after_manifest", "after_commit_marker", "before_publish",
              "after_publish")
 COORD_REPLACE = COORD_NEW[:-1] + ("after_exchange", "after_publish")
 #: Points after the commit point (the new checkpoint is in place when the process dies there).

@@ -163,7 +163,8 @@ def test_save_beside_other_objects_touches_only_its_prefix(bucket):
     _committed(bucket, f"{bucket.url}/run1/step_10", t10)
 
 
-@pytest.mark.parametrize("failure", ["source", "mid_write", "after_write", "after_values", "after_commit_marker"])
+@pytest.mark.parametrize("failure", ["source", "mid_write", "after_write", "after_values", "after_manifest",
+                                     "after_commit_marker"])
 def test_failed_save_removes_only_what_it_wrote(bucket, monkeypatch, failure):
     """A save that fails (a leaf whose data cannot be fetched, or a failpoint raising at a later step) leaves
     nothing under its prefix, claim included, and every object outside it byte-identical; the prefix is usable."""
@@ -192,18 +193,22 @@ def test_failed_save_removes_only_what_it_wrote(bucket, monkeypatch, failure):
 
 
 def test_a_save_not_yet_committed_is_never_read(bucket, monkeypatch):
-    """A save paused just before its manifest (the commit on an object store): its Orbax view and commit marker
-    are written already, yet a load or inspect of the prefix is ``manifest.missing`` naming the manifest, never
-    the data of a save that may still fail and be removed; once it commits, the prefix loads exactly."""
+    """A save paused just before its manifest (the commit on an object store): its Orbax view is written already,
+    yet a load or inspect of the prefix is ``manifest.missing`` naming the manifest, never the data of a save that
+    may still fail and be removed; Orbax's commit marker, which Orbax takes for a finished checkpoint on object
+    stores, is written only after the manifest. Once it commits, the prefix loads exactly."""
     from xckpt.engine import failpoints
 
     url = f"{bucket.url}/run1/step_7"
     tree = _tree(7)
     paused, go = threading.Event(), threading.Event()
     real = failpoints.hit
+    seen: dict[str, set[str]] = {}
 
     def hit(point: str, rank: int = 0) -> None:
-        if point == "after_commit_marker":
+        if point in ("after_values", "after_manifest", "after_commit_marker"):
+            seen[point] = {k.rpartition("/")[2] for k in _keys(bucket, "run1/step_7")}
+        if point == "after_values":
             paused.set()
             go.wait(60)
         real(point, rank)
@@ -212,7 +217,10 @@ def test_a_save_not_yet_committed_is_never_read(bucket, monkeypatch):
     saver.start()
     try:
         assert paused.wait(60)
-        assert {"_METADATA", "commit_success.txt"} <= {k.rpartition("/")[2] for k in _keys(bucket, "run1/step_7")}
+        deadline = time.monotonic() + 30  # the Orbax view's writes are sent, their answers not yet awaited
+        while "_METADATA" not in _names(bucket, "run1/step_7") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "_METADATA" in _names(bucket, "run1/step_7")
         for read in (xckpt.load, xckpt.inspect):
             with pytest.raises(xckpt.XckptError) as info:
                 read(url)
@@ -220,6 +228,57 @@ def test_a_save_not_yet_committed_is_never_read(bucket, monkeypatch):
     finally:
         go.set()
         saver.join(60)
+    assert {"xckpt.json", "commit_success.txt"} & seen["after_values"] == set()
+    assert {"xckpt.json", "_METADATA"} <= seen["after_manifest"] and "commit_success.txt" not in seen["after_manifest"]
+    assert {"xckpt.json", "commit_success.txt"} <= seen["after_commit_marker"]
+    _committed(bucket, url, tree)
+
+
+def _state(pid: int) -> str:
+    """The scheduler state of process ``pid`` (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
+def test_a_save_stopped_past_its_lease_never_writes_over_the_save_that_took_its_prefix(bucket, tmp_path,
+                                                                                        monkeypatch):
+    """A save whose whole process is stopped (SIGSTOP, as a paused machine is) mid-write for longer than its lease
+    is judged dead: a second save takes the prefix over and commits. When the first wakes (SIGCONT), every object
+    it goes on writing exists already, so it fails with ``save.conflict`` having replaced nothing and deleted
+    nothing: the second save's checkpoint is byte-identical and loads exactly."""
+    url = f"{bucket.url}/run/step_9"
+    script = tmp_path / "sleeper.py"
+    script.write_text(
+        "import sys, numpy as np, xckpt\n"
+        "rng = np.random.default_rng(1)\n"
+        "tree = {'a': {f'w{i}': rng.standard_normal((64, 16)).astype(np.float32) for i in range(6)}, 'step': 1}\n"
+        "try:\n"
+        "    xckpt.save(tree, sys.argv[1])\n"
+        "except xckpt.XckptError as exc:\n"
+        "    print('FAILED', exc.code, exc.file, flush=True)\n"
+        "    sys.exit(3)\n"
+        "print('SAVED', flush=True)\n")
+    env = dict(os.environ, XCKPT_FAILPOINTS="mid_write:stop", XCKPT_STALE_AFTER_S="1")
+    proc = subprocess.Popen([sys.executable, str(script), url], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while _state(proc.pid) != "T":
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=10)
+            time.sleep(0.05)
+        assert claims.CLAIM in _names(bucket, "run/step_9")
+        time.sleep(2.5)  # its lease is 1 s old and more: judged dead
+        rng = np.random.default_rng(2)
+        tree = {"a": {f"w{i}": rng.standard_normal((64, 16)).astype(np.float32) for i in range(6)}, "step": 2}
+        monkeypatch.setenv("XCKPT_STALE_AFTER_S", "1")
+        xckpt.save(tree, url)
+        committed = _snapshot(bucket)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=120)
+    text = out.decode() + err.decode(errors="replace")[-3000:]
+    assert proc.returncode == 3 and "FAILED save.conflict" in text, text
+    assert _snapshot(bucket) == committed  # nothing replaced, added or deleted
     _committed(bucket, url, tree)
 
 
@@ -643,6 +702,18 @@ def test_a_manifest_that_landed_unheard_goes_first_when_the_save_fails(bucket, p
     monkeypatch.delenv("AWS_MAX_ATTEMPTS")
     xckpt.save(_tree(4), url)
     _committed(bucket, url, _tree(4))
+
+
+def test_a_chunk_that_landed_unheard_is_its_own_on_the_retry(bucket, proxy):
+    """A chunk's write lands but its answer is lost: the driver's retry finds the object there (every write of a
+    save only creates), reads it back, finds the bytes it sent, and the save goes on and commits exactly."""
+    url = f"{bucket.url}/run/step_6"
+    at = f"/{bucket.name}/run/step_6/params.w/c/0/0".encode()
+    proxy.drop_response(b"PUT " + at + b" ", 1)
+    tree = _tree(6)
+    _, err, _ = _in_thread(lambda: xckpt.save(tree, url), timeout=120)
+    assert err is None and proxy.dropped == 1, repr(err)
+    _committed(bucket, url, tree)
 
 
 # -- 4. removing a dead save's claimed prefix deletes only what that save wrote ------------------

@@ -4,7 +4,9 @@ On a local file system every process writes into a hidden temporary directory be
 the target; once every chunk is written and synced, the coordinating process writes the
 values, the Orbax view, the manifest and ``commit_success.txt``, syncs them and renames
 the directory into place (then syncs the parent). On an object store there is no
-rename: the prefix is written in place and the manifest, written last, is the commit.
+rename: the prefix is written in place, every object only created where none is, and
+the manifest, created after every other object of the save has landed, is the commit
+(``commit_success.txt`` follows it).
 """
 
 from __future__ import annotations
@@ -288,7 +290,7 @@ def _writing(file: str, what: str) -> Iterator[None]:
 
 def publish(tmp: Location, target: Target, generation: str, rank: int = 0) -> None:
     """Move a completely written and synced checkpoint from ``tmp`` into place (file systems; on object
-    stores the manifest written last was the commit, and this does nothing).
+    stores the manifest was the commit, and this does nothing).
 
     A new checkpoint moves in only if nothing is there (``save.exists`` if another save got
     there first). A replacement swaps in atomically (``renameat2(RENAME_EXCHANGE)``), checks
@@ -547,11 +549,14 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
     """The coordinating process's part of the commit, into the (temporary) checkpoint; returns the manifest.
 
     Writes the ``zarr.json`` of arrays with no element (no process wrote a chunk of them), the
-    values file, the Orbax view (0-d mirrors of numeric values, ``_METADATA``,
-    ``_CHECKPOINT_METADATA``, ``_strings.json``) and the commit marker, syncs them, then
-    creates the manifest, last: on an object store that is the commit, refused if another
-    save's manifest is there (``save.exists``) or if this save lost its claim (``save.conflict``).
-    The names it writes are added to ``written``.
+    values file and the Orbax view (0-d mirrors of numeric values, ``_METADATA``,
+    ``_CHECKPOINT_METADATA``, ``_strings.json``), then creates the manifest: on an object store
+    that is the commit (the store's writes before it have landed: :class:`KvStore`), refused if
+    another save's manifest is there (``save.exists``) or if this save lost its claim
+    (``save.conflict``). Then Orbax's commit marker, last, so that Orbax, which takes
+    ``commit_success.txt`` for a finished checkpoint on object stores, never finds one before the
+    commit; then syncs (a file system's commit is the move into place that follows). The names it
+    writes are added to ``written``.
     """
     _check_held(hold)
     with ChunkWriter(store, generation, opts.max_inflight_bytes) as w:
@@ -579,12 +584,6 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
     if written is not None:
         written.extend(w.names)
     failpoints.hit("after_values")
-    if written is not None:
-        written.append(names.COMMIT)
-    with _writing(str(store.location.child(names.COMMIT)), f"write {names.COMMIT}"):
-        store.write(names.COMMIT, COMMIT_TEXT)
-        store.sync()
-    failpoints.hit("after_commit_marker")
     _check_held(hold)
     if written is not None and not store.location.is_local:
         written.append(names.MANIFEST)  # (it may land although its write fails: discard then removes it first)
@@ -592,8 +591,13 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
         if not store.create(names.MANIFEST, manifest.dumps()):
             raise SaveError(f"another save committed {store.location} first; nothing was committed",
                             code="save.exists", file=str(store.location))
-        store.sync()
     failpoints.hit("after_manifest")
+    if written is not None:
+        written.append(names.COMMIT)
+    with _writing(str(store.location.child(names.COMMIT)), f"write {names.COMMIT}"):
+        store.write(names.COMMIT, COMMIT_TEXT)
+        store.sync()
+    failpoints.hit("after_commit_marker")
     return manifest
 
 

@@ -2,8 +2,10 @@
 
 Inactive unless the environment variable ``XCKPT_FAILPOINTS`` names points, as a comma
 separated list of ``point[@rank][:action]``: ``action`` is ``kill`` (the default: the
-process sends itself SIGKILL, as a node that dies would) or ``raise`` (an ``OSError``, as
-a failing disk would); ``@rank`` limits it to one process. For example
+process sends itself SIGKILL, as a node that dies would), ``raise`` (an ``OSError``, as
+a failing disk would) or ``stop`` (SIGSTOP: every thread of the process stands still until
+someone sends SIGCONT, as a paused machine would, then the save goes on); ``@rank`` limits
+it to one process. For example
 ``XCKPT_FAILPOINTS=after_write@1,before_publish:raise``. The points are listed in
 :data:`POINTS`, in the order a save reaches them.
 """
@@ -20,9 +22,9 @@ POINTS = (
     "mid_write",           # every process: after its first chunk object
     "after_write",         # every process: all its objects written and synced
     "before_commit_files", # coordinator: every process reported success
-    "after_values",        # coordinator: the values file is written
-    "after_commit_marker", # coordinator: commit_success.txt is written, the manifest is not
-    "after_manifest",      # coordinator: the manifest is written (object stores: the commit)
+    "after_values",        # coordinator: the values file and the Orbax view are written
+    "after_manifest",      # coordinator: the manifest is written (object stores: the commit), commit_success.txt not
+    "after_commit_marker", # coordinator: commit_success.txt is written too, and everything synced
     "before_publish",      # coordinator: everything synced, not yet moved into place
     "after_aside",         # coordinator, replace without an atomic exchange: the old checkpoint is aside
     "after_exchange",      # coordinator: the new checkpoint is in place, the old one not yet removed
@@ -39,14 +41,14 @@ def _parse(spec: str) -> dict[str, tuple[int | None, str]]:
     for item in filter(None, (x.strip() for x in spec.split(","))):
         point, _, action = item.partition(":")
         point, _, rank = point.partition("@")
-        if point not in POINTS or action not in ("", "kill", "raise"):
+        if point not in POINTS or action not in ("", "kill", "raise", "stop"):
             raise ValueError(f"XCKPT_FAILPOINTS: unknown point or action in {item!r}")
         out[point] = (int(rank) if rank else None, action or "kill")
     return out
 
 
 def hit(point: str, rank: int = 0) -> None:
-    """Die or fail here if ``XCKPT_FAILPOINTS`` says so for ``point`` on ``rank``."""
+    """Die, fail or stand still here if ``XCKPT_FAILPOINTS`` says so for ``point`` on ``rank``."""
     spec = os.environ.get("XCKPT_FAILPOINTS")
     if not spec:
         return
@@ -55,4 +57,7 @@ def hit(point: str, rank: int = 0) -> None:
         return
     if found[1] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if found[1] == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     raise OSError(f"failpoint {point} on rank {rank}")

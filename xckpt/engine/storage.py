@@ -14,6 +14,7 @@ among them), so the same engine code writes and reads both.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import stat
@@ -22,6 +23,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
+import crc32c
 import numpy as np
 import tensorstore as ts
 
@@ -133,7 +135,23 @@ def s3_spec(url: str, tail: str = "") -> dict[str, Any]:
     attempts = os.environ.get("AWS_MAX_ATTEMPTS", "").strip()
     if attempts.isdigit() and int(attempts) >= 1:
         spec["context"] = {"s3_request_retries": {"max_retries": int(attempts) - 1}}
+    if "TENSORSTORE_S3_USE_CONDITIONAL_WRITE" not in os.environ and _knows_conditional_write():
+        spec["use_conditional_write"] = True
     return spec
+
+
+@functools.lru_cache(maxsize=1)
+def _knows_conditional_write() -> bool:
+    """Whether this TensorStore's ``s3`` driver takes ``use_conditional_write``: a write conditioned on an
+    object's absence (every write of a save, :class:`KvStore`) is then one ``PUT`` with ``If-None-Match: *``.
+    Otherwise, on an endpoint other than Amazon's, the driver first asks with a ``HEAD`` and then sends that
+    ``PUT`` all the same: two round trips a write (a save of 1,013 small objects through 20 ms: 12.6 s against
+    4.3). Setting ``TENSORSTORE_S3_USE_CONDITIONAL_WRITE`` leaves the choice to the driver."""
+    try:
+        ts.KvStore.Spec({"driver": "s3", "bucket": "probe", "use_conditional_write": True})
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 class Blob(Protocol):
@@ -175,9 +193,11 @@ class Store(Protocol):
         read its own way (:meth:`open`, :meth:`read`), which says what is wrong with it."""
 
     def write(self, name: str, data: Any, *, atomic: bool = False) -> None:
-        """Create or replace an object with ``data`` (a bytes-like object, or an iterable of them and of
-        deferred parts, :data:`~xckpt.format.shard.Deferred`, written in order, each consumed before the
-        next is asked for), durably once :meth:`sync` returns.
+        """Create an object with ``data`` (a bytes-like object, or an iterable of them and of deferred
+        parts, :data:`~xckpt.format.shard.Deferred`, written in order, each consumed before the next is
+        asked for), durably once :meth:`sync` returns. A save writes each name once, into a directory or
+        prefix it holds: where another writer could get there too (an object store, written in place), an
+        object that exists already is ``save.conflict``, never replaced (see :class:`KvStore`).
 
         ``atomic``: a concurrent reader sees the old object or the whole new one, never a part.
         """
@@ -858,6 +878,12 @@ class KvStore:
     other request this store makes, and :meth:`sync`, first waits for the writes in flight; the first of
     them that failed is raised there, naming its object (``io.write``). So nothing reads, lists, creates
     (the commit's manifest) or deletes before every earlier write has landed.
+
+    Every write only creates (``If-None-Match: *``): a save writes into its prefix in place, so a save that
+    was stopped (a paused machine) for longer than its lease, judged dead and its prefix taken over by
+    another save, must not write over that save's objects when it wakes. An object found there already is
+    ``save.conflict`` naming it, unless it holds exactly what this write sent (the store created it on an
+    attempt whose answer was lost, and the driver's retry found it).
     """
 
     remote = True  # (Store.remote)
@@ -865,7 +891,7 @@ class KvStore:
     def __init__(self, location: Location) -> None:
         self.location = location
         self._kv = open_kvstore(location.kvstore(), str(location))
-        self._in_flight: deque[tuple[str, Any]] = deque()
+        self._in_flight: deque[tuple[str, Any, int]] = deque()  # (name, its write, the crc32c of what it sent)
         self._flight_lock = threading.Lock()
 
     def _file(self, name: str) -> str:
@@ -879,9 +905,9 @@ class KvStore:
             with self._flight_lock:
                 if len(self._in_flight) <= upto:
                     break
-                name, future = self._in_flight.popleft()
+                name, future, crc = self._in_flight.popleft()
             try:
-                kv_result(future, self._file(name), write=True)
+                self._created(name, kv_result(future, self._file(name), write=True).generation, crc)
             except XckptError as exc:
                 first = first or exc
         if first is not None:
@@ -924,11 +950,11 @@ class KvStore:
         ``atomic`` (a status record, a manager's file: one that others look for once this returns)."""
         blob = b"".join(bytes(memoryview(p).cast("B")) for p in _parts(data))
         if atomic or len(blob) > PIPELINED_BYTES:
-            self._put(name, blob)
+            self._created(name, self._put(name, blob, if_equal=ABSENT), crc32c.crc32c(blob))
             return
-        future = self._kv.write(name, blob)
+        future = self._kv.write(name, blob, if_equal=ABSENT)
         with self._flight_lock:
-            self._in_flight.append((name, future))
+            self._in_flight.append((name, future, crc32c.crc32c(blob)))
             full = len(self._in_flight) > PIPELINED_WRITES
         if full:
             self._land(PIPELINED_WRITES)
@@ -938,6 +964,19 @@ class KvStore:
         new storage generation (empty when a condition failed). A store that stays unreachable is ``io.write``."""
         self._land()
         return kv_result(self._kv.write(name, blob, **conditions), self._file(name), write=True).generation
+
+    def _created(self, name: str, generation: bytes, crc: int) -> None:
+        """After a write of ``name`` conditioned on its absence (:meth:`write`), which sent bytes of crc32c
+        ``crc``: nothing when it created the object (``generation``), or when the object found holds those
+        bytes (this write's own, its first answer lost); else ``save.conflict`` naming it."""
+        if generation:
+            return
+        res = kv_result(self._kv.read(name), self._file(name))
+        if res.state == "value" and crc32c.crc32c(res.value) == crc:
+            return
+        raise SaveError(f"{self._file(name)} was written by another save while this one wrote it (this save was "
+                        "stopped past its lease, judged dead and its prefix taken over, or another writer put an "
+                        "object there); it was not replaced", code="save.conflict", file=self._file(name))
 
     def create(self, name: str, data: bytes) -> bool:
         """Write an object only if it is absent: a conditional write, atomic where the store honours
