@@ -163,8 +163,7 @@ def test_save_beside_other_objects_touches_only_its_prefix(bucket):
     _committed(bucket, f"{bucket.url}/run1/step_10", t10)
 
 
-@pytest.mark.parametrize("failure", ["source", "mid_write", "after_write", "after_values", "after_manifest",
-                                     "after_commit_marker"])
+@pytest.mark.parametrize("failure", ["source", "mid_write", "after_write", "after_values"])
 def test_failed_save_removes_only_what_it_wrote(bucket, monkeypatch, failure):
     """A save that fails (a leaf whose data cannot be fetched, or a failpoint raising at a later step) leaves
     nothing under its prefix, claim included, and every object outside it byte-identical; the prefix is usable."""
@@ -190,6 +189,26 @@ def test_failed_save_removes_only_what_it_wrote(bucket, monkeypatch, failure):
     xckpt.save(tree, url)
     _committed(bucket, url, tree)
     assert _outside(_snapshot(bucket), "run1/step_300") == before
+
+
+@pytest.mark.parametrize("failure", ["after_manifest", "after_commit_marker"])
+def test_a_failure_after_the_commit_keeps_the_checkpoint(bucket, monkeypatch, failure):
+    """On an object store the manifest is the commit: a failure after it (writing Orbax's commit marker) undoes
+    nothing, since readers may be loading the checkpoint already. The save returns its manifest with a warning
+    naming the marker; the checkpoint loads exactly, and lacks only the marker when it failed before it."""
+    url = f"{bucket.url}/run1/step_8"
+    tree = _tree(8)
+    monkeypatch.setenv("XCKPT_FAILPOINTS", f"{failure}:raise")
+    with pytest.warns(xckpt.XckptWarning, match="commit_success.txt after the commit failed"):
+        manifest = xckpt.save(tree, url)
+    assert manifest is not None
+    monkeypatch.delenv("XCKPT_FAILPOINTS")
+    _assert_same(xckpt.load(url), tree)
+    top = _names(bucket, "run1/step_8")
+    assert "xckpt.json" in top and claims.CLAIM not in top
+    assert ("commit_success.txt" in top) == (failure == "after_commit_marker")
+    codes = [f.code for f in xckpt.validate(url, deep=True).findings]
+    assert codes == ([] if failure == "after_commit_marker" else ["commit.missing"]), codes
 
 
 def test_a_save_not_yet_committed_is_never_read(bucket, monkeypatch):
@@ -763,8 +782,9 @@ def test_dead_claim_removal_keeps_a_checkpoint_committed_inside_the_prefix(bucke
 
 
 def test_gc_keeps_a_checkpoint_whose_save_died_after_committing(bucket, moto, tmp_path):
-    """A save killed (SIGKILL) right after creating its manifest, before releasing its claim, committed: once
-    the claim is stale, gc removes the claim only, and the checkpoint still loads exactly and validates."""
+    """A save killed (SIGKILL) right after creating its manifest, before its commit marker and before releasing its
+    claim, committed: once the claim is stale, gc removes the claim, writes the marker the save did not, and the
+    checkpoint still loads exactly and validates."""
     url = f"{bucket.url}/run/step_5"
     script = tmp_path / "die.py"
     script.write_text("import sys, numpy as np, xckpt\n"
@@ -773,8 +793,10 @@ def test_gc_keeps_a_checkpoint_whose_save_died_after_committing(bucket, moto, tm
     proc = subprocess.run([sys.executable, str(script), url], env=env, capture_output=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode(errors="replace")[-2000:]
     assert claims.CLAIM in _names(bucket, "run/step_5") and "xckpt.json" in _names(bucket, "run/step_5")
+    assert "commit_success.txt" not in _names(bucket, "run/step_5")  # it follows the manifest
     done = xckpt.gc(f"{bucket.url}/run", older_than_s=0)
     assert [(c.leftover.path, c.action) for c in done] == [(url, "removed")]
+    assert "commit_success.txt" in _names(bucket, "run/step_5")  # written by gc: Orbax takes it as finished
     want = {"w": np.arange(40, dtype=np.float32).reshape(5, 8), "step": 5}
     _committed(bucket, url, want)
 

@@ -175,6 +175,88 @@ def test_restore_of_the_latest_while_retention_deletes_it(tmp_path: Path, monkey
     assert _entries(tmp_path / "run") == ["2"]
 
 
+# -- retention keeps what was put into a step ------------------------------------------------------------
+
+_PUT_IN = {"notes.txt": b"lr 3e-4; eval looked off", "default/eval.json": b'{"acc": 0.5}',
+           "default/a/extra.bin": b"beside a leaf's chunks", "default/a/c/x": b"among its chunk objects",
+           "metrics/notes.txt": b"beside the metrics", "tb/events.out": b"tensorboard"}
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every regular file below ``root``, by its path relative to it, with its bytes."""
+    out = {}
+    for d, _, fs in os.walk(root):
+        for f in fs:
+            out[os.path.relpath(os.path.join(d, f), root)] = (Path(d) / f).read_bytes()
+    return out
+
+
+def test_retention_keeps_files_put_into_a_step(tmp_path: Path) -> None:
+    """Files a user put into a step (a note at its top, a file in its item and in a leaf's directory, a folder):
+    retention deletes what the step's save wrote and keeps them, byte for byte, in ``<step>.xckpt-kept-<token>``
+    beside the run with a warning naming it (before, the whole directory went). A step holding nothing else
+    goes whole."""
+    root = tmp_path / "run"
+    with xckpt.CheckpointManager(root, max_to_keep=1, async_save=False) as m:
+        assert m.save(1, {"a": np.arange(6.0).reshape(2, 3), "b": {"c": np.ones(4, np.int32)}}, force=True,
+                      metrics={"loss": 1.0})
+        for name, data in _PUT_IN.items():
+            (root / "1" / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / "1" / name).write_bytes(data)
+        with pytest.warns(xckpt.XckptWarning, match="were not deleted") as caught:
+            assert m.save(2, {"a": np.zeros((2, 3)), "b": {"c": np.zeros(4, np.int32)}}, force=True,
+                          metrics={"loss": 0.5})
+        kept = [e for e in _entries(root) if e.startswith("1.xckpt-kept-")]
+        assert len(kept) == 1 and _entries(root) == sorted(["2", kept[0]])
+        assert str(root / kept[0]) in str(caught[0].message)
+        assert _files(root / kept[0]) == _PUT_IN  # nothing of the save's own left, nothing of the user's lost
+        assert [s.step for s in m.all_steps()] == [2]
+        assert m.save(3, {"a": np.full((2, 3), 3.0), "b": {"c": np.full(4, 3, np.int32)}}, force=True)
+    assert _entries(root) == sorted(["3", kept[0]])
+    np.testing.assert_array_equal(xckpt.load(root / "3")["a"], np.full((2, 3), 3.0))
+
+
+@pytest.mark.parametrize("cut", ["before its manifest went", "after its manifest went",
+                                 "after its manifest went, an Orbax item put into it"])
+def test_an_interrupted_step_deletion_is_finished_keeping_files_put_into_it(tmp_path: Path, cut: str) -> None:
+    """A deletion killed midway leaves ``.<step>.xckpt-deleting-<token>``: ``xckpt gc`` of the run finishes it
+    with the same rule as retention, whether the step's manifest was still there (its own files still known) or
+    already gone (only its emptied directories are left of it); the files put into it are kept, an item a user
+    saved into it with Orbax too (it was taken for an Orbax step's remains, and the whole directory removed)."""
+    root = tmp_path / "run"
+    with xckpt.CheckpointManager(root, async_save=False) as m:
+        assert m.save(1, {"a": np.arange(6.0).reshape(2, 3), "b": np.ones(4, np.int32)}, force=True,
+                      metrics={"loss": 1.0})
+    for name, data in _PUT_IN.items():
+        (root / "1" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "1" / name).write_bytes(data)
+    put_in = dict(_PUT_IN)
+    if "Orbax" in cut:
+        ocp = pytest.importorskip("orbax.checkpoint")
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(root / "1" / "ema", {"w": np.arange(5.0)})
+        put_in.update({f"ema/{k}": v for k, v in _files(root / "1" / "ema").items()})
+    token = "ab" * 16
+    aside = root / f".1.xckpt-deleting-{token}"
+    os.rename(root / "1", aside)
+    ours = sorted(set(_files(aside)) - set(put_in))
+    if cut == "before its manifest went":  # half the step's own files gone, the manifest kept (it goes last)
+        for name in ours[: len(ours) // 2]:
+            if name != "default/xckpt.json":
+                os.unlink(aside / name)
+    else:  # every file of its own gone: its directories remain, emptied
+        for name in ours:
+            os.unlink(aside / name)
+    with pytest.warns(xckpt.XckptWarning, match="were not deleted"):
+        done = xckpt.gc(root)
+    assert [(os.path.basename(c.leftover.path), c.action) for c in done] == [(aside.name, "removed")]
+    assert _entries(root) == [f"1.xckpt-kept-{token}"]
+    assert _files(root / f"1.xckpt-kept-{token}") == put_in
+    dirs = {os.path.relpath(d, root / f"1.xckpt-kept-{token}") for d, _, _ in os.walk(root / f"1.xckpt-kept-{token}")}
+    assert {d for d in dirs if not d.startswith("ema")} == {".", "default", "default/a", "default/a/c", "metrics",
+                                                            "tb"}
+
+
 # -- what a step is -----------------------------------------------------------------------------------
 
 

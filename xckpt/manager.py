@@ -31,9 +31,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 from xckpt import registry
-from xckpt.engine import atomic, background, claims, collective
+from xckpt.engine import atomic, background, claims, collective, steps
 from xckpt.engine.collective import Coordinator, LocalCoordinator
-from xckpt.engine.commit import COMMIT_TEXT
+from xckpt.engine.steps import METRICS_ITEM
 from xckpt.engine.storage import LocalStore, Location
 from xckpt.engine.threads import Worker
 from xckpt.errors import NotACheckpointError, SaveError, UnsupportedError, XckptError, XckptWarning
@@ -45,8 +45,6 @@ from xckpt.sources.detect import open_checkpoint
 
 __all__ = ["StepInfo", "list_steps", "step_of", "CheckpointManager"]
 
-#: The item (a directory holding one JSON file of the same name) Orbax's ``CheckpointManager`` keeps metrics in.
-METRICS_ITEM = "metrics"
 
 
 @dataclass(frozen=True)
@@ -376,7 +374,10 @@ class CheckpointManager:
     less than ``keep_younger_than_s`` seconds ago. A step any of these keeps is kept; with none
     given, every step is. The newest committed step is always kept, a step being restored by
     this process is kept until the restore ends, and only committed checkpoints the manager
-    recognises are ever deleted, by the coordinating process alone.
+    recognises are ever deleted, by the coordinating process alone. Deleting a step removes what its
+    save wrote (its manifest says what: :mod:`xckpt.engine.steps`); files put into it by hand are kept
+    in ``<root>/<step>.xckpt-kept-<token>``, with a warning. A step Orbax wrote is deleted whole, as
+    Orbax's own manager does.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, save_interval_steps: int | None = None,
@@ -598,8 +599,9 @@ class CheckpointManager:
         files = []
         if metrics:  # Orbax's metrics item, which its CheckpointManager reads for best_fn
             files += [(f"{METRICS_ITEM}/{METRICS_ITEM}", json.dumps(metrics).encode()),
-                      (f"{METRICS_ITEM}/{names.COMMIT}", COMMIT_TEXT)]
-        files += [(names.ORBAX_CHECKPOINT_METADATA, json.dumps(meta).encode()), (names.COMMIT, COMMIT_TEXT)]
+                      (f"{METRICS_ITEM}/{names.COMMIT}", names.COMMIT_TEXT)]
+        files += [(names.ORBAX_CHECKPOINT_METADATA, json.dumps(meta).encode()),
+                  (names.COMMIT, names.COMMIT_TEXT)]
         store = LocalStore(flight.staging)
         try:
             for name, data in files:
@@ -858,15 +860,18 @@ class CheckpointManager:
             if step in busy:
                 continue
             with self._lock:  # (a restore holds the step first, or finds it gone)
-                aside = None if step in self._reading else self._move_aside(step)
-            if aside is not None:  # removed outside the lock: a restore of another step does not wait for it
-                shutil.rmtree(aside, ignore_errors=True)
+                moved = None if step in self._reading else self._move_aside(step)
+            if moved is not None:  # removed outside the lock: a restore of another step does not wait for it
+                aside, fmt = moved
+                steps.delete(aside, os.path.join(self.root, f"{step}.xckpt-kept-{aside.rpartition('-')[2]}"),
+                             whole=fmt == "orbax")
                 gone.append(step)
         return gone
 
-    def _move_aside(self, step: int) -> str | None:
+    def _move_aside(self, step: int) -> tuple[str, str] | None:
         """Move a committed step out of the run (it leaves the listing at once); returns where it went, to be
-        removed, or None when it is not a committed checkpoint the manager recognises, or cannot be moved."""
+        removed, and its format, or None when it is not a committed checkpoint the manager recognises, or cannot
+        be moved."""
         path = self.step_path(step)
         info = _step_info(step, path, sizes=False) if os.path.isdir(path) and not os.path.islink(path) else None
         if info is None or not info.committed:
@@ -878,7 +883,7 @@ class CheckpointManager:
             return None
         self._infos.pop(path, None)
         atomic.sync_dir(self.root)
-        return aside
+        return aside, info.format or ""
 
     def _remove_leftovers(self) -> None:
         """Remove what dead saves left in ``root``: xckpt's stale leftovers, the manager's staged steps whose

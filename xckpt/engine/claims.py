@@ -37,7 +37,7 @@ from typing import Any, Iterable
 
 import msgpack
 
-from xckpt.engine import atomic, env
+from xckpt.engine import atomic, env, steps
 from xckpt.engine.storage import ABSENT, Location, kv_result, landed, open_kvstore
 from xckpt.errors import SaveError, XckptError, XckptWarning
 from xckpt.format import names, safetensors
@@ -483,7 +483,8 @@ def _own_objects(keys: Iterable[str]) -> list[str]:
 
 def remove(leftover: Leftover) -> None:
     """Delete one leftover (a claimed prefix: the objects its dead save may have written there, never a
-    checkpoint it committed nor objects others put under it, :func:`_own_objects`).
+    checkpoint it committed nor objects others put under it, :func:`_own_objects`; an interrupted deletion of
+    a manager's step: what the step's saves wrote, never files put into it, :func:`xckpt.engine.steps.delete`).
 
     A claim is first taken over with a conditional write, and only if it is still the one judged
     dead (same storage generation): a claim renewed, released or taken over since, by a save or
@@ -495,6 +496,10 @@ def remove(leftover: Leftover) -> None:
         return
     if leftover.kind == "status" and not Location(leftover.path).is_local:
         _remove_status_objects(leftover)
+        return
+    if leftover.kind == "deleting":  # what the step's saves wrote; anything put into it is kept beside it
+        steps.delete(leftover.path, os.path.join(os.path.dirname(leftover.path),
+                                                 f"{leftover.name}.xckpt-kept-{leftover.generation}"))
         return
     failed: list[tuple[str, str]] = []
 
@@ -537,7 +542,7 @@ def _remove_status_objects(leftover: Leftover) -> None:
 
 def _remove_claimed(leftover: Leftover) -> None:
     """:func:`remove` of a dead claim: take it over, delete what its save may have written (:func:`_own_objects`),
-    then the claim. A store that refuses is ``io.write`` naming the prefix (the claim, taken over, ages again)."""
+    then the claim; a prefix its save committed keeps its checkpoint and gets the commit marker it may lack. A store that refuses is ``io.write`` naming the prefix (the claim, taken over, ages again)."""
     prefix = Location(leftover.path)
     file = str(prefix.child(CLAIM))
     try:
@@ -549,7 +554,11 @@ def _remove_claimed(leftover: Leftover) -> None:
         if not mine:
             return
         keys = [k.decode() for k in kv_result(kv.list(), str(prefix))]
-        # a manifest: the save committed and died before releasing its claim; the checkpoint stays
+        # a manifest: the save committed and died before releasing its claim; the checkpoint stays, and gets
+        # Orbax's commit marker if the save died before writing it (it follows the manifest)
+        if names.MANIFEST in keys and names.COMMIT not in keys:
+            file = str(prefix.child(names.COMMIT))
+            kv_result(kv.write(names.COMMIT, names.COMMIT_TEXT, if_equal=ABSENT), file, write=True)
         for k in [] if names.MANIFEST in keys else _own_objects(keys):
             file = str(prefix.child(k))
             kv_result(kv.write(k, None), file, write=True)

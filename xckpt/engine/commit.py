@@ -38,7 +38,6 @@ from xckpt.format.manifest import ArrayEntry, Entry, Manifest, StoredArray, Valu
 from xckpt.format.regions import chunk_indices
 from xckpt.format.tree import Key
 
-COMMIT_TEXT = b"xckpt checkpoint committed\n"
 
 
 @dataclass
@@ -555,8 +554,10 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
     another save's manifest is there (``save.exists``) or if this save lost its claim
     (``save.conflict``). Then Orbax's commit marker, last, so that Orbax, which takes
     ``commit_success.txt`` for a finished checkpoint on object stores, never finds one before the
-    commit; then syncs (a file system's commit is the move into place that follows). The names it
-    writes are added to ``written``.
+    commit; then syncs (a file system's commit is the move into place that follows). On an object
+    store a failure after the manifest (the marker's write) undoes nothing: it is a warning (a save
+    killed there leaves its claim, and ``xckpt gc`` writes the marker when it removes that). The names
+    it writes are added to ``written``.
     """
     _check_held(hold)
     with ChunkWriter(store, generation, opts.max_inflight_bytes) as w:
@@ -591,13 +592,21 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
         if not store.create(names.MANIFEST, manifest.dumps()):
             raise SaveError(f"another save committed {store.location} first; nothing was committed",
                             code="save.exists", file=str(store.location))
-    failpoints.hit("after_manifest")
     if written is not None:
         written.append(names.COMMIT)
-    with _writing(str(store.location.child(names.COMMIT)), f"write {names.COMMIT}"):
-        store.write(names.COMMIT, COMMIT_TEXT)
-        store.sync()
-    failpoints.hit("after_commit_marker")
+    try:
+        failpoints.hit("after_manifest")
+        with _writing(str(store.location.child(names.COMMIT)), f"write {names.COMMIT}"):
+            store.write(names.COMMIT, names.COMMIT_TEXT)
+            store.sync()
+        failpoints.hit("after_commit_marker")
+    except (XckptError, OSError) as exc:
+        if store.location.is_local:  # (not committed before the move into place)
+            raise
+        # an object store's manifest was the commit: nothing after it undoes it
+        warnings.warn(f"{store.location} is committed, but writing its {names.COMMIT} after the commit failed "
+                      f"({exc}): Orbax treats the checkpoint as unfinished while it is missing", XckptWarning,
+                      stacklevel=2)
     return manifest
 
 

@@ -14,7 +14,6 @@ among them), so the same engine code writes and reads both.
 from __future__ import annotations
 
 import errno
-import functools
 import json
 import os
 import stat
@@ -122,6 +121,10 @@ def s3_spec(url: str, tail: str = "") -> dict[str, Any]:
     S3-compatible store works; credentials come from the usual AWS sources. ``AWS_MAX_ATTEMPTS``
     bounds the attempts of each request (TensorStore's default retries a failing request 32 times
     with a backoff of up to 32 s: a store that stays unreachable holds a save for a quarter of an hour).
+    Every write of a save is conditioned on the object's absence (:class:`KvStore`): TensorStore sends it as one
+    ``PUT`` with ``If-None-Match: *`` to Amazon's endpoints, and to others asks with a ``HEAD`` first (a store
+    that ignores the header, as some Ceph versions do, then still refuses an object that is there); on a store
+    known to honour it (MinIO, R2), ``TENSORSTORE_S3_USE_CONDITIONAL_WRITE=1`` saves that round trip.
     """
     bucket, _, prefix = url[len("s3://"):].partition("/")
     spec: dict[str, Any] = {"driver": "s3", "bucket": bucket,
@@ -135,23 +138,7 @@ def s3_spec(url: str, tail: str = "") -> dict[str, Any]:
     attempts = os.environ.get("AWS_MAX_ATTEMPTS", "").strip()
     if attempts.isdigit() and int(attempts) >= 1:
         spec["context"] = {"s3_request_retries": {"max_retries": int(attempts) - 1}}
-    if "TENSORSTORE_S3_USE_CONDITIONAL_WRITE" not in os.environ and _knows_conditional_write():
-        spec["use_conditional_write"] = True
     return spec
-
-
-@functools.lru_cache(maxsize=1)
-def _knows_conditional_write() -> bool:
-    """Whether this TensorStore's ``s3`` driver takes ``use_conditional_write``: a write conditioned on an
-    object's absence (every write of a save, :class:`KvStore`) is then one ``PUT`` with ``If-None-Match: *``.
-    Otherwise, on an endpoint other than Amazon's, the driver first asks with a ``HEAD`` and then sends that
-    ``PUT`` all the same: two round trips a write (a save of 1,013 small objects through 20 ms: 12.6 s against
-    4.3). Setting ``TENSORSTORE_S3_USE_CONDITIONAL_WRITE`` leaves the choice to the driver."""
-    try:
-        ts.KvStore.Spec({"driver": "s3", "bucket": "probe", "use_conditional_write": True})
-    except (ValueError, TypeError):
-        return False
-    return True
 
 
 class Blob(Protocol):

@@ -19,6 +19,8 @@ from xckpt.format.tree import Key, key_str
 MANIFEST = "xckpt.json"
 VALUES = "values.msgpack"
 COMMIT = "commit_success.txt"
+#: What a writer puts in it (any text will do: spec 6.7).
+COMMIT_TEXT = b"xckpt checkpoint committed\n"
 ORBAX_METADATA = "_METADATA"
 ORBAX_CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 ORBAX_SHARDING = "_sharding"

@@ -1,0 +1,115 @@
+"""Deleting a run's step directory (spec 6.8): only what the saves of the step wrote goes; files put into it by hand
+are kept beside the run, as an overwrite keeps those put into the checkpoint it replaces (spec 6.3).
+
+A step the checkpoint manager wrote holds an xckpt checkpoint as its ``default/`` item (or, saved by hand into a
+run, at its top) and the manager's Orbax files around it. Which of its entries are its own is what its manifest
+says a save writes (:meth:`~xckpt.format.manifest.Manifest.owns`), plus those Orbax files. The manifest goes
+last, so that a deletion interrupted midway (a killed process) is finished by whoever finds it with the same
+knowledge. A step Orbax wrote holds nothing xckpt can tell its own by; the manager, which found it to be
+Orbax's, has it deleted whole, as Orbax's own ``CheckpointManager`` deletes it; what a deletion of one that was
+interrupted left is kept.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import warnings
+from typing import Callable
+
+from xckpt.engine.storage import LocalStore
+from xckpt.errors import XckptError, XckptWarning
+from xckpt.format import names
+from xckpt.format.manifest import Manifest, parse as parse_manifest
+
+#: The item a checkpoint manager keeps a step's metrics in (a directory holding one JSON file of the same name), as
+#: Orbax's ``CheckpointManager`` does.
+METRICS_ITEM = "metrics"
+#: The files the manager writes around a step's ``default/`` item.
+MANAGER_FILES = frozenset({names.ORBAX_CHECKPOINT_METADATA, names.COMMIT, f"{METRICS_ITEM}/{METRICS_ITEM}",
+                        f"{METRICS_ITEM}/{names.COMMIT}"})
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _manifest(path: str) -> tuple[Manifest, str] | None | bool:
+    """The manifest of the step at ``path`` and the item it lies in (``default/``, or ``""``: the step's top);
+    False when neither has one (a regular file, never read through a link); None when the one there does not
+    parse (what the step's saves wrote cannot be told)."""
+    for item in (f"{names.DEFAULT_ITEM}/", ""):
+        file = os.path.join(path, item, names.MANIFEST)
+        if not _regular(file):
+            continue
+        store = LocalStore(os.path.join(path, item))
+        try:
+            raw = store.read(names.MANIFEST)
+            return None if raw is None else (parse_manifest(raw, file=file), item)
+        except XckptError:
+            return None
+        finally:
+            store.close()
+    return False
+
+
+def owns(manifest: Manifest, item: str) -> Callable[[str, str], bool]:
+    """``owns(name, kind)`` of a step whose checkpoint of ``manifest`` lies in ``item`` (``default/`` or ``""``):
+    whether the entry ``name`` (relative to the step; kinds as :meth:`LocalStore.walk` gives them: a link or a
+    special file never is) is one the manager's save of the step wrote."""
+    top = item.rstrip("/")
+
+    def step_owns(name: str, kind: str) -> bool:
+        if kind not in ("file", "dir"):
+            return False
+        if not item:
+            return manifest.owns(name, kind == "dir")
+        if name.startswith(item):
+            return manifest.owns(name[len(item):], kind == "dir")
+        if kind == "dir":
+            return name in (top, METRICS_ITEM)
+        return name in MANAGER_FILES
+    return step_owns
+
+
+def delete(path: str, kept: str, *, whole: bool = False) -> str | None:
+    """Delete the step moved aside to ``path`` (a ``.<step>.xckpt-deleting-<token>`` directory) or what an
+    interrupted deletion left of it; returns ``kept`` when entries that are not known to be the step's own
+    remained and the directory holding them was renamed so (with an :class:`~xckpt.errors.XckptWarning` naming
+    them), else None.
+
+    ``whole``: the caller found the step to be one Orbax wrote (it holds no xckpt manifest): it is removed
+    whole, as Orbax's manager removes it. Otherwise a step with a manifest loses what the manifest and the
+    manager's layout say is its own (:func:`owns`), the manifest last; anything else (a deletion interrupted
+    after its manifest went, one whose manifest does not parse, what an interrupted deletion of an Orbax step
+    left) loses only its empty directories: what is left of it cannot be told from files put into it."""
+    found = False if whole else _manifest(path)
+    store = LocalStore(path)
+    try:
+        if whole:
+            shutil.rmtree(path, ignore_errors=True)
+            gone = not os.path.lexists(path)
+        elif isinstance(found, tuple):
+            step_owns = owns(*found)
+            last = f"{found[1]}{names.MANIFEST}"
+            store.prune(lambda name, kind: step_owns(name, kind) and name != last)
+            gone = store.prune(step_owns)
+        else:
+            gone = store.prune(lambda name, kind: kind == "dir")
+        left = [] if gone else [name for name, _ in store.walk() if "/" not in name]
+    finally:
+        store.close()
+    if gone:
+        return None
+    try:
+        os.rename(path, kept)
+    except OSError:
+        kept = path
+    shown = ", ".join(sorted(left)[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+    warnings.warn(f"a deleted step held entries that are not known to be its own ({shown}); they were not deleted, "
+                  f"and are in {kept}", XckptWarning, stacklevel=2)
+    return kept
