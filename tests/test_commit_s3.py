@@ -194,21 +194,53 @@ def test_failed_save_removes_only_what_it_wrote(bucket, monkeypatch, failure):
 @pytest.mark.parametrize("failure", ["after_manifest", "after_commit_marker"])
 def test_a_failure_after_the_commit_keeps_the_checkpoint(bucket, monkeypatch, failure):
     """On an object store the manifest is the commit: a failure after it (writing Orbax's commit marker) undoes
-    nothing, since readers may be loading the checkpoint already. The save returns its manifest with a warning
-    naming the marker; the checkpoint loads exactly, and lacks only the marker when it failed before it."""
+    nothing, since readers may be loading the checkpoint already. The save returns its manifest with a warning;
+    the checkpoint loads exactly, and its claim is left, so that once stale, gc writes the marker if it is
+    missing (``commit.missing`` until then) and removes the claim."""
     url = f"{bucket.url}/run1/step_8"
     tree = _tree(8)
     monkeypatch.setenv("XCKPT_FAILPOINTS", f"{failure}:raise")
-    with pytest.warns(xckpt.XckptWarning, match="commit_success.txt after the commit failed"):
+    with pytest.warns(xckpt.XckptWarning, match="a failure followed the commit"):
         manifest = xckpt.save(tree, url)
     assert manifest is not None
     monkeypatch.delenv("XCKPT_FAILPOINTS")
     _assert_same(xckpt.load(url), tree)
     top = _names(bucket, "run1/step_8")
-    assert "xckpt.json" in top and claims.CLAIM not in top
+    assert "xckpt.json" in top and claims.CLAIM in top
     assert ("commit_success.txt" in top) == (failure == "after_commit_marker")
     codes = [f.code for f in xckpt.validate(url, deep=True).findings]
     assert codes == ([] if failure == "after_commit_marker" else ["commit.missing"]), codes
+    assert [c for c in xckpt.gc(f"{bucket.url}/run1") if c.action == "removed"] == []  # its claim is fresh
+    assert claims.CLAIM in _names(bucket, "run1/step_8")
+    monkeypatch.setenv("XCKPT_STALE_AFTER_S", "0.5")
+    time.sleep(1.0)
+    done = xckpt.gc(f"{bucket.url}/run1")
+    assert [(c.leftover.path, c.action) for c in done] == [(url, "removed")]
+    _committed(bucket, url, tree)
+    assert "commit_success.txt" in _names(bucket, "run1/step_8")
+
+
+def test_an_interrupt_after_the_commit_keeps_the_checkpoint(bucket, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) right after the manifest was created: the interrupt goes on to the caller, and
+    the committed checkpoint stays (it was deleted as a failed save's), with its claim left for gc to write the
+    marker; it loads exactly."""
+    from xckpt.engine import failpoints
+
+    url = f"{bucket.url}/run1/step_9"
+    tree = _tree(9)
+    real = failpoints.hit
+
+    def hit(point: str, rank: int = 0) -> None:
+        if point == "after_manifest":
+            raise KeyboardInterrupt
+        real(point, rank)
+    monkeypatch.setattr(failpoints, "hit", hit)
+    with pytest.raises(KeyboardInterrupt):
+        xckpt.save(tree, url)
+    monkeypatch.setattr(failpoints, "hit", real)
+    _assert_same(xckpt.load(url), tree)
+    top = _names(bucket, "run1/step_9")
+    assert "xckpt.json" in top and claims.CLAIM in top and "commit_success.txt" not in top
 
 
 def test_a_save_not_yet_committed_is_never_read(bucket, monkeypatch):
@@ -799,6 +831,22 @@ def test_gc_keeps_a_checkpoint_whose_save_died_after_committing(bucket, moto, tm
     assert "commit_success.txt" in _names(bucket, "run/step_5")  # written by gc: Orbax takes it as finished
     want = {"w": np.arange(40, dtype=np.float32).reshape(5, 8), "step": 5}
     _committed(bucket, url, want)
+
+
+def test_gc_writes_no_marker_for_a_manifest_another_save_committed(bucket):
+    """A dead claim over a prefix whose manifest is another save's (its generation differs) and that has no commit
+    marker: gc removes the claim and writes nothing into the checkpoint, since the marker was not the dead save's
+    to write."""
+    url = f"{bucket.url}/run/step_2"
+    tree = _tree(2)
+    xckpt.save(tree, url)
+    bucket.client.delete_object(Bucket=bucket.name, Key="run/step_2/commit_success.txt")
+    _put(bucket, "run/step_2/.xckpt-claim", _claim_record(uuid.uuid4().hex, time.time() - 2 * claims.STALE_AFTER_S))
+    before = _snapshot(bucket)
+    done = xckpt.gc(f"{bucket.url}/run")
+    assert [(c.leftover.path, c.action) for c in done] == [(url, "removed")]
+    assert _snapshot(bucket) == {k: v for k, v in before.items() if not k.endswith("/.xckpt-claim")}
+    _assert_same(xckpt.load(url), tree)
 
 
 def test_dead_claim_removal_keeps_objects_put_into_the_prefix(bucket):

@@ -216,6 +216,27 @@ def test_retention_keeps_files_put_into_a_step(tmp_path: Path) -> None:
     np.testing.assert_array_equal(xckpt.load(root / "3")["a"], np.full((2, 3), 3.0))
 
 
+@pytest.mark.parametrize("item", ["state", ""])
+def test_retention_deletes_a_step_whose_checkpoint_is_a_named_item_or_at_its_top(tmp_path: Path, item: str) -> None:
+    """A committed step whose xckpt checkpoint is an item of another name (``2/state/``, an Orbax layout) or lies
+    at its top (``xckpt.save`` into ``run/2``): retention deletes what its saves wrote, and only a note put into it
+    is kept (the named item's whole checkpoint was kept, as if put there by hand)."""
+    root = tmp_path / "run"
+    xckpt.save({"a": np.arange(1000.0)}, root / "2" / item)
+    if item:
+        (root / "2" / "_CHECKPOINT_METADATA").write_text(json.dumps({"item_handlers": {item: "x"}}))
+        (root / "2" / "commit_success.txt").write_text("ok")
+    (root / "2" / "note.txt").write_bytes(b"keep me")
+    assert [(s.step, s.committed, s.format) for s in xckpt.list_steps(root)] == [(2, True, "xckpt")]
+    with xckpt.CheckpointManager(root, max_to_keep=1, async_save=False) as m:
+        with pytest.warns(xckpt.XckptWarning, match="note.txt"):
+            assert m.save(4, {"a": np.arange(6.0)}, force=True)
+    kept = [e for e in _entries(root) if e != "4"]
+    assert len(kept) == 1 and kept[0].startswith("2.xckpt-kept-")
+    assert _files(root / kept[0]) == {"note.txt": b"keep me"}
+    assert [d for d, _, _ in os.walk(root / kept[0])] == [str(root / kept[0])]
+
+
 @pytest.mark.parametrize("cut", ["before its manifest went", "after its manifest went",
                                  "after its manifest went, an Orbax item put into it"])
 def test_an_interrupted_step_deletion_is_finished_keeping_files_put_into_it(tmp_path: Path, cut: str) -> None:

@@ -26,7 +26,8 @@ from torch.futures import Future
 from xckpt import registry
 from xckpt.engine import collective, failpoints
 from xckpt.engine.claims import new_generation
-from xckpt.engine.commit import Hold, SaveOptions, check_target, discard, publish, write_commit_files
+from xckpt.engine.commit import Hold, SaveOptions, check_target, discard, publish, write_commit_files, \
+    write_marker
 from xckpt.engine.plan import INNER_CHUNK_BYTES, Descriptors, LeafDesc, LocalPlan, local_plan, plan_save
 from xckpt.engine.protocol import plan_chunks, zarr_files
 from xckpt.engine.storage import Location
@@ -195,6 +196,7 @@ class XckptStorageWriter(StorageWriter):
         """Coordinator: write values, the Orbax view and the manifest through the core, then commit."""
         assert self._tmp is not None and self._hold is not None, "finish() called before prepare_global_plan()"
         hold, self._hold = self._hold, None
+        committed = False  # an object store's manifest is the commit: nothing after it undoes it
         try:
             plan, vals, arrays = self._final_plan(metadata, results)
             store = self._tmp.store(create=True)
@@ -202,11 +204,16 @@ class XckptStorageWriter(StorageWriter):
                 if arrays.local.tasks or arrays.local.metadata:
                     self._write_value_arrays(store, arrays, hold.generation)
                 write_commit_files(store, plan, vals, self.options, hold.generation, hold=hold)
+                committed = not self._tmp.is_local
+                write_marker(store, hold)
             finally:
                 store.close()
             publish(self._tmp, hold.target, hold.generation)
         except BaseException:
-            discard(self._tmp, [], hold=hold)
+            if committed:
+                hold.end()
+            else:
+                discard(self._tmp, [], hold=hold)
             raise
         hold.end()
 

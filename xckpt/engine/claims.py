@@ -556,7 +556,7 @@ def _remove_claimed(leftover: Leftover) -> None:
         keys = [k.decode() for k in kv_result(kv.list(), str(prefix))]
         # a manifest: the save committed and died before releasing its claim; the checkpoint stays, and gets
         # Orbax's commit marker if the save died before writing it (it follows the manifest)
-        if names.MANIFEST in keys and names.COMMIT not in keys:
+        if names.MANIFEST in keys and names.COMMIT not in keys and _committed_by(kv, prefix, leftover.generation):
             file = str(prefix.child(names.COMMIT))
             kv_result(kv.write(names.COMMIT, names.COMMIT_TEXT, if_equal=ABSENT), file, write=True)
         for k in [] if names.MANIFEST in keys else _own_objects(keys):
@@ -567,6 +567,14 @@ def _remove_claimed(leftover: Leftover) -> None:
     except XckptError as exc:
         raise XckptError(f"cannot remove the leftover {leftover.path}: {exc.message}", code="io.write",
                          file=exc.file or file) from exc
+
+
+def _committed_by(kv: Any, prefix: Location, generation: str) -> bool:
+    """Whether the manifest in the opened ``prefix`` is that of the save of ``generation`` (its ``generation``)."""
+    res = kv_result(kv.read(names.MANIFEST), str(prefix.child(names.MANIFEST)))
+    if res.state != "value":
+        return False
+    return _generation_of(bytes(res.value)) == generation
 
 
 def remove_stale(directory: Location, *, stale_after: float | None = None,

@@ -397,13 +397,16 @@ class Hold:
                                 code="io.write", file=str(target.final)) from exc
             raise
         self._heartbeat: claims.Heartbeat | None = claims.Heartbeat(self.lease, claims.heartbeat_s(stale_after))
+        #: Leave the lease when the hold ends: an object store's commit whose marker may be missing (write_marker)
+        self.keep = False
 
     def end(self) -> None:
-        """Stop renewing the lease and release it."""
+        """Stop renewing the lease and release it (unless :attr:`keep`: it then ages into a leftover)."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
-        self.lease.release()
+        if not self.keep:
+            self.lease.release()
 
 
 def plan_objects(plan: GlobalPlan) -> Iterator[str]:
@@ -552,11 +555,9 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
     ``_CHECKPOINT_METADATA``, ``_strings.json``), then creates the manifest: on an object store
     that is the commit (the store's writes before it have landed: :class:`KvStore`), refused if
     another save's manifest is there (``save.exists``) or if this save lost its claim
-    (``save.conflict``). Then Orbax's commit marker, last, so that Orbax, which takes
+    (``save.conflict``). Orbax's commit marker follows, last, so that Orbax, which takes
     ``commit_success.txt`` for a finished checkpoint on object stores, never finds one before the
-    commit; then syncs (a file system's commit is the move into place that follows). On an object
-    store a failure after the manifest (the marker's write) undoes nothing: it is a warning (a save
-    killed there leaves its claim, and ``xckpt gc`` writes the marker when it removes that). The names
+    commit: that is :func:`write_marker`, which the caller calls next, having noted the commit. The names
     it writes are added to ``written``.
     """
     _check_held(hold)
@@ -592,8 +593,19 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
         if not store.create(names.MANIFEST, manifest.dumps()):
             raise SaveError(f"another save committed {store.location} first; nothing was committed",
                             code="save.exists", file=str(store.location))
-    if written is not None:
-        written.append(names.COMMIT)
+    return manifest
+
+
+def write_marker(store: Store, hold: Hold | None = None) -> None:
+    """Orbax's commit marker, after the manifest (:func:`write_commit_files`), then sync.
+
+    On a file system this is inside the temporary directory, before the commit (the move into place): a
+    failure fails the save. On an object store the manifest was the commit, and nothing after it undoes it
+    (readers may be loading already): a failure is a warning, and the save's claim (``hold``) is left in place
+    whatever stops this, so that once it is stale, ``xckpt gc`` (or the next save beside it) writes the marker
+    as it removes the claim."""
+    if not store.location.is_local and hold is not None:
+        hold.keep = True
     try:
         failpoints.hit("after_manifest")
         with _writing(str(store.location.child(names.COMMIT)), f"write {names.COMMIT}"):
@@ -601,13 +613,15 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
             store.sync()
         failpoints.hit("after_commit_marker")
     except (XckptError, OSError) as exc:
-        if store.location.is_local:  # (not committed before the move into place)
+        if store.location.is_local:
             raise
-        # an object store's manifest was the commit: nothing after it undoes it
-        warnings.warn(f"{store.location} is committed, but writing its {names.COMMIT} after the commit failed "
-                      f"({exc}): Orbax treats the checkpoint as unfinished while it is missing", XckptWarning,
-                      stacklevel=2)
-    return manifest
+        warnings.warn(f"{store.location} is committed, but a failure followed the commit ({exc}): if its "
+                      f"{names.COMMIT} is missing, Orbax treats the checkpoint as unfinished until it is there; the "
+                      "save's claim is left for xckpt gc, which writes the marker once the claim is stale",
+                      XckptWarning, stacklevel=2)
+        return
+    if hold is not None:
+        hold.keep = False
 
 
 def _orbax_metadata(plan: GlobalPlan, manifest: Manifest, strings: dict[Key, str]) -> bytes:

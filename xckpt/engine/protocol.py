@@ -35,7 +35,7 @@ from xckpt.engine.collective import Coordinator
 from xckpt.engine import failpoints
 from xckpt.engine.claims import new_generation
 from xckpt.engine.commit import (Hold, SaveOptions, array_metadata, check_target, commit_failed, discard, publish,
-                                 write_commit_files)
+                                 write_commit_files, write_marker)
 from xckpt.engine.plan import Descriptors, GlobalPlan, LeafDesc, LocalPlan, digest, local_plan, plan_save
 from xckpt.engine.storage import Location
 from xckpt.engine.write import ChunkWriter
@@ -449,10 +449,11 @@ def finish(p: Prepared, statuses: list[dict[str, Any]]) -> Manifest:
     try:
         manifest = write_commit_files(store, p.plan, values, p.options, p.generation, hold=p.hold,
                                       written=p.written)
+        if not p.tmp.is_local:
+            p.committed = True  # the manifest was the commit: nothing after it undoes it
+        write_marker(store, p.hold)
     finally:
         store.close()
-    if not p.tmp.is_local:
-        p.committed = True  # the manifest was the commit
     publish(p.tmp, p.hold.target, p.generation)
     p.committed = True
     p.hold.end()

@@ -2,12 +2,12 @@
 are kept beside the run, as an overwrite keeps those put into the checkpoint it replaces (spec 6.3).
 
 A step the checkpoint manager wrote holds an xckpt checkpoint as its ``default/`` item (or, saved by hand into a
-run, at its top) and the manager's Orbax files around it. Which of its entries are its own is what its manifest
-says a save writes (:meth:`~xckpt.format.manifest.Manifest.owns`), plus those Orbax files. The manifest goes
-last, so that a deletion interrupted midway (a killed process) is finished by whoever finds it with the same
-knowledge. A step Orbax wrote holds nothing xckpt can tell its own by; the manager, which found it to be
-Orbax's, has it deleted whole, as Orbax's own ``CheckpointManager`` deletes it; what a deletion of one that was
-interrupted left is kept.
+run, at its top, or as an item of another name) and the manager's Orbax files around it. Which of its entries
+are its own is what its manifest says a save writes (:meth:`~xckpt.format.manifest.Manifest.owns`), plus those
+Orbax files. The manifest goes last, so that a deletion interrupted midway (a killed process) is finished by
+whoever finds it with the same knowledge. A step Orbax wrote holds nothing xckpt can tell its own by; the
+manager, which found it to be Orbax's, has it deleted whole, as Orbax's own ``CheckpointManager`` deletes it;
+what a deletion of one that was interrupted left is kept.
 """
 
 from __future__ import annotations
@@ -38,41 +38,53 @@ def _regular(path: str) -> bool:
         return False
 
 
-def _manifest(path: str) -> tuple[Manifest, str] | None | bool:
-    """The manifest of the step at ``path`` and the item it lies in (``default/``, or ``""``: the step's top);
-    False when neither has one (a regular file, never read through a link); None when the one there does not
-    parse (what the step's saves wrote cannot be told)."""
-    for item in (f"{names.DEFAULT_ITEM}/", ""):
-        file = os.path.join(path, item, names.MANIFEST)
-        if not _regular(file):
-            continue
+def _items(path: str) -> list[str]:
+    """Where the step at ``path`` holds an xckpt checkpoint (a regular ``xckpt.json``, never found through a
+    link): its top (``""``), or else each item directory that has one (``default/``, or another name an
+    Orbax-layout step gave its item)."""
+    if _regular(os.path.join(path, names.MANIFEST)):
+        return [""]
+    try:
+        dirs = sorted(e.name for e in os.scandir(path) if e.is_dir(follow_symlinks=False))
+    except OSError:
+        return []
+    return [f"{d}/" for d in dirs if _regular(os.path.join(path, d, names.MANIFEST))]
+
+
+def _manifests(path: str) -> list[tuple[Manifest, str]] | None:
+    """The manifest of each checkpoint of the step at ``path`` with the item it lies in (:func:`_items`; empty
+    when none); None when one does not parse (what the step's saves wrote cannot be told)."""
+    out = []
+    for item in _items(path):
         store = LocalStore(os.path.join(path, item))
         try:
             raw = store.read(names.MANIFEST)
-            return None if raw is None else (parse_manifest(raw, file=file), item)
+            if raw is None:
+                return None
+            out.append((parse_manifest(raw, file=os.path.join(path, item, names.MANIFEST)), item))
         except XckptError:
             return None
         finally:
             store.close()
-    return False
+    return out
 
 
-def owns(manifest: Manifest, item: str) -> Callable[[str, str], bool]:
-    """``owns(name, kind)`` of a step whose checkpoint of ``manifest`` lies in ``item`` (``default/`` or ``""``):
-    whether the entry ``name`` (relative to the step; kinds as :meth:`LocalStore.walk` gives them: a link or a
-    special file never is) is one the manager's save of the step wrote."""
-    top = item.rstrip("/")
-
+def owns(checkpoints: list[tuple[Manifest, str]]) -> Callable[[str, str], bool]:
+    """``owns(name, kind)`` of a step holding the checkpoints of these manifests, each in its item
+    (``default/``, or ``""``: the step's top): whether the entry ``name`` (relative to the step; kinds as
+    :meth:`LocalStore.walk` gives them: a link or a special file never is) is one the manager's save of the step
+    wrote: what the manifest says a save of it writes, and the manager's files around an item."""
     def step_owns(name: str, kind: str) -> bool:
         if kind not in ("file", "dir"):
             return False
-        if not item:
-            return manifest.owns(name, kind == "dir")
-        if name.startswith(item):
-            return manifest.owns(name[len(item):], kind == "dir")
-        if kind == "dir":
-            return name in (top, METRICS_ITEM)
-        return name in MANAGER_FILES
+        for manifest, item in checkpoints:
+            if not item:
+                return manifest.owns(name, kind == "dir")
+            if name.startswith(item):
+                return manifest.owns(name[len(item):], kind == "dir")
+            if kind == "dir" and name == item[:-1]:
+                return True
+        return name == METRICS_ITEM if kind == "dir" else name in MANAGER_FILES
     return step_owns
 
 
@@ -87,16 +99,16 @@ def delete(path: str, kept: str, *, whole: bool = False) -> str | None:
     manager's layout say is its own (:func:`owns`), the manifest last; anything else (a deletion interrupted
     after its manifest went, one whose manifest does not parse, what an interrupted deletion of an Orbax step
     left) loses only its empty directories: what is left of it cannot be told from files put into it."""
-    found = False if whole else _manifest(path)
+    found = [] if whole else _manifests(path)
     store = LocalStore(path)
     try:
         if whole:
             shutil.rmtree(path, ignore_errors=True)
             gone = not os.path.lexists(path)
-        elif isinstance(found, tuple):
-            step_owns = owns(*found)
-            last = f"{found[1]}{names.MANIFEST}"
-            store.prune(lambda name, kind: step_owns(name, kind) and name != last)
+        elif found:
+            step_owns = owns(found)
+            last = {f"{item}{names.MANIFEST}" for _, item in found}
+            store.prune(lambda name, kind: step_owns(name, kind) and name not in last)
             gone = store.prune(step_owns)
         else:
             gone = store.prune(lambda name, kind: kind == "dir")
