@@ -755,6 +755,33 @@ def test_a_manifest_that_landed_unheard_goes_first_when_the_save_fails(bucket, p
     _committed(bucket, url, _tree(4))
 
 
+def test_conditional_put_switch(bucket, monkeypatch):
+    """``XCKPT_S3_CONDITIONAL_PUT=1``: every write is one conditional PUT (TensorStore's use_conditional_write);
+    a save commits exactly, a write over an object there already is still refused (``save.conflict``, the
+    object unchanged); a value that is not a switch is ``config.env`` naming the variable."""
+    from xckpt.engine.storage import KvStore, s3_spec
+
+    monkeypatch.setenv("XCKPT_S3_CONDITIONAL_PUT", "1")
+    assert s3_spec(f"{bucket.url}/x")["use_conditional_write"] is True
+    url = f"{bucket.url}/run/step_3"
+    tree = _tree(3)
+    xckpt.save(tree, url)
+    _committed(bucket, url, tree)
+    store = KvStore(Location(url))
+    try:
+        with pytest.raises(xckpt.XckptError) as info:
+            store.write("values.msgpack", b"something else")
+            store.sync()
+        assert info.value.code == "save.conflict" and info.value.file == f"{url}/values.msgpack"
+    finally:
+        store.close()
+    _committed(bucket, url, tree)
+    monkeypatch.setenv("XCKPT_S3_CONDITIONAL_PUT", "maybe")
+    with pytest.raises(xckpt.XckptError) as bad:
+        s3_spec(url)
+    assert bad.value.code == "config.env" and "XCKPT_S3_CONDITIONAL_PUT" in str(bad.value)
+
+
 def test_a_chunk_that_landed_unheard_is_its_own_on_the_retry(bucket, proxy):
     """A chunk's write lands but its answer is lost: the driver's retry finds the object there (every write of a
     save only creates), reads it back, finds the bytes it sent, and the save goes on and commits exactly."""

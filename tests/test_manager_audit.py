@@ -203,13 +203,20 @@ def test_retention_keeps_files_put_into_a_step(tmp_path: Path) -> None:
         for name, data in _PUT_IN.items():
             (root / "1" / name).parent.mkdir(parents=True, exist_ok=True)
             (root / "1" / name).write_bytes(data)
+        # a folder with a file named as a manifest that is not one, and a copy of another checkpoint: not the
+        # step's (the first made the whole step kept, the second was deleted with it)
+        (root / "1" / "config").mkdir()
+        (root / "1" / "config" / "xckpt.json").write_bytes(b'{"log_level": "info"}')
+        xckpt.save({"z": np.arange(3)}, root / "1" / "backup")
+        put_in = {**_PUT_IN, "config/xckpt.json": b'{"log_level": "info"}',
+                  **{f"backup/{k}": v for k, v in _files(root / "1" / "backup").items()}}
         with pytest.warns(xckpt.XckptWarning, match="were not deleted") as caught:
             assert m.save(2, {"a": np.zeros((2, 3)), "b": {"c": np.zeros(4, np.int32)}}, force=True,
                           metrics={"loss": 0.5})
         kept = [e for e in _entries(root) if e.startswith("1.xckpt-kept-")]
         assert len(kept) == 1 and _entries(root) == sorted(["2", kept[0]])
         assert str(root / kept[0]) in str(caught[0].message)
-        assert _files(root / kept[0]) == _PUT_IN  # nothing of the save's own left, nothing of the user's lost
+        assert _files(root / kept[0]) == put_in  # nothing of the save's own left, nothing of the user's lost
         assert [s.step for s in m.all_steps()] == [2]
         assert m.save(3, {"a": np.full((2, 3), 3.0), "b": {"c": np.full(4, 3, np.int32)}}, force=True)
     assert _entries(root) == sorted(["3", kept[0]])

@@ -24,3 +24,14 @@ def number(name: str, default: float, *, minimum: float = 0.0, integer: bool = F
         raise XckptError(f"the environment variable {name}={raw!r} must be {kind} of at least {minimum:g}",
                          code="config.env")
     return value
+
+
+def flag(name: str) -> bool:
+    """The environment variable ``name`` as a switch: ``1``, ``true``, ``yes`` or ``on`` (any case) turn it on;
+    unset, empty, ``0``, ``false``, ``no`` or ``off`` leave it off; anything else is ``config.env``."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise XckptError(f"the environment variable {name}={raw!r} must be 1 or 0 (true or false)", code="config.env")

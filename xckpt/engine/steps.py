@@ -12,6 +12,7 @@ what a deletion of one that was interrupted left is kept.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -26,6 +27,8 @@ from xckpt.format.manifest import Manifest, parse as parse_manifest
 #: The item a checkpoint manager keeps a step's metrics in (a directory holding one JSON file of the same name), as
 #: Orbax's ``CheckpointManager`` does.
 METRICS_ITEM = "metrics"
+#: Largest ``_CHECKPOINT_METADATA`` read to learn a step's items.
+_METADATA_BYTES = 1 << 20
 #: The files the manager writes around a step's ``default/`` item.
 MANAGER_FILES = frozenset({names.ORBAX_CHECKPOINT_METADATA, names.COMMIT, f"{METRICS_ITEM}/{METRICS_ITEM}",
                         f"{METRICS_ITEM}/{names.COMMIT}"})
@@ -39,16 +42,28 @@ def _regular(path: str) -> bool:
 
 
 def _items(path: str) -> list[str]:
-    """Where the step at ``path`` holds an xckpt checkpoint (a regular ``xckpt.json``, never found through a
-    link): its top (``""``), or else each item directory that has one (``default/``, or another name an
-    Orbax-layout step gave its item)."""
+    """Where the step at ``path`` holds its xckpt checkpoint (a regular ``xckpt.json``, never found through a
+    link): its top (``""``), or else each item its ``_CHECKPOINT_METADATA`` names (``item_handlers``: ``default``,
+    or another name an Orbax-layout step gave its item), or, without one, ``default/``. A folder the metadata
+    does not name is not the step's, whatever it holds (a copy of another checkpoint put into it)."""
     if _regular(os.path.join(path, names.MANIFEST)):
         return [""]
+    named = [names.DEFAULT_ITEM]
+    store = LocalStore(path)
     try:
-        dirs = sorted(e.name for e in os.scandir(path) if e.is_dir(follow_symlinks=False))
-    except OSError:
-        return []
-    return [f"{d}/" for d in dirs if _regular(os.path.join(path, d, names.MANIFEST))]
+        raw = store.read(names.ORBAX_CHECKPOINT_METADATA, limit=_METADATA_BYTES)
+    except XckptError:
+        raw = None
+    finally:
+        store.close()
+    try:
+        handlers = json.loads(raw).get("item_handlers") if raw is not None else None
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        handlers = None
+    if isinstance(handlers, dict):
+        named = sorted(k for k in handlers if isinstance(k, str) and k and "/" not in k and not k.startswith("."))
+    return [f"{d}/" for d in named if _regular(os.path.join(path, d, names.MANIFEST))
+            and not os.path.islink(os.path.join(path, d))]
 
 
 def _manifests(path: str) -> list[tuple[Manifest, str]] | None:
@@ -96,7 +111,8 @@ def delete(path: str, kept: str, *, whole: bool = False) -> str | None:
 
     ``whole``: the caller found the step to be one Orbax wrote (it holds no xckpt manifest): it is removed
     whole, as Orbax's manager removes it. Otherwise a step with a manifest loses what the manifest and the
-    manager's layout say is its own (:func:`owns`), the manifest last; anything else (a deletion interrupted
+    manager's layout say is its own (:func:`owns`), the manifests and then the metadata naming the items last;
+    anything else (a deletion interrupted
     after its manifest went, one whose manifest does not parse, what an interrupted deletion of an Orbax step
     left) loses only its empty directories: what is left of it cannot be told from files put into it."""
     found = [] if whole else _manifests(path)
@@ -106,9 +122,13 @@ def delete(path: str, kept: str, *, whole: bool = False) -> str | None:
             shutil.rmtree(path, ignore_errors=True)
             gone = not os.path.lexists(path)
         elif found:
+            # the manifests, then the metadata naming their items, last: an interrupted deletion is finished
+            # knowing what it knew
             step_owns = owns(found)
-            last = {f"{item}{names.MANIFEST}" for _, item in found}
-            store.prune(lambda name, kind: step_owns(name, kind) and name not in last)
+            manifests = {f"{item}{names.MANIFEST}" for _, item in found}
+            store.prune(lambda name, kind: step_owns(name, kind) and name not in manifests
+                        and name != names.ORBAX_CHECKPOINT_METADATA)
+            store.prune(lambda name, kind: step_owns(name, kind) and name != names.ORBAX_CHECKPOINT_METADATA)
             gone = store.prune(step_owns)
         else:
             gone = store.prune(lambda name, kind: kind == "dir")

@@ -26,7 +26,7 @@ import crc32c
 import numpy as np
 import tensorstore as ts
 
-from xckpt.engine import hostcopy, threads
+from xckpt.engine import env, hostcopy, threads
 from xckpt.engine.atomic import start_writeback, sync_dir
 from xckpt.errors import DataError, ResourceError, SaveError, UnsafePathError, UnsupportedError, XckptError
 from xckpt.format import shard
@@ -124,7 +124,8 @@ def s3_spec(url: str, tail: str = "") -> dict[str, Any]:
     Every write of a save is conditioned on the object's absence (:class:`KvStore`): TensorStore sends it as one
     ``PUT`` with ``If-None-Match: *`` to Amazon's endpoints, and to others asks with a ``HEAD`` first (a store
     that ignores the header, as some Ceph versions do, then still refuses an object that is there); on a store
-    known to honour it (MinIO, R2), ``TENSORSTORE_S3_USE_CONDITIONAL_WRITE=1`` saves that round trip.
+    known to honour it (MinIO, R2), ``XCKPT_S3_CONDITIONAL_PUT=1`` saves that round trip (TensorStore's
+    ``use_conditional_write``).
     """
     bucket, _, prefix = url[len("s3://"):].partition("/")
     spec: dict[str, Any] = {"driver": "s3", "bucket": bucket,
@@ -138,6 +139,8 @@ def s3_spec(url: str, tail: str = "") -> dict[str, Any]:
     attempts = os.environ.get("AWS_MAX_ATTEMPTS", "").strip()
     if attempts.isdigit() and int(attempts) >= 1:
         spec["context"] = {"s3_request_retries": {"max_retries": int(attempts) - 1}}
+    if env.flag("XCKPT_S3_CONDITIONAL_PUT"):
+        spec["use_conditional_write"] = True
     return spec
 
 
