@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 from xckpt import registry
 from xckpt.engine import atomic, background, claims, collective, steps
 from xckpt.engine.collective import Coordinator, LocalCoordinator
-from xckpt.engine.steps import METRICS_ITEM
+from xckpt.engine.steps import METRICS_ITEM, regular
 from xckpt.engine.storage import LocalStore, Location
 from xckpt.engine.threads import Worker
 from xckpt.errors import NotACheckpointError, SaveError, UnsupportedError, XckptError, XckptWarning
@@ -97,14 +97,6 @@ def _json_object(path: str) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def _regular(path: str) -> os.stat_result | None:
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return st if stat.S_ISREG(st.st_mode) else None
-
-
 def tree_size(path: str) -> int | None:
     """Bytes of the regular files below the directory ``path`` (no link is followed); None if unreadable."""
     try:
@@ -115,7 +107,7 @@ def tree_size(path: str) -> int | None:
     try:
         for name, kind in store.walk():
             if kind == "file":
-                st = _regular(os.path.join(path, name))
+                st = regular(os.path.join(path, name))
                 total += st.st_size if st is not None else 0
     except (OSError, XckptError):
         return None
@@ -146,12 +138,12 @@ def _step_info(step: int, path: str, *, sizes: bool = True) -> StepInfo:
     item = item_loc.local_path if item_loc.is_local else path
     item_meta = meta if meta is not None else _json_object(os.path.join(item, names.ORBAX_CHECKPOINT_METADATA))
     manifest_file = os.path.join(item, names.MANIFEST)
-    manifest_st = _regular(manifest_file) if fmt == "xckpt" else None
+    manifest_st = regular(manifest_file) if fmt == "xckpt" else None
     if fmt == "xckpt":
         committed = manifest_st is not None
     else:  # as Orbax decides: the commit marker, or a commit time recorded at finalisation; a step without
         # _CHECKPOINT_METADATA (older Orbax) exists only complete on a local file system (an atomic rename)
-        committed = meta is None or _regular(os.path.join(path, names.COMMIT)) is not None or \
+        committed = meta is None or regular(os.path.join(path, names.COMMIT)) is not None or \
             isinstance(meta.get("commit_timestamp_nsecs"), int)
     commit_time: float | None = None
     ts = (item_meta or {}).get("commit_timestamp_nsecs")

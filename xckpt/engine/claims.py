@@ -542,7 +542,8 @@ def _remove_status_objects(leftover: Leftover) -> None:
 
 def _remove_claimed(leftover: Leftover) -> None:
     """:func:`remove` of a dead claim: take it over, delete what its save may have written (:func:`_own_objects`),
-    then the claim; a prefix its save committed keeps its checkpoint and gets the commit marker it may lack. A store that refuses is ``io.write`` naming the prefix (the claim, taken over, ages again)."""
+    then the claim; a prefix its save committed keeps its checkpoint and gets the commit marker it may lack. A
+    store that refuses is ``io.write`` naming the prefix (the claim, taken over, ages again)."""
     prefix = Location(leftover.path)
     file = str(prefix.child(CLAIM))
     try:

@@ -34,11 +34,13 @@ MANAGER_FILES = frozenset({names.ORBAX_CHECKPOINT_METADATA, names.COMMIT, f"{MET
                         f"{METRICS_ITEM}/{names.COMMIT}"})
 
 
-def _regular(path: str) -> bool:
+def regular(path: str) -> os.stat_result | None:
+    """The status of ``path`` when it is a regular file (a link is not followed), else None."""
     try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
+        st = os.lstat(path)
     except OSError:
-        return False
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
 
 
 def _items(path: str) -> list[str]:
@@ -46,7 +48,7 @@ def _items(path: str) -> list[str]:
     link): its top (``""``), or else each item its ``_CHECKPOINT_METADATA`` names (``item_handlers``: ``default``,
     or another name an Orbax-layout step gave its item), or, without one, ``default/``. A folder the metadata
     does not name is not the step's, whatever it holds (a copy of another checkpoint put into it)."""
-    if _regular(os.path.join(path, names.MANIFEST)):
+    if regular(os.path.join(path, names.MANIFEST)) is not None:
         return [""]
     named = [names.DEFAULT_ITEM]
     store = LocalStore(path)
@@ -62,7 +64,7 @@ def _items(path: str) -> list[str]:
         handlers = None
     if isinstance(handlers, dict):
         named = sorted(k for k in handlers if isinstance(k, str) and k and "/" not in k and not k.startswith("."))
-    return [f"{d}/" for d in named if _regular(os.path.join(path, d, names.MANIFEST))
+    return [f"{d}/" for d in named if regular(os.path.join(path, d, names.MANIFEST)) is not None
             and not os.path.islink(os.path.join(path, d))]
 
 
