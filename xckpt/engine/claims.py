@@ -40,7 +40,7 @@ import msgpack
 from xckpt.engine import atomic, env, steps
 from xckpt.engine.storage import ABSENT, Location, kv_result, landed, open_kvstore
 from xckpt.errors import SaveError, XckptError, XckptWarning
-from xckpt.format import names, safetensors
+from xckpt.format import jsonobj, names, safetensors
 
 #: Object that claims an object-store prefix for one save.
 CLAIM = ".xckpt-claim"
@@ -205,21 +205,13 @@ def _read_claim(kv: Any, prefix: Location) -> tuple[str, bytes] | None:
     res = kv_result(kv.read(CLAIM), str(prefix.child(CLAIM)))
     if res.state != "value":
         return None
-    return _generation_of(bytes(res.value)) or "", res.stamp.generation
+    return jsonobj.string_member(bytes(res.value), "generation") or "", res.stamp.generation
 
 
 def claimed_by(prefix: Location) -> str | None:
     """The generation of the save whose claim an object-store prefix holds (None: no readable claim)."""
     claim = _read_claim(_kv(prefix), prefix)
     return claim[0] or None if claim is not None else None
-
-
-def _generation_of(record: bytes) -> str | None:
-    try:
-        obj = json.loads(record.decode())
-    except (UnicodeDecodeError, ValueError):
-        return None
-    return obj.get("generation") if isinstance(obj, dict) else None
 
 
 def _heartbeat_of(record: bytes) -> float | None:
@@ -441,7 +433,7 @@ def _scan_claims(directory: Location, limit: float, now: float, name: str | None
         beat = _heartbeat_of(record)
         # a claim that is not a record of ours was not written by a save of ours: never judged dead
         age = now - beat if beat is not None else 0.0
-        out.append(Leftover(str(prefix), "claim", sub, _generation_of(record) or "", age,
+        out.append(Leftover(str(prefix), "claim", sub, jsonobj.string_member(record, "generation") or "", age,
                             beat is not None and age > limit, res.stamp.generation))
     claimed = {(x.name, x.generation): x for x in out}
     for (sub, gen), objects in sorted(status.items()):
@@ -575,7 +567,7 @@ def _committed_by(kv: Any, prefix: Location, generation: str) -> bool:
     res = kv_result(kv.read(names.MANIFEST), str(prefix.child(names.MANIFEST)))
     if res.state != "value":
         return False
-    return _generation_of(bytes(res.value)) == generation
+    return jsonobj.string_member(bytes(res.value), "generation") == generation
 
 
 def remove_stale(directory: Location, *, stale_after: float | None = None,

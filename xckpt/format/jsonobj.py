@@ -37,6 +37,17 @@ def loads(text: str) -> Any:
     return json.loads(text, object_pairs_hook=unique_members, parse_constant=_not_json)
 
 
+def string_member(raw: bytes, name: str) -> str | None:
+    """The string member ``name`` of the JSON object ``raw`` holds (a manifest's or a claim's ``generation``),
+    read as Python's ``json`` reads it; None when ``raw`` is no JSON object or the member no string."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    found = obj.get(name) if isinstance(obj, dict) else None
+    return found if isinstance(found, str) else None
+
+
 def finite(obj: Any) -> Any:
     """``obj`` (JSON-able: dicts, lists, numbers, strings) with every NaN or infinite float as the string
     ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (:data:`NON_FINITE`), so that it writes as strict JSON: a

@@ -16,7 +16,6 @@ that every defect of one is the same specific error, never a ``ValueError`` or `
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from xckpt.engine.storage import LocalStore
 from xckpt.errors import UnsafePathError
