@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -450,6 +451,56 @@ def test_an_io_error_in_the_commit_names_its_file(tmp_path, monkeypatch, kind, w
     monkeypatch.undo()
     np.testing.assert_array_equal(xckpt.load(path)["w"], np.ones(4))
     assert hidden(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind", ["save", "save_async"])
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("warned", ["warn", "error"])
+def test_a_failure_after_the_move_into_place_keeps_the_checkpoint(tmp_path, monkeypatch, kind, overwrite, warned):
+    """The disk fails right after the new checkpoint moved into place (the parent directory's sync): the move was
+    the commit and nothing undoes it, so the save returns its manifest with an XckptWarning saying so, and does not
+    report a failure (it said "failed" before); the checkpoint loads exactly. The checkpoint it replaced is not
+    removed (the move may not be durable yet): it is a leftover that ``xckpt gc`` removes. With warnings turned
+    into errors, the save raises that XckptWarning itself, never a failure, and the checkpoint stays all the same."""
+    import errno
+    import warnings
+
+    from xckpt.engine import atomic
+
+    if overwrite and not atomic.supported():
+        pytest.skip("no renameat2 here: a replacement syncs the parent before its commit too")
+    path = tmp_path / "ckpt"
+    if overwrite:
+        xckpt.save({"w": np.ones(4)}, path)
+    real = atomic.sync_dir
+
+    def sync_dir(d):
+        if os.path.realpath(d) == os.path.realpath(tmp_path):  # the parent, synced after the move
+            raise OSError(errno.EIO, "Input/output error")
+        return real(d)
+    monkeypatch.setattr(atomic, "sync_dir", sync_dir)
+
+    def save() -> Any:
+        if kind == "save":
+            return xckpt.save({"w": np.arange(4.0)}, path, overwrite=overwrite)
+        return xckpt.save_async({"w": np.arange(4.0)}, path, overwrite=overwrite).wait()
+    if warned == "warn":
+        with pytest.warns(xckpt.XckptWarning, match="is committed, but a failure followed the commit"):
+            manifest = save()
+        assert manifest is not None
+        assert manifest.generation == json.loads((path / "xckpt.json").read_text())["generation"]
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", xckpt.XckptWarning)
+            with pytest.raises(xckpt.XckptWarning, match="is committed, but a failure followed the commit"):
+                save()
+    monkeypatch.undo()
+    np.testing.assert_array_equal(xckpt.load(path)["w"], np.arange(4.0))
+    assert xckpt.validate(path).ok
+    assert len(hidden(tmp_path)) == (1 if overwrite else 0)  # the replaced checkpoint, kept as a leftover
+    xckpt.gc(tmp_path, older_than_s=0)
+    assert hidden(tmp_path) == []
+    np.testing.assert_array_equal(xckpt.load(path)["w"], np.arange(4.0))
 
 
 # -- readers against a writer ------------------------------------------------------------------------

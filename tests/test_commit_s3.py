@@ -191,6 +191,93 @@ def test_failed_save_removes_only_what_it_wrote(bucket, monkeypatch, failure):
     assert _outside(_snapshot(bucket), "run1/step_300") == before
 
 
+@pytest.mark.parametrize("failure", ["after_write", "after_values"])
+def test_failed_dcp_save_removes_what_it_wrote(bucket, monkeypatch, failure):
+    """The same through DCP's ``XckptStorageWriter``: a save failing after the chunks were written, or after the
+    commit files, leaves nothing under its prefix (its chunk objects, commit files and claim), so the prefix is
+    usable; before, a failure in ``finish`` left every object there and the prefix refused any save."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+    from xckpt_torch import XckptStorageWriter
+
+    _populated(bucket)
+    before = _snapshot(bucket)
+    url = f"{bucket.url}/run1/step_300"
+    state = {"w": torch.arange(96, dtype=torch.float32).reshape(8, 12), "b": torch.ones(5, dtype=torch.float64),
+             "step": 300}
+    monkeypatch.setenv("XCKPT_FAILPOINTS", f"{failure}:raise")
+    with pytest.raises(BaseException) as info:  # DCP raises its CheckpointException, a BaseException
+        dcp.save(state, storage_writer=XckptStorageWriter(url))
+    assert f"failpoint {failure}" in str(info.value)
+    assert _keys(bucket, "run1/step_300") == []
+    assert _snapshot(bucket) == before
+    monkeypatch.delenv("XCKPT_FAILPOINTS")
+    dcp.save(state, storage_writer=XckptStorageWriter(url))
+    got = xckpt.load(url)
+    assert got["step"] == 300
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(got[k], state[k].numpy())
+        assert got[k].dtype == state[k].numpy().dtype
+    assert _outside(_snapshot(bucket), "run1/step_300") == before
+
+
+def _interrupt_at(monkeypatch: pytest.MonkeyPatch, point: str) -> None:
+    """Make failpoint ``point`` raise KeyboardInterrupt (Ctrl-C right there), every other one as it is."""
+    from xckpt.engine import failpoints
+
+    real = failpoints.hit
+
+    def hit(at: str, rank: int = 0) -> None:
+        if at == point:
+            raise KeyboardInterrupt
+        real(at, rank)
+    monkeypatch.setattr(failpoints, "hit", hit)
+
+
+@pytest.mark.parametrize("what", ["warning", "interrupt"])
+def test_a_warning_made_an_error_or_an_interrupt_after_the_commit_fails_no_process(bucket, monkeypatch, what):
+    """Two processes save; right after the manifest (the commit) the marker's write fails and the warning it is
+    becomes an error (``simplefilter("error")``), or Ctrl-C comes: the coordinating process raises that XckptWarning
+    (the KeyboardInterrupt) as it is, the other returns as from a committed save, and no process removes its part
+    (rank 1 was told the save failed and deleted its chunks of the committed checkpoint, ``chunk.missing``; or,
+    interrupted, waited out the collective timeout for ``save.outcome_unknown``); the checkpoint loads exactly."""
+    import warnings
+
+    from threaded import run_ranks
+
+    url = f"{bucket.url}/run1/step_5"
+    full = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+    raised: dict[int, BaseException] = {}
+    returned: dict[int, Any] = {}
+
+    def body(coord: Any) -> None:
+        r = coord.rank
+        src = ArraySource((64, 16), "float32", [Shard(Region((32 * r, 0), (32, 16)),
+                                                      lambda: full[32 * r:32 * (r + 1)].copy())])
+        try:
+            returned[r] = xckpt.save({"w": src, "step": 5}, url, coordinator=coord)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            raised[r] = exc
+    if what == "warning":
+        monkeypatch.setenv("XCKPT_FAILPOINTS", "after_manifest:raise")
+    else:
+        _interrupt_at(monkeypatch, "after_manifest")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", xckpt.XckptWarning)
+        run_ranks(2, body)
+    monkeypatch.undo()
+    assert set(raised) == {0}, raised
+    if what == "warning":
+        assert isinstance(raised[0], xckpt.XckptWarning), raised
+        assert "is committed, but a failure followed the commit" in str(raised[0])
+    else:
+        assert isinstance(raised[0], KeyboardInterrupt), raised
+    assert returned == {1: None}
+    got = xckpt.load(url)
+    np.testing.assert_array_equal(got["w"], full)
+    assert got["step"] == 5
+
+
 @pytest.mark.parametrize("failure", ["after_manifest", "after_commit_marker"])
 def test_a_failure_after_the_commit_keeps_the_checkpoint(bucket, monkeypatch, failure):
     """On an object store the manifest is the commit: a failure after it (writing Orbax's commit marker) undoes
@@ -220,24 +307,21 @@ def test_a_failure_after_the_commit_keeps_the_checkpoint(bucket, monkeypatch, fa
     assert "commit_success.txt" in _names(bucket, "run1/step_8")
 
 
-def test_an_interrupt_after_the_commit_keeps_the_checkpoint(bucket, monkeypatch):
+@pytest.mark.parametrize("how", ["save", "save_async"])
+def test_an_interrupt_after_the_commit_keeps_the_checkpoint(bucket, monkeypatch, how):
     """Ctrl-C (KeyboardInterrupt) right after the manifest was created: the interrupt goes on to the caller, and
     the committed checkpoint stays (it was deleted as a failed save's), with its claim left for gc to write the
-    marker; it loads exactly."""
-    from xckpt.engine import failpoints
-
+    marker; it loads exactly. In ``save_async``'s thread (where only a failpoint can raise it) ``wait()`` raises
+    the interrupt too, where it reported the committed save as failed, "nothing was committed"."""
     url = f"{bucket.url}/run1/step_9"
     tree = _tree(9)
-    real = failpoints.hit
-
-    def hit(point: str, rank: int = 0) -> None:
-        if point == "after_manifest":
-            raise KeyboardInterrupt
-        real(point, rank)
-    monkeypatch.setattr(failpoints, "hit", hit)
+    _interrupt_at(monkeypatch, "after_manifest")
     with pytest.raises(KeyboardInterrupt):
-        xckpt.save(tree, url)
-    monkeypatch.setattr(failpoints, "hit", real)
+        if how == "save":
+            xckpt.save(tree, url)
+        else:
+            xckpt.save_async(tree, url).wait()
+    monkeypatch.undo()
     _assert_same(xckpt.load(url), tree)
     top = _names(bucket, "run1/step_9")
     assert "xckpt.json" in top and claims.CLAIM in top and "commit_success.txt" not in top
@@ -291,45 +375,108 @@ def _state(pid: int) -> str:
         return f.read().rpartition(")")[2].split()[0]
 
 
-def test_a_save_stopped_past_its_lease_never_writes_over_the_save_that_took_its_prefix(bucket, tmp_path,
-                                                                                        monkeypatch):
+#: A process saving ``{'a': {w0..w<n-1>: (64, 16) float32 of seed <seed>}, 'step': 1}`` to ``argv[1]`` with
+#: ``argv[4]`` (save, save_async, dcp); it prints FAILED (exit 3) or SAVED.
+SLEEPER = """
+import sys, numpy as np, xckpt
+url, seed, n, how = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+rng = np.random.default_rng(seed)
+tree = {'a': {f'w{i}': rng.standard_normal((64, 16)).astype(np.float32) for i in range(n)}, 'step': 1}
+try:
+    if how == 'save':
+        xckpt.save(tree, url)
+    elif how == 'save_async':
+        xckpt.save_async(tree, url).wait()
+    else:
+        import torch, torch.distributed.checkpoint as dcp
+        from xckpt_torch import XckptStorageWriter
+        tree['a'] = {k: torch.from_numpy(v) for k, v in tree['a'].items()}
+        dcp.save(tree, storage_writer=XckptStorageWriter(url))
+except BaseException as exc:  # DCP raises its CheckpointException, a BaseException
+    print('FAILED', getattr(exc, 'code', type(exc).__name__), str(exc)[-400:], flush=True)
+    sys.exit(3)
+print('SAVED', flush=True)
+"""
+
+
+def _stopped(url: str, stop: str, *, seed: int = 1, n: int = 6, how: str = "save") -> subprocess.Popen:
+    """A :data:`SLEEPER` process (lease 1 s) once it stands still at failpoint ``stop`` (SIGSTOP, as a paused
+    machine does)."""
+    env = dict(os.environ, XCKPT_FAILPOINTS=f"{stop}:stop", XCKPT_STALE_AFTER_S="1")
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPER, url, str(seed), str(n), how], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while _state(proc.pid) != "T":
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=10)
+        time.sleep(0.05)
+    return proc
+
+
+def _woken(proc: subprocess.Popen) -> tuple[int, str]:
+    """SIGCONT, then its exit status and what it printed."""
+    os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out.decode() + err.decode(errors="replace")[-3000:]
+
+
+@pytest.mark.parametrize("how, winner", [("save", "same"), ("save", "other"), ("save_async", "other"),
+                                         ("dcp", "other")])
+def test_a_save_stopped_past_its_lease_never_writes_over_the_save_that_took_its_prefix(bucket, monkeypatch, how,
+                                                                                        winner):
     """A save whose whole process is stopped (SIGSTOP, as a paused machine is) mid-write for longer than its lease
-    is judged dead: a second save takes the prefix over and commits. When the first wakes (SIGCONT), every object
-    it goes on writing exists already, so it fails with ``save.conflict`` having replaced nothing and deleted
-    nothing: the second save's checkpoint is byte-identical and loads exactly."""
+    is judged dead: a second save takes the prefix over and commits. When the first wakes (SIGCONT):
+
+    - ``same``: the second saved the same leaves (``a/...``), so every object the first goes on writing exists
+      already: it fails with ``save.conflict`` having replaced nothing and deleted nothing;
+    - ``other``: the second holds other leaves (``b/...``), so every object the first goes on writing is created,
+      none is refused, until its commit finds the prefix taken; it then deletes exactly the objects it created
+      (each only while still its version) and nothing else (through ``save_async``, and through DCP's
+      ``XckptStorageWriter``, stopped before its first write: its ``finish`` removes what every rank created, as
+      each rank reported it).
+
+    Either way the bucket is the second save's checkpoint alone, byte for byte, and it loads exactly."""
     url = f"{bucket.url}/run/step_9"
-    script = tmp_path / "sleeper.py"
-    script.write_text(
-        "import sys, numpy as np, xckpt\n"
-        "rng = np.random.default_rng(1)\n"
-        "tree = {'a': {f'w{i}': rng.standard_normal((64, 16)).astype(np.float32) for i in range(6)}, 'step': 1}\n"
-        "try:\n"
-        "    xckpt.save(tree, sys.argv[1])\n"
-        "except xckpt.XckptError as exc:\n"
-        "    print('FAILED', exc.code, exc.file, flush=True)\n"
-        "    sys.exit(3)\n"
-        "print('SAVED', flush=True)\n")
-    env = dict(os.environ, XCKPT_FAILPOINTS="mid_write:stop", XCKPT_STALE_AFTER_S="1")
-    proc = subprocess.Popen([sys.executable, str(script), url], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = _stopped(url, {"save": "mid_write", "save_async": "after_stage", "dcp": "after_plan"}[how], how=how)
     try:
-        deadline = time.monotonic() + 120
-        while _state(proc.pid) != "T":
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=10)
-            time.sleep(0.05)
         assert claims.CLAIM in _names(bucket, "run/step_9")
         time.sleep(2.5)  # its lease is 1 s old and more: judged dead
         rng = np.random.default_rng(2)
-        tree = {"a": {f"w{i}": rng.standard_normal((64, 16)).astype(np.float32) for i in range(6)}, "step": 2}
+        name, n, shape = ("a", 6, (64, 16)) if winner == "same" else ("b", 3, (32, 16))
+        tree = {name: {f"w{i}": rng.standard_normal(shape).astype(np.float32) for i in range(n)}, "step": 2}
         monkeypatch.setenv("XCKPT_STALE_AFTER_S", "1")
         xckpt.save(tree, url)
         committed = _snapshot(bucket)
+        assert winner == "same" or not any(k.startswith("run/step_9/a.") for k in committed)
     finally:
-        os.kill(proc.pid, signal.SIGCONT)
-        out, err = proc.communicate(timeout=120)
-    text = out.decode() + err.decode(errors="replace")[-3000:]
-    assert proc.returncode == 3 and "FAILED save.conflict" in text, text
-    assert _snapshot(bucket) == committed  # nothing replaced, added or deleted
+        code, text = _woken(proc)
+    assert code == 3 and ("FAILED save.conflict" if winner == "same" else "FAILED") in text, text
+    assert _snapshot(bucket) == committed  # nothing of the winner's replaced or deleted, nothing of its own left
+    _committed(bucket, url, tree)
+
+
+def test_a_save_judged_dead_before_the_new_owner_commits_removes_only_its_chunk_objects(bucket):
+    """Two saves of the same structure, each stopped once its objects are written: the first past its lease, so the
+    second takes its prefix over and writes the same ``zarr.json`` files again (same bytes, so the same ETags as the
+    first's). The first wakes, finds its claim gone and, with no committed manifest there to say which objects are
+    the second's, deletes only chunk objects it created (none is left: their place tags differ from the second's), no
+    ``zarr.json``; the second then commits a whole checkpoint that validates deep and loads exactly. (Deleting every
+    object it created by ETag would delete the second's ``zarr.json`` files.)"""
+    url = f"{bucket.url}/run/step_7"
+    first = _stopped(url, "after_write", seed=1, n=4)
+    second = None
+    try:
+        time.sleep(2.5)  # the first's lease is 1 s old and more: judged dead
+        second = _stopped(url, "after_write", seed=2, n=4)
+        code, text = _woken(first)
+        assert code == 3 and "FAILED save.conflict" in text, text
+        code, text = _woken(second)
+        assert code == 0 and "SAVED" in text, text
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                _woken(proc)
+    rng = np.random.default_rng(2)
+    tree = {"a": {f"w{i}": rng.standard_normal((64, 16)).astype(np.float32) for i in range(4)}, "step": 1}
     _committed(bucket, url, tree)
 
 
@@ -739,16 +886,31 @@ def test_lost_answer_to_a_conditional_write_is_not_a_conflict(bucket, proxy, mon
     assert _names(bucket, "run/step_9") == _reference_names(bucket, tree)
 
 
-def test_a_manifest_that_landed_unheard_goes_first_when_the_save_fails(bucket, proxy, monkeypatch):
+@pytest.mark.parametrize("how", ["xckpt", "dcp"])
+def test_a_manifest_that_landed_unheard_goes_first_when_the_save_fails(bucket, proxy, monkeypatch, how):
     """The manifest's write lands but its answer is lost (no retry left), and so is the answer to reading it back:
     the save cannot know it committed, fails, and removes what it wrote, its manifest first, so that no reader
-    finds a manifest over deleted chunks; the prefix can be saved to again."""
+    finds a manifest over deleted chunks; the prefix can be saved to again. Through DCP's ``XckptStorageWriter``
+    alike (it deleted the chunks and left the manifest over them)."""
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     url = f"{bucket.url}/run/step_4"
     at = f"/{bucket.name}/run/step_4/xckpt.json".encode()
     proxy.drop_response(b"PUT " + at + b" ", 1, then=b"GET " + at + b" ")
-    _, err, _ = _in_thread(lambda: xckpt.save(_tree(4), url), timeout=60)
-    assert proxy.dropped == 2 and isinstance(err, xckpt.XckptError), repr(err)
+    if how == "xckpt":
+        _, err, _ = _in_thread(lambda: xckpt.save(_tree(4), url), timeout=60)
+        assert isinstance(err, xckpt.XckptError), repr(err)
+    else:
+        torch = pytest.importorskip("torch")
+        import torch.distributed.checkpoint as dcp
+        from xckpt_torch import XckptStorageWriter
+
+        def as_torch(x: Any) -> Any:
+            return {k: as_torch(v) for k, v in x.items()} if isinstance(x, dict) else \
+                torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+        state = as_torch(_tree(4))
+        _, err, _ = _in_thread(lambda: dcp.save(state, storage_writer=XckptStorageWriter(url)), timeout=60)
+        assert err is not None and "xckpt.json" in str(err), repr(err)
+    assert proxy.dropped == 2
     assert _names(bucket, "run/step_4") == []
     monkeypatch.delenv("AWS_MAX_ATTEMPTS")
     xckpt.save(_tree(4), url)

@@ -433,3 +433,20 @@ def test_parse_index_refuses_exactly_what_a_byte_map_refuses(data: st.DataObject
     else:
         assert want is None, (entries, valid, data_end, known)
         assert index.tolist() == [list(e) for e in entries]
+
+
+@settings(max_examples=200, deadline=None)
+@given(home=st.lists(st.from_regex(r"[a-z][a-z0-9._]{0,6}", fullmatch=True), min_size=1, max_size=3),
+       index=st.lists(st.integers(0, 10**6), max_size=4))
+def test_chunk_object_names_are_told_from_every_other_file(home, index):
+    """``is_chunk_object`` holds for every chunk key of every array home (a chunk object's bytes name its save, so a
+    save judged dead may delete one it created) and for nothing else a save writes: ``zarr.json``, the reserved files
+    at the top, the Orbax marker."""
+    from xckpt.format import names, zarr
+
+    path = "/".join(home)
+    assert zarr.is_chunk_object(f"{path}/{zarr.chunk_key(index)}")
+    assert not zarr.is_chunk_object(f"{path}/{zarr.METADATA}")
+    assert not zarr.is_chunk_object(f"{path}/{'/'.join(str(i) for i in index)}") or home[-1] == "c"
+    for name in (*names.RESERVED, names.ORBAX_MARKER, f"{path}/c/x"):
+        assert not zarr.is_chunk_object(name)

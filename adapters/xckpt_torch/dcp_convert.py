@@ -116,9 +116,10 @@ def _to_dcp(ckpt: Any, dst: str, overwrite: bool) -> None:
             if cause is None:
                 raise
             raise cause from None
-        publish(hold.tmp, target, hold.generation)
+        publish(hold.tmp, target, hold.generation, hold=hold)
     except BaseException:
-        shutil.rmtree(hold.tmp.local_path, ignore_errors=True)
+        if not hold.committed:  # (after the move into place, the directory there is the replaced checkpoint)
+            shutil.rmtree(hold.tmp.local_path, ignore_errors=True)
         raise
     finally:
         hold.end()

@@ -28,7 +28,7 @@ from xckpt.engine import collective, failpoints
 from xckpt.engine.claims import new_generation
 from xckpt.engine.commit import Hold, SaveOptions, check_target, discard, publish, write_commit_files, \
     write_marker
-from xckpt.engine.plan import INNER_CHUNK_BYTES, Descriptors, LeafDesc, LocalPlan, local_plan, plan_save
+from xckpt.engine.plan import INNER_CHUNK_BYTES, Descriptors, GlobalPlan, LeafDesc, LocalPlan, local_plan, plan_save
 from xckpt.engine.protocol import plan_chunks, zarr_files
 from xckpt.engine.storage import Location
 from xckpt.engine.write import MAX_INFLIGHT_BYTES, ChunkWriter
@@ -91,15 +91,17 @@ class XckptStorageWriter(StorageWriter):
         self.is_coordinator = False
         self._tmp: Location | None = None
         self._hold: Hold | None = None  # the coordinator's hold on the destination, from planning to the commit
+        self._planned: GlobalPlan | None = None  # the coordinator's plan of every rank's array objects
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new checkpoint (``checkpoint_id`` is its path)."""
         if checkpoint_id is not None:
             self.path = checkpoint_id
         if self._hold is not None:  # the last save through this writer failed before finish()
-            discard(self._hold.tmp, [], hold=self._hold)
+            discard(self._hold.tmp, [], hold=self._hold, plan=self._planned)
         self._tmp = None
         self._hold = None
+        self._planned = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Remember whether this rank coordinates."""
@@ -123,8 +125,8 @@ class XckptStorageWriter(StorageWriter):
         for p in plans:
             mappings.update(p.planner_data or {})
         described = [_array_descs(p, mappings) for p in plans]
-        _, answers = plan_save([([r], d) for r, (d, _) in enumerate(described)], len(plans),
-                               inner_chunk_bytes=self.options.inner_chunk_bytes)
+        self._planned, answers = plan_save([([r], d) for r, (d, _) in enumerate(described)], len(plans),
+                                           inner_chunk_bytes=self.options.inner_chunk_bytes)
         self._hold = Hold(target, new_generation(), self.options.stale_after())
         self._tmp = self._hold.tmp
         return [dataclasses.replace(p, storage_data={"tmp": self._tmp.url, "descs": d.to_wire(), "fqns": fqns,
@@ -139,30 +141,38 @@ class XckptStorageWriter(StorageWriter):
         call :meth:`finish` after a failed write.
         """
         written: list[str] = []
+        created: dict[str, bytes] = {}
         tmp = Location(plan.storage_data["tmp"])
         coord = registry.default_coordinator() or collective.LocalCoordinator()
         result, error = None, None
         try:
-            result = self._write(plan, planner, written)
+            result = self._write(plan, planner, written, created)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement
             error = exc
         try:
             collective.agree_step(coord, f"save to {self.path}", lambda: _reraise(error))
         except BaseException:
-            discard(tmp, written, hold=self._hold if self.is_coordinator else None)
+            discard(tmp, written, hold=self._hold if self.is_coordinator else None,
+                    plan=self._planned if self.is_coordinator else None,
+                    generation=plan.storage_data["generation"], created=created)
             if self.is_coordinator:
                 self._hold = None
             raise
         assert result is not None
+        at = next((i for i, r in enumerate(result) if r.storage_data is None), None)
+        if created and at is not None:  # for finish: after a takeover a failed save removes only what it created
+            result[at] = dataclasses.replace(result[at], storage_data={"created": created})
         done: Future[list[WriteResult]] = Future()
         done.set_result(result)
         return done
 
-    def _write(self, plan: SavePlan, planner: SavePlanner, written: list[str]) -> list[WriteResult]:
+    def _write(self, plan: SavePlan, planner: SavePlanner, written: list[str], created: dict[str, bytes]
+               ) -> list[WriteResult]:
         data = plan.storage_data
         tmp = Location(data["tmp"])
         descs = Descriptors.from_wire(data["descs"])
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        failpoints.hit("after_plan", rank)
         local = local_plan(descs, data["answer"], rank)
         items = {(item.index.fqn, _region(item)): item for item in plan.items
                  if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None}
@@ -181,7 +191,10 @@ class XckptStorageWriter(StorageWriter):
             w.sync()
         finally:
             written.extend(w.names)
-            store.close()
+            try:
+                store.close()  # the writes in flight land: what they created is known
+            finally:
+                created.update(store.created)
         failpoints.hit("after_write", rank)
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
@@ -196,38 +209,49 @@ class XckptStorageWriter(StorageWriter):
         """Coordinator: write values, the Orbax view and the manifest through the core, then commit."""
         assert self._tmp is not None and self._hold is not None, "finish() called before prepare_global_plan()"
         hold, self._hold = self._hold, None
-        committed = False  # an object store's manifest is the commit: nothing after it undoes it
+        written: list[str] = []  # the commit files and value arrays begun here
+        created: dict[str, bytes] = {}  # what every rank's writes created, and this finish's (object stores)
+        for r in (r for rs in results for r in rs):
+            if isinstance(r.storage_data, dict) and "created" in r.storage_data:
+                created.update(r.storage_data["created"])
         try:
             plan, vals, arrays = self._final_plan(metadata, results)
             store = self._tmp.store(create=True)
             try:
                 if arrays.local.tasks or arrays.local.metadata:
-                    self._write_value_arrays(store, arrays, hold.generation)
-                write_commit_files(store, plan, vals, self.options, hold.generation, hold=hold)
-                committed = not self._tmp.is_local
+                    self._write_value_arrays(store, arrays, hold.generation, written)
+                write_commit_files(store, plan, vals, self.options, hold.generation, hold=hold, written=written)
                 write_marker(store, hold)
             finally:
-                store.close()
-            publish(self._tmp, hold.target, hold.generation)
+                try:
+                    store.close()  # the writes in flight land: what they created is known
+                finally:
+                    created.update(store.created)
+            publish(self._tmp, hold.target, hold.generation, hold=hold)
         except BaseException:
-            if committed:
+            if hold.committed:  # nothing after the commit undoes it
                 hold.end()
             else:
-                discard(self._tmp, [], hold=hold)
+                discard(self._tmp, written, hold=hold, plan=self._planned, generation=hold.generation,
+                        created=created)
             raise
         hold.end()
 
-    def _write_value_arrays(self, store: Any, arrays: "_ValueArrays", generation: str) -> None:
-        """Coordinator: write the arrays found inside DCP values (their zarr.json and chunk objects), durably."""
+    def _write_value_arrays(self, store: Any, arrays: "_ValueArrays", generation: str, written: list[str]) -> None:
+        """Coordinator: write the arrays found inside DCP values (their zarr.json and chunk objects), durably;
+        the names begun go to ``written``."""
         w = ChunkWriter(store, generation, self.options.max_inflight_bytes)
-        with w:
-            for name, meta in zarr_files(arrays.local, arrays.descs, self.options.compression):
-                w.file(name, meta)
-            for name, geom, chunk, leaf in plan_chunks(arrays.local, arrays.descs,
-                                                       lambda pos, piece: arrays.data[pos][piece.slices()],
-                                                       self.options.compression):
-                w.chunk(name, geom, chunk, leaf)
-        w.sync()
+        try:
+            with w:
+                for name, meta in zarr_files(arrays.local, arrays.descs, self.options.compression):
+                    w.file(name, meta)
+                for name, geom, chunk, leaf in plan_chunks(arrays.local, arrays.descs,
+                                                           lambda pos, piece: arrays.data[pos][piece.slices()],
+                                                           self.options.compression):
+                    w.chunk(name, geom, chunk, leaf)
+            w.sync()
+        finally:
+            written.extend(w.names)
 
     def _final_plan(self, metadata: Metadata, results: list[list[WriteResult]]
                     ) -> tuple[Any, dict[int, Any], "_ValueArrays"]:

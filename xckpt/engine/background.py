@@ -205,7 +205,10 @@ class Pending:
             if w is not None:
                 p.written.extend(w.names)
             if store is not None:
-                store.close()
+                try:
+                    store.close()  # the writes in flight land: what they created is known
+                finally:
+                    p.created.update(store.created)
             staged.give_back()
         p.bytes_written = w.bytes_written
         failpoints.hit("before_status", p.coord.rank)
@@ -315,6 +318,14 @@ class Pending:
             assert statuses is not None
             self.manifest = protocol.finish(p, statuses)
         except BaseException as exc:  # noqa: BLE001 - surfaces from wait(), and through the outcome
+            if p.committed:
+                # only an interrupt gets here after the commit (a failure there is a warning: write_marker, publish);
+                # nothing undoes the commit, so no process is told the save failed (they would remove their part
+                # of a committed checkpoint) and this one's wait() raises the interrupt itself, as save() does
+                self._error = self._error or exc
+                if p.hold is not None:
+                    p.hold.end()
+                return
             if p.coord.world_size == 1:
                 self._error = self._error or commit_failed(p.final, exc)
             else:

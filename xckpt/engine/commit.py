@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import math
 import os
 import re
@@ -21,7 +20,7 @@ import shutil
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import crc32c
 import numpy as np
@@ -32,7 +31,7 @@ from xckpt.engine.plan import INNER_CHUNK_BYTES, ArrayPlan, GlobalPlan, LeafLayo
 from xckpt.engine.storage import LocalStore, Location, Store
 from xckpt.engine.write import MAX_INFLIGHT_BYTES, ChunkWriter
 from xckpt.errors import CollectiveError, SaveError, XckptError, XckptWarning
-from xckpt.format import dtypes, names, orbax_view, safetensors, values as values_format, zarr
+from xckpt.format import dtypes, jsonobj, names, orbax_view, safetensors, values as values_format, zarr
 from xckpt.format.manifest import ArrayEntry, Entry, Manifest, StoredArray, ValueEntry, parse as parse_manifest, \
     version_for
 from xckpt.format.regions import chunk_indices
@@ -119,13 +118,8 @@ def identity(loc: Location, kind: str = "xckpt") -> str | None:
         store.close()
     if data is None:
         return None
-    generation = None
-    if kind == "xckpt":
-        try:
-            generation = json.loads(data.decode("utf-8")).get("generation")
-        except (UnicodeDecodeError, ValueError, AttributeError):
-            generation = None
-    return generation if isinstance(generation, str) else hashlib.blake2b(data, digest_size=16).hexdigest()
+    generation = jsonobj.string_member(data, "generation") if kind == "xckpt" else None
+    return generation if generation is not None else hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt", writes: Iterable[str] = ()) -> Target:
@@ -287,9 +281,11 @@ def _writing(file: str, what: str) -> Iterator[None]:
         raise _io_error(file, what, exc) from exc
 
 
-def publish(tmp: Location, target: Target, generation: str, rank: int = 0) -> None:
+def publish(tmp: Location, target: Target, generation: str, rank: int = 0, hold: Hold | None = None) -> None:
     """Move a completely written and synced checkpoint from ``tmp`` into place (file systems; on object
-    stores the manifest was the commit, and this does nothing).
+    stores the manifest was the commit, and this does nothing); ``hold``, the save's, is marked
+    :attr:`Hold.committed` as soon as it is in place, before the steps that follow (:func:`_settle`), so a
+    caller that meets an interrupt there knows not to remove anything.
 
     A new checkpoint moves in only if nothing is there (``save.exists`` if another save got
     there first). A replacement swaps in atomically (``renameat2(RENAME_EXCHANGE)``), checks
@@ -316,13 +312,13 @@ def publish(tmp: Location, target: Target, generation: str, rank: int = 0) -> No
                 raise SaveError(f"another save committed {dst} first; nothing was committed", code="save.exists",
                                 file=dst) from None
             raise _io_error(dst, "move the new checkpoint into place", exc) from exc
-        atomic.sync_dir(parent)
-        failpoints.hit("after_publish", rank)
+        _committed(hold)
+        _settle(dst, (_SYNC, lambda: atomic.sync_dir(parent)), ("", lambda: failpoints.hit("after_publish", rank)))
         return
     try:
         atomic.exchange(src, dst)
     except atomic.Unsupported:
-        _publish_aside(src, dst, target, generation, rank)
+        _publish_aside(src, dst, target, generation, rank, hold)
         return
     except FileNotFoundError:
         raise SaveError(f"{dst} disappeared while this save replaced it; nothing was committed",
@@ -334,12 +330,37 @@ def publish(tmp: Location, target: Target, generation: str, rank: int = 0) -> No
         atomic.exchange(src, dst)
         raise SaveError(f"another save replaced {dst} while this one was writing; nothing was committed",
                         code="save.conflict", file=dst)
-    atomic.sync_dir(parent)
-    _remove_replaced(src, target, generation)
-    failpoints.hit("after_publish", rank)
+    _committed(hold)
+    _settle(dst, (_SYNC_REPLACING, lambda: atomic.sync_dir(parent)),
+            (_REMOVE, lambda: _remove_replaced(src, target, generation)),
+            ("", lambda: failpoints.hit("after_publish", rank)))
 
 
-def _publish_aside(src: str, dst: str, target: Target, generation: str, rank: int) -> None:
+def _committed(hold: Hold | None) -> None:
+    if hold is not None:
+        hold.committed = True
+
+
+#: What :func:`_settle` says of a failed step after the move into place.
+_SYNC = "syncing its parent directory failed: until that is done a crash of the machine may undo the move"
+_SYNC_REPLACING = _SYNC + "; the checkpoint it replaced is not removed: it is left beside it, where xckpt gc removes it"
+_REMOVE = "removing the checkpoint it replaced failed: it is left beside it, where xckpt gc removes it"
+
+
+def _settle(dst: str, *steps: tuple[str, Callable[[], Any]]) -> None:
+    """Run the steps that follow a commit on a file system (the move into place: nothing undoes it, and the save
+    reports it committed), each ``(what its failure means, step)``, one after the other up to the first that
+    fails, which is a warning: the parent directory's sync, then the removal of the replaced checkpoint."""
+    for what, step in steps:
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - an interrupt goes on to the caller; the checkpoint stays either way
+            warnings.warn(f"{dst} is committed, but a failure followed the commit: {what or 'a step after it'} "
+                          f"({exc})", XckptWarning, stacklevel=4)
+            return
+
+
+def _publish_aside(src: str, dst: str, target: Target, generation: str, rank: int, hold: Hold | None) -> None:
     """A replacement with two renames (no atomic exchange here); see :func:`publish`."""
     aside = claims.sibling(target.final, "old", generation).local_path
     conflict = SaveError(f"another save replaced {dst} while this one was writing; nothing was committed",
@@ -366,9 +387,10 @@ def _publish_aside(src: str, dst: str, target: Target, generation: str, rank: in
         if os.path.lexists(aside) and not os.path.lexists(dst):
             os.rename(aside, dst)
         raise
-    atomic.sync_dir(os.path.dirname(dst) or ".")
-    _remove_replaced(aside, target, generation)
-    failpoints.hit("after_publish", rank)
+    _committed(hold)
+    _settle(dst, (_SYNC_REPLACING, lambda: atomic.sync_dir(os.path.dirname(dst) or ".")),
+            (_REMOVE, lambda: _remove_replaced(aside, target, generation)),
+            ("", lambda: failpoints.hit("after_publish", rank)))
 
 
 class Hold:
@@ -399,6 +421,9 @@ class Hold:
         self._heartbeat: claims.Heartbeat | None = claims.Heartbeat(self.lease, claims.heartbeat_s(stale_after))
         #: Leave the lease when the hold ends: an object store's commit whose marker may be missing (write_marker)
         self.keep = False
+        #: The save is committed (the move into place, :func:`publish`; an object store's manifest created,
+        #: :func:`write_commit_files`): nothing undoes it, whatever fails or interrupts after
+        self.committed = False
 
     def end(self) -> None:
         """Stop renewing the lease and release it (unless :attr:`keep`: it then ages into a leftover)."""
@@ -421,31 +446,41 @@ def plan_objects(plan: GlobalPlan) -> Iterator[str]:
 
 
 def discard(tmp: Location, written: Iterable[str], *, hold: Hold | None = None,
-            plan: GlobalPlan | None = None, generation: str | None = None) -> None:
+            plan: GlobalPlan | None = None, generation: str | None = None,
+            created: Mapping[str, bytes] | None = None) -> None:
     """Remove what a failed save wrote (best effort, never anything else).
 
-    Every process deletes the objects it wrote (``written``); the coordinating process
+    Every process deletes the objects it wrote (``written``, and ``created``); the coordinating process
     (``hold``) also removes the temporary directory (file systems) or every object the plan
     could have had any process write (object stores, where processes that died cannot clean
-    up), then releases its lease. On an object store nothing is deleted once the prefix's
-    claim is no longer this save's (``generation``): judged dead and taken over, its object
-    names may be another save's now.
+    up), then releases its lease. On an object store, once the prefix's claim is no longer this
+    save's (``generation``; judged dead and taken over, its object names may be another save's
+    now), only what this process's own writes created (``created``, :attr:`Store.created`) is
+    deleted, each object only while it is still the version created, and only where that version
+    cannot be another save's (:func:`_surely_own`).
     """
     try:
+        if hold is not None and hold.committed:  # nothing after the commit undoes it (an interrupt there)
+            return
         if not tmp.is_local and (hold is not None and not hold.lease.held()
                                  or hold is None and generation and claims.claimed_by(tmp) != generation):
-            written, plan = (), None  # judged dead, its prefix emptied and maybe another save's now: delete nothing
+            store = tmp.store()
+            try:
+                store.delete_created(_surely_own(store, created or {}))
+            finally:
+                store.close()
+            return
         store = tmp.store()
         try:
-            written = list(written)
+            written = list(dict.fromkeys([*written, *(created or {})]))
             if not tmp.is_local and names.MANIFEST in written:
                 # a manifest whose write failed may have landed all the same (its answer lost): it goes first,
                 # and only if it is this save's, so that no reader finds a manifest over deleted data
                 written.remove(names.MANIFEST)
                 if generation and identity(tmp) == generation:
                     store.delete(names.MANIFEST)
-            for name in [*written, *(plan_objects(plan) if plan is not None and hold is not None
-                                     and not tmp.is_local else ())]:
+            for name in dict.fromkeys([*written, *(plan_objects(plan) if plan is not None and hold is not None
+                                                   and not tmp.is_local else ())]):
                 try:
                     store.delete(name)
                 except (XckptError, OSError):  # one that cannot go (a name too long) stops none of the others
@@ -461,6 +496,25 @@ def discard(tmp: Location, written: Iterable[str], *, hold: Hold | None = None,
     finally:
         if hold is not None:
             hold.end()
+
+
+def _surely_own(store: Store, created: Mapping[str, bytes]) -> dict[str, bytes]:
+    """Of the objects a save judged dead created in the prefix another save took over (``created``), those it
+    deletes, each only while its version is the one created: an object store's version is its ETag, a digest of
+    its bytes, so an object the new owner deleted and wrote again with the same bytes (a ``zarr.json`` of the same
+    array) would look unchanged. Where the prefix holds the new owner's committed manifest, every object that
+    manifest does not name; else only chunk objects, whose bytes name their save (the place tag; two saves' chunks
+    of the same data differ in it, and in their ETag but with a chance of 2**-32). What is left (a few small files
+    at most, written before the new owner committed) stays beside that checkpoint; no reader looks at it."""
+    mine = {n: v for n, v in created.items() if n != names.MANIFEST}
+    try:
+        raw = store.read(names.MANIFEST)
+        committed = None if raw is None else parse_manifest(raw, file=str(store.location.child(names.MANIFEST)))
+    except XckptError:
+        committed = None
+    if committed is not None:
+        return {n: v for n, v in mine.items() if not committed.owns(n, False)}
+    return {n: v for n, v in mine.items() if zarr.is_chunk_object(n)}
 
 
 def _remove_empty_dirs(root: str) -> None:
@@ -593,6 +647,8 @@ def write_commit_files(store: Store, plan: GlobalPlan, values: dict[int, Any], o
         if not store.create(names.MANIFEST, manifest.dumps()):
             raise SaveError(f"another save committed {store.location} first; nothing was committed",
                             code="save.exists", file=str(store.location))
+    if not store.location.is_local:
+        _committed(hold)  # the manifest was the commit
     return manifest
 
 
@@ -612,7 +668,7 @@ def write_marker(store: Store, hold: Hold | None = None) -> None:
             store.write(names.COMMIT, names.COMMIT_TEXT)
             store.sync()
         failpoints.hit("after_commit_marker")
-    except (XckptError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - on an object store the manifest was the commit; see above
         if store.location.is_local:
             raise
         warnings.warn(f"{store.location} is committed, but a failure followed the commit ({exc}): if its "

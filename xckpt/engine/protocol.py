@@ -70,11 +70,14 @@ class Prepared:
     stats: dict[str, Any] = field(default_factory=dict)
     bytes_written: int = 0
     written: list[str] = field(default_factory=list)  # objects this process began to write
+    created: dict[str, bytes] = field(default_factory=dict)  # what its writes created in place (Store.created)
     committed: bool = False  # the coordinating process reached the commit point
+    manifest: Manifest | None = None  # the coordinating process's, once written
 
     def discard(self) -> None:
         """Remove what this process wrote for a failed save (the coordinating process: all of it)."""
-        discard(self.tmp, self.written, hold=self.hold, plan=self.plan, generation=self.generation)
+        discard(self.tmp, self.written, hold=self.hold, plan=self.plan, generation=self.generation,
+                created=self.created)
 
     @property
     def what(self) -> str:
@@ -373,7 +376,10 @@ def write(p: Prepared) -> int:
         w.sync()
     finally:
         p.written.extend(w.names)
-        store.close()
+        try:
+            store.close()  # the writes in flight land: what they created is known
+        finally:
+            p.created.update(store.created)
     failpoints.hit("after_write", p.coord.rank)
     p.bytes_written = w.bytes_written
     p.stats["write_s"] = time.perf_counter() - started
@@ -447,15 +453,19 @@ def finish(p: Prepared, statuses: list[dict[str, Any]]) -> Manifest:
     failpoints.hit("before_commit_files")
     store = p.tmp.store(create=True)
     try:
-        manifest = write_commit_files(store, p.plan, values, p.options, p.generation, hold=p.hold,
-                                      written=p.written)
-        if not p.tmp.is_local:
-            p.committed = True  # the manifest was the commit: nothing after it undoes it
+        manifest = p.manifest = write_commit_files(store, p.plan, values, p.options, p.generation, hold=p.hold,
+                                                   written=p.written)
+        p.committed = p.hold.committed  # on an object store the manifest was the commit: nothing after it undoes it
         write_marker(store, p.hold)
     finally:
-        store.close()
-    publish(p.tmp, p.hold.target, p.generation)
-    p.committed = True
+        try:
+            store.close()  # the writes in flight land: what they created is known
+        finally:
+            p.created.update(store.created)
+    try:
+        publish(p.tmp, p.hold.target, p.generation, hold=p.hold)
+    finally:
+        p.committed = p.hold.committed  # (an interrupt after the move into place: committed all the same)
     p.hold.end()
     return manifest
 
@@ -475,7 +485,17 @@ def commit(p: Prepared, local_error: BaseException | None = None) -> Manifest | 
     result: dict[str, Any] = {}
 
     def root(statuses: list[dict[str, Any]]) -> None:
-        result["manifest"] = finish(p, statuses)
+        try:
+            result["manifest"] = finish(p, statuses)
+        except BaseException as exc:  # noqa: BLE001 - raised below, once the others know the save committed
+            if not p.committed:
+                raise
+            # after the commit only an interrupt, or a warning the warnings filter turned into an error, gets
+            # here (a failure there is a warning): the others are told the save committed, this process raises
+            # it as it is
+            result["manifest"], result["after"] = p.manifest, exc
+            if p.hold is not None:
+                p.hold.end()
 
     try:
         try:
@@ -492,6 +512,8 @@ def commit(p: Prepared, local_error: BaseException | None = None) -> Manifest | 
                 warnings.warn(XckptWarning(f"the checkpoint at {p.final} is committed, but the other processes "
                                            f"could not be told ({exc})"), stacklevel=3)
                 p.stats["commit_s"] = time.perf_counter() - started
+                if "after" in result:
+                    raise result["after"]
                 return result["manifest"]
             if not p.committed:
                 p.discard()
@@ -501,6 +523,8 @@ def commit(p: Prepared, local_error: BaseException | None = None) -> Manifest | 
     except XckptError as exc:
         raise commit_failed(p.final, exc) from exc
     p.stats["commit_s"] = time.perf_counter() - started
+    if "after" in result:
+        raise result["after"]
     return result.get("manifest")
 
 

@@ -20,7 +20,7 @@ import stat
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import crc32c
 import numpy as np
@@ -168,6 +168,10 @@ class Store(Protocol):
     #: Whether every request waits a round trip (an object store), so that reads gain from being sent
     #: at once; False where a small read costs less than handing it to another thread (a local directory).
     remote: bool
+    #: The objects this store's writes created where another writer can reach the same names (an object store,
+    #: written in place), each with the version (storage generation) it was created at; always empty for a local
+    #: directory, where a save writes only into a directory of its own.
+    created: dict[str, bytes]
 
     def open(self, name: str) -> Blob | None:
         """Open an object for reading; None when it does not exist."""
@@ -197,6 +201,11 @@ class Store(Protocol):
 
     def delete(self, name: str) -> None:
         """Delete an object (nothing happens when it is missing)."""
+
+    def delete_created(self, created: Mapping[str, bytes]) -> None:
+        """Delete each object of ``created`` (:attr:`created` of the stores a save wrote with) only while it is
+        still the version that save created: never one another writer put there since. Best effort: one that
+        cannot be deleted stops none of the others."""
 
     def exists(self, name: str) -> bool:
         """Whether an object exists."""
@@ -406,6 +415,7 @@ class LocalStore:
         self._lock = threading.Lock()
         self._prefix = os.path.join(root, "")  # the root with one trailing separator: a file's path is this + its name
         self._made: set[str] = set()  # directories this store wrote into (made, or found)
+        self.created: dict[str, bytes] = {}  # (Store.created): never filled, a save's directory is its own
         self._unsynced: list[tuple[int, str]] = []  # files written, open, not yet fsynced (:meth:`sync`)
         with self._lock:
             self._dir(())
@@ -609,6 +619,14 @@ class LocalStore:
             os.unlink(_file(self.root, name))
         except FileNotFoundError:
             pass
+
+    def delete_created(self, created: Mapping[str, bytes]) -> None:
+        """Unlink each file of ``created`` (which a local store never fills: see :attr:`Store.created`)."""
+        for name in created:
+            try:
+                self.delete(name)
+            except OSError:
+                pass
 
     def exists(self, name: str) -> bool:
         """Whether a regular file is there, in the directory this store opened (links are not followed, but
@@ -882,6 +900,7 @@ class KvStore:
         self.location = location
         self._kv = open_kvstore(location.kvstore(), str(location))
         self._in_flight: deque[tuple[str, Any, int]] = deque()  # (name, its write, the crc32c of what it sent)
+        self.created: dict[str, bytes] = {}  # (Store.created)
         self._flight_lock = threading.Lock()
 
     def _file(self, name: str) -> str:
@@ -957,12 +976,12 @@ class KvStore:
 
     def _created(self, name: str, generation: bytes, crc: int) -> None:
         """After a write of ``name`` conditioned on its absence (:meth:`write`), which sent bytes of crc32c
-        ``crc``: nothing when it created the object (``generation``), or when the object found holds those
-        bytes (this write's own, its first answer lost); else ``save.conflict`` naming it."""
+        ``crc``: noted in :attr:`created` when it created the object (``generation``), or when the object found
+        holds those bytes (this write's own, its first answer lost); else ``save.conflict`` naming it."""
         if generation:
+            self.created[name] = generation
             return
-        res = kv_result(self._kv.read(name), self._file(name))
-        if res.state == "value" and crc32c.crc32c(res.value) == crc:
+        if self._holds(name, lambda found: crc32c.crc32c(found) == crc):
             return
         raise SaveError(f"{self._file(name)} was written by another save while this one wrote it (this save was "
                         "stopped past its lease, judged dead and its prefix taken over, or another writer put an "
@@ -976,16 +995,37 @@ class KvStore:
         attempt whose answer was lost, and the driver's retry found it (a manifest names its save's
         generation, so no other save writes the same bytes). So is one found after the write failed: the store
         created it, and the answer was lost with no retry left (:func:`landed`)."""
+        blob = bytes(data)
         try:
-            if self._put(name, bytes(data), if_equal=ABSENT):
-                return True
+            generation = self._put(name, blob, if_equal=ABSENT)
         except XckptError as exc:
-            return bool(landed(exc, lambda: self.read(name) == bytes(data)))
-        return self.read(name) == bytes(data)
+            return bool(landed(exc, lambda: self._holds(name, blob.__eq__)))
+        if generation:
+            self.created[name] = generation
+            return True
+        return self._holds(name, blob.__eq__)
+
+    def _holds(self, name: str, same: Callable[[bytes], bool]) -> bool:
+        """Whether ``name`` holds what this store's own write of it sent (``same`` of its bytes): the store created
+        it on an attempt whose answer was lost. Noted in :attr:`created` at the version read."""
+        res = kv_result(self._kv.read(name), self._file(name))
+        if res.state != "value" or not same(bytes(res.value)):
+            return False
+        self.created[name] = res.stamp.generation
+        return True
 
     def delete(self, name: str) -> None:
         """Delete an object (nothing happens when it is missing)."""
         self._put(name, None)
+
+    def delete_created(self, created: Mapping[str, bytes]) -> None:
+        """Delete each object of ``created`` only while it is the version created (a conditional delete: the
+        driver compares the object's ETag first)."""
+        for name, version in created.items():
+            try:
+                self._put(name, None, if_equal=version)
+            except XckptError:
+                pass
 
     def exists(self, name: str) -> bool:
         """Whether an object exists (a store that cannot answer: ``io.read`` naming the object)."""

@@ -89,6 +89,18 @@ def chunk_key(index: Sequence[int]) -> str:
     return "c/" + "/".join(str(i) for i in index) if len(index) else "c"
 
 
+def is_chunk_object(name: str) -> bool:
+    """Whether an object name (relative to the checkpoint's root) is a chunk object's: its last parts are ``c``
+    then only numbers (:func:`chunk_key`), as no ``zarr.json`` or other file a save writes is named."""
+    parts = name.split("/")
+    for at in range(len(parts) - 1, -1, -1):
+        if parts[at] == "c":
+            return True
+        if not parts[at].isdigit():
+            return False
+    return False
+
+
 def parse_chunk_key(name: str, grid: Sequence[int]) -> tuple[int, ...] | None:
     """The grid index a chunk object name (relative to its array) stands for: the inverse of
     :func:`chunk_key` within a grid of ``grid`` chunks per dimension; None for any other name (another

@@ -294,12 +294,13 @@ def write_export(ckpt: Source, dst: str, plan: ExportPlan, *, overwrite: bool = 
                 with open(source, "rb") as f:
                     _write_new(os.path.join(tmp, name), f.read())
             atomic.sync_dir(tmp)
-            publish(hold.tmp, target, hold.generation)
+            publish(hold.tmp, target, hold.generation, hold=hold)
         except OSError as exc:
             raise SaveError(f"cannot write the safetensors export: {exc.strerror or exc}; nothing was written",
                             code="io.write", file=getattr(exc, "filename", None) or str(final)) from exc
     except BaseException:
-        shutil.rmtree(hold.tmp.local_path, ignore_errors=True)
+        if not hold.committed:  # (after the move into place, the directory there is the replaced export)
+            shutil.rmtree(hold.tmp.local_path, ignore_errors=True)
         raise
     finally:
         hold.end()
