@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 from xckpt import registry
 from xckpt.engine import atomic, background, claims, collective, steps
 from xckpt.engine.collective import Coordinator, LocalCoordinator
-from xckpt.engine.steps import METRICS_ITEM, regular
+from xckpt.engine.steps import METRICS_ITEM, json_object, regular
 from xckpt.engine.storage import LocalStore, Location
 from xckpt.engine.threads import Worker
 from xckpt.errors import NotACheckpointError, SaveError, UnsupportedError, XckptError, XckptWarning
@@ -84,19 +84,6 @@ def _step_name(step: int, width: int | None) -> str:
     return f"{step:0{width}d}" if width else str(step)
 
 
-def _json_object(path: str) -> dict[str, Any] | None:
-    """A small JSON object file (None when missing, a link, not a regular file, or not a JSON object)."""
-    try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > (1 << 24):
-            return None
-        with open(path, "rb") as f:
-            obj = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError, RecursionError):  # (not UTF-8 or JSON, a number of 5,000 digits, deep nesting)
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
 def tree_size(path: str) -> int | None:
     """Bytes of the regular files below the directory ``path`` (no link is followed); None if unreadable."""
     try:
@@ -118,7 +105,7 @@ def tree_size(path: str) -> int | None:
 
 def _step_info(step: int, path: str, *, sizes: bool = True) -> StepInfo:
     """What the step directory ``path`` holds."""
-    meta = _json_object(os.path.join(path, names.ORBAX_CHECKPOINT_METADATA))
+    meta = json_object(os.path.join(path, names.ORBAX_CHECKPOINT_METADATA))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -136,7 +123,7 @@ def _step_info(step: int, path: str, *, sizes: bool = True) -> StepInfo:
         # so never the latest step, never deleted
         return StepInfo(step, path, False, None, tree_size(path) if sizes else None, None, {}, None)
     item = item_loc.local_path if item_loc.is_local else path
-    item_meta = meta if meta is not None else _json_object(os.path.join(item, names.ORBAX_CHECKPOINT_METADATA))
+    item_meta = meta if meta is not None else json_object(os.path.join(item, names.ORBAX_CHECKPOINT_METADATA))
     manifest_file = os.path.join(item, names.MANIFEST)
     manifest_st = regular(manifest_file) if fmt == "xckpt" else None
     if fmt == "xckpt":
@@ -153,7 +140,7 @@ def _step_info(step: int, path: str, *, sizes: bool = True) -> StepInfo:
         commit_time = manifest_st.st_mtime
     metrics: dict[str, Any] = {}
     mine = manifest_meta.get("manager") if isinstance(manifest_meta, dict) else None
-    orbax_metrics = _json_object(os.path.join(path, METRICS_ITEM, METRICS_ITEM))
+    orbax_metrics = json_object(os.path.join(path, METRICS_ITEM, METRICS_ITEM))
     if isinstance(mine, dict) and isinstance(mine.get("metrics"), dict):
         metrics = _with_non_finite(mine["metrics"], mine.get("non_finite"))
     elif orbax_metrics is not None:

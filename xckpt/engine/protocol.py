@@ -71,13 +71,17 @@ class Prepared:
     bytes_written: int = 0
     written: list[str] = field(default_factory=list)  # objects this process began to write
     created: dict[str, bytes] = field(default_factory=dict)  # what its writes created in place (Store.created)
-    committed: bool = False  # the coordinating process reached the commit point
     manifest: Manifest | None = None  # the coordinating process's, once written
 
     def discard(self) -> None:
         """Remove what this process wrote for a failed save (the coordinating process: all of it)."""
         discard(self.tmp, self.written, hold=self.hold, plan=self.plan, generation=self.generation,
                 created=self.created)
+
+    @property
+    def committed(self) -> bool:
+        """Whether the coordinating process reached the commit point (:attr:`Hold.committed`)."""
+        return self.hold is not None and self.hold.committed
 
     @property
     def what(self) -> str:
@@ -455,17 +459,13 @@ def finish(p: Prepared, statuses: list[dict[str, Any]]) -> Manifest:
     try:
         manifest = p.manifest = write_commit_files(store, p.plan, values, p.options, p.generation, hold=p.hold,
                                                    written=p.written)
-        p.committed = p.hold.committed  # on an object store the manifest was the commit: nothing after it undoes it
         write_marker(store, p.hold)
     finally:
         try:
             store.close()  # the writes in flight land: what they created is known
         finally:
             p.created.update(store.created)
-    try:
-        publish(p.tmp, p.hold.target, p.generation, hold=p.hold)
-    finally:
-        p.committed = p.hold.committed  # (an interrupt after the move into place: committed all the same)
+    publish(p.tmp, p.hold.target, p.generation, hold=p.hold)
     p.hold.end()
     return manifest
 

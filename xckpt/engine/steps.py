@@ -17,7 +17,7 @@ import os
 import shutil
 import stat
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 from xckpt.engine.storage import LocalStore
 from xckpt.errors import XckptError, XckptWarning
@@ -43,6 +43,20 @@ def regular(path: str) -> os.stat_result | None:
     return st if stat.S_ISREG(st.st_mode) else None
 
 
+def json_object(path: str, limit: int = 1 << 24) -> dict[str, Any] | None:
+    """A small JSON object file (None when missing, a link, not a regular file, above ``limit`` bytes, or not a
+    JSON object)."""
+    st = regular(path)
+    if st is None or st.st_size > limit:
+        return None
+    try:
+        with open(path, "rb") as f:
+            obj = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):  # (not UTF-8 or JSON, a number of 5,000 digits, deep nesting)
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 def _items(path: str) -> list[str]:
     """Where the step at ``path`` holds its xckpt checkpoint (a regular ``xckpt.json``, never found through a
     link): its top (``""``), or else each item its ``_CHECKPOINT_METADATA`` names (``item_handlers``: ``default``,
@@ -51,17 +65,8 @@ def _items(path: str) -> list[str]:
     if regular(os.path.join(path, names.MANIFEST)) is not None:
         return [""]
     named = [names.DEFAULT_ITEM]
-    store = LocalStore(path)
-    try:
-        raw = store.read(names.ORBAX_CHECKPOINT_METADATA, limit=_METADATA_BYTES)
-    except XckptError:
-        raw = None
-    finally:
-        store.close()
-    try:
-        handlers = json.loads(raw).get("item_handlers") if raw is not None else None
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        handlers = None
+    meta = json_object(os.path.join(path, names.ORBAX_CHECKPOINT_METADATA), _METADATA_BYTES)
+    handlers = meta.get("item_handlers") if meta is not None else None
     if isinstance(handlers, dict):
         named = sorted(k for k in handlers if isinstance(k, str) and k and "/" not in k and not k.startswith("."))
     return [f"{d}/" for d in named if regular(os.path.join(path, d, names.MANIFEST)) is not None
