@@ -20,6 +20,7 @@ import pytest
 
 import xckpt
 from xckpt.cli import main as cli_main
+from xckpt.convert import convert
 from xckpt.format.regions import Region
 from xckpt.registry import ArraySource, Shard
 
@@ -501,6 +502,106 @@ def test_a_failure_after_the_move_into_place_keeps_the_checkpoint(tmp_path, monk
     xckpt.gc(tmp_path, older_than_s=0)
     assert hidden(tmp_path) == []
     np.testing.assert_array_equal(xckpt.load(path)["w"], np.arange(4.0))
+
+
+@pytest.mark.parametrize("how", ["exchange", "aside", "safetensors"])
+def test_gc_keeps_files_put_into_a_replaced_checkpoint_a_failed_step_after_the_commit_left_beside(
+        tmp_path, monkeypatch, how):
+    """Files put into a checkpoint while a save replaced it survive when the parent directory's sync after the move
+    into place fails: the replaced checkpoint stays beside the new one (at the save's temporary name after an
+    atomic exchange, at its side-copy name after two renames), and ``xckpt gc`` deletes only what that checkpoint
+    is made of, moving the rest to ``<name>.xckpt-kept-<generation>`` with a warning (it deleted the directory
+    whole before, the notes with it). Same for a safetensors export replaced by another."""
+    import errno
+    import warnings
+
+    from xckpt.engine import atomic
+
+    if how != "aside" and not atomic.supported():
+        pytest.skip("no renameat2 here")
+    if how == "aside":  # the replacement without an atomic exchange: two renames
+        def unsupported(a, b):
+            raise atomic.Unsupported(errno.EINVAL, "no exchange")
+        monkeypatch.setattr(atomic, "exchange", unsupported)
+    path = tmp_path / "ckpt"
+    if how == "safetensors":
+        src = tmp_path / "src"
+        xckpt.save({"w": np.ones(4, np.float32)}, src)
+        convert(str(src), str(path), target="safetensors")
+        replaced = {"model.safetensors"}
+    else:
+        xckpt.save({"w": np.ones(4)}, path)
+        replaced = {name for name, _ in _walk(path)}
+    real = atomic.sync_dir
+    parent_syncs = []
+
+    def sync_dir(d):
+        if os.path.realpath(d) == os.path.realpath(tmp_path):
+            parent_syncs.append(d)
+            # the aside path syncs the parent between its renames too: the one after the move into place fails
+            if len(parent_syncs) == (2 if how == "aside" else 1):
+                (left,) = [tmp_path / e for e in os.listdir(tmp_path) if e.startswith(".ckpt.xckpt-")
+                           and e.split("-")[-2] in ("tmp", "old") and (tmp_path / e).is_dir()]
+                (left / "notes.txt").write_text("mine")  # put into the replaced checkpoint while the save ran
+                if how != "safetensors":
+                    (left / "w" / "NOTE").write_text("mine too")
+                raise OSError(errno.EIO, "Input/output error")
+        return real(d)
+    monkeypatch.setattr(atomic, "sync_dir", sync_dir)
+    with pytest.warns(xckpt.XckptWarning, match="is committed, but a failure followed the commit"):
+        if how == "safetensors":
+            src2 = tmp_path / "src2"
+            monkeypatch.setattr(atomic, "sync_dir", real)
+            xckpt.save({"w": np.arange(4, dtype=np.float32)}, src2)
+            monkeypatch.setattr(atomic, "sync_dir", sync_dir)
+            convert(str(src2), str(path), target="safetensors", overwrite=True)
+        else:
+            xckpt.save({"w": np.arange(4.0)}, path, overwrite=True)
+    monkeypatch.undo()
+    (left,) = [e for e in os.listdir(tmp_path) if e.startswith(".ckpt.xckpt-")]
+    generation = left.rpartition("-")[2]
+    with pytest.warns(xckpt.XckptWarning, match="not known to be its own"):
+        found = xckpt.gc(tmp_path, older_than_s=0)
+    assert [c.action for c in found if c.leftover.path.endswith(left)] == ["removed"]
+    assert not [e for e in os.listdir(tmp_path) if e.startswith(".ckpt.")]
+    kept = tmp_path / f"ckpt.xckpt-kept-{generation}"
+    want = {"notes.txt": "mine"} if how == "safetensors" else {"notes.txt": "mine", "w/NOTE": "mine too"}
+    assert {name: (kept / name).read_text() for name, kind in _walk(kept) if kind == "file"} == want
+    assert not replaced & {name for name, _ in _walk(kept)} - {"w"}  # nothing of the replaced checkpoint
+    if how == "safetensors":
+        from safetensors.numpy import load_file
+        np.testing.assert_array_equal(load_file(str(path / "model.safetensors"))["w"], np.arange(4, dtype=np.float32))
+    else:
+        np.testing.assert_array_equal(xckpt.load(path)["w"], np.arange(4.0))
+        assert xckpt.validate(path).ok
+
+
+def test_gc_removes_a_dead_saves_own_temporary_directory_whole(tmp_path):
+    """A save killed after writing its own manifest into its temporary directory (before the move into place) left
+    only its own writing there: gc removes it whole, leaving no kept directory (the rule above applies to a
+    checkpoint of another generation only)."""
+    path = tmp_path / "ckpt"
+    crash(path, 1, "before_publish")
+    (left,) = [e for e in os.listdir(tmp_path) if e.startswith(".ckpt.xckpt-tmp-")]
+    assert (tmp_path / left / "xckpt.json").is_file()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = xckpt.gc(tmp_path, older_than_s=0)
+    assert {c.action for c in found} == {"removed"}
+    assert os.listdir(tmp_path) == []
+
+
+def _walk(root: Path) -> list[tuple[str, str]]:
+    """Every entry below ``root``: (relative name, "file" or "dir")."""
+    out = []
+    for d, dirs, files in os.walk(root):
+        rel = os.path.relpath(d, root)
+        for n in dirs:
+            out.append((os.path.normpath(os.path.join(rel, n)), "dir"))
+        for n in files:
+            out.append((os.path.normpath(os.path.join(rel, n)), "file"))
+    return out
 
 
 # -- readers against a writer ------------------------------------------------------------------------

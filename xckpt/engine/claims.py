@@ -37,8 +37,8 @@ from typing import Any, Iterable
 
 import msgpack
 
-from xckpt.engine import atomic, env, steps
-from xckpt.engine.storage import ABSENT, Location, kv_result, landed, open_kvstore
+from xckpt.engine import atomic, env, owned, steps
+from xckpt.engine.storage import ABSENT, MAX_READ_BYTES, Location, kv_result, landed, open_kvstore
 from xckpt.errors import SaveError, XckptError, XckptWarning
 from xckpt.format import jsonobj, names, safetensors
 
@@ -473,10 +473,45 @@ def _own_objects(keys: Iterable[str]) -> list[str]:
     return [k for k in keys if k != CLAIM and not k.startswith(nested) and names.may_write(k)]
 
 
+def _remove_replaced(leftover: Leftover, kept: str) -> bool:
+    """Delete a save's temporary directory or side copy that holds a committed checkpoint other than what the save
+    itself wrote: the checkpoint it replaced, left there when a step after its commit failed (the parent
+    directory's sync after the exchange, the removal itself) or when it died between its two renames. Only what
+    that checkpoint is made of goes (:func:`xckpt.engine.owned.owner`); anything else (files put into it while the
+    save ran) stays, the directory renamed ``kept``, with an :class:`~xckpt.errors.XckptWarning`; one whose
+    manifest or index cannot be read is kept whole. Whether it held such a checkpoint (else nothing was done).
+
+    A side copy always holds the replaced checkpoint. A temporary directory holds the save's own writing unless it
+    holds an xckpt manifest of another generation (a manifest that does not parse is the save's own, cut short:
+    the checkpoint it replaced was read whole when it began), or a DCP directory's or safetensors export's telling
+    file (a conversion that died after writing its own loses the same files either way)."""
+    path = leftover.path
+    if os.path.islink(path) or not os.path.isdir(path):
+        return False
+    kind = owned.kind_held(path)
+    if kind is None:
+        return False
+    if kind == "xckpt" and leftover.kind == "tmp":
+        record = steps.json_object(os.path.join(path, names.MANIFEST), MAX_READ_BYTES)
+        if record is None or record.get("generation") in (None, leftover.generation):
+            return False  # the dead save's own manifest: it died before moving it into place
+    try:
+        owns: owned.Owns = owned.owner(Location(path), kind)[0]
+    except XckptError:
+        owns = lambda _name, _what: False  # noqa: E731 - which files are its own cannot be told: all stay
+    where = owned.remove_owned(path, owns, kept)
+    if where is not None:
+        warnings.warn(f"{path} held a checkpoint a save replaced, and files that are not known to be its own; they "
+                      f"were not deleted, and are in {where}", XckptWarning, stacklevel=3)
+    return True
+
+
 def remove(leftover: Leftover) -> None:
     """Delete one leftover (a claimed prefix: the objects its dead save may have written there, never a
     checkpoint it committed nor objects others put under it, :func:`_own_objects`; an interrupted deletion of
-    a manager's step: what the step's saves wrote, never files put into it, :func:`xckpt.engine.steps.delete`).
+    a manager's step: what the step's saves wrote, never files put into it, :func:`xckpt.engine.steps.delete`;
+    a temporary directory or side copy holding a checkpoint the save replaced: what that checkpoint is made of,
+    never files put into it, :func:`_remove_replaced`).
 
     A claim is first taken over with a conditional write, and only if it is still the one judged
     dead (same storage generation): a claim renewed, released or taken over since, by a save or
@@ -489,9 +524,11 @@ def remove(leftover: Leftover) -> None:
     if leftover.kind == "status" and not Location(leftover.path).is_local:
         _remove_status_objects(leftover)
         return
+    kept = os.path.join(os.path.dirname(leftover.path), f"{leftover.name}.xckpt-kept-{leftover.generation}")
     if leftover.kind == "deleting":  # what the step's saves wrote; anything put into it is kept beside it
-        steps.delete(leftover.path, os.path.join(os.path.dirname(leftover.path),
-                                                 f"{leftover.name}.xckpt-kept-{leftover.generation}"))
+        steps.delete(leftover.path, kept)
+        return
+    if leftover.kind in ("tmp", "old") and _remove_replaced(leftover, kept):
         return
     failed: list[tuple[str, str]] = []
 

@@ -15,7 +15,6 @@ import errno
 import hashlib
 import math
 import os
-import re
 import shutil
 import warnings
 from contextlib import contextmanager
@@ -26,7 +25,7 @@ import crc32c
 import numpy as np
 
 from xckpt._version import __version__
-from xckpt.engine import atomic, claims, failpoints
+from xckpt.engine import atomic, claims, failpoints, owned
 from xckpt.engine.plan import INNER_CHUNK_BYTES, ArrayPlan, GlobalPlan, LeafLayout
 from xckpt.engine.storage import LocalStore, Location, Store
 from xckpt.engine.write import MAX_INFLIGHT_BYTES, ChunkWriter
@@ -69,7 +68,8 @@ class Target:
     replaces: str | None = None  # identity (:func:`identity`) of the committed checkpoint it replaces
     empty_dir: bool = False  # an empty local directory stands at the destination (it is removed)
     kind: str = "xckpt"  # what it writes and may replace: "xckpt", or "dcp" (a torch DCP directory)
-    #: what the checkpoint it replaces is made of (:func:`_owner`), as found when the save began: all it deletes
+    #: what the checkpoint it replaces is made of (:func:`xckpt.engine.owned.owner`), as found when the save began:
+    #: all it deletes
     owns: Callable[[str, str], bool] | None = None
 
 
@@ -175,58 +175,20 @@ def check_target(final: Location, opts: SaveOptions, kind: str = "xckpt", writes
     return Target(final)
 
 
-#: The names a torch DCP directory is made of (its writer's data files, and its metadata).
-_DCP_NAME = re.compile(r"__[0-9]+_[0-9]+\.distcp|\.metadata")
-
-
-def _owner(root: Location, kind: str, writes: frozenset[str]) -> tuple[Callable[[str, str], bool], str]:
-    """Which entries of a committed directory of ``kind`` at ``root`` are its own, as ``owns(name, kind)`` (a name
-    relative to ``root``, its kind as :meth:`LocalStore.walk` gives it: links and special files never are), and
-    what tells them (for messages). An xckpt checkpoint's are what its manifest says a save writes
-    (:meth:`Manifest.owns`: a note put into a leaf's directory is not); a DCP directory's, its metadata and data
-    files; a safetensors export's, its index and the files it names (or its one file); the top-level names
-    ``writes`` too. One whose manifest or index cannot be read is refused (``save.not_checkpoint``): which of its
-    files are its own cannot be told, so replacing it could delete files put into it."""
-    if kind == "dcp":
-        return (lambda name, what: what == "file" and (name in writes or _DCP_NAME.fullmatch(name) is not None)), \
-            "which are not DCP's own files (.metadata, __<rank>_<n>.distcp)"
-    telling = safetensors.INDEX_FILE if kind == "safetensors" else names.MANIFEST
-    file = str(root.child(telling))
-    store = root.store()
-    try:
-        if kind == "safetensors":
-            raw = store.read(safetensors.INDEX_FILE, limit=safetensors.MAX_INDEX_BYTES)
-            if raw is None:
-                return _flat({safetensors.SINGLE_FILE} | writes), f"which are not its {safetensors.SINGLE_FILE}"
-            return _flat({safetensors.INDEX_FILE, *safetensors.parse_index(raw, file=file).values()} | writes), \
-                "which its index does not name"
-        raw = store.read(names.MANIFEST)
-        if raw is None:  # (identity() found it a moment ago)
-            raise XckptError("the manifest is gone", code="manifest.missing", file=file)
-        m = parse_manifest(raw, file=file)
-    except XckptError as exc:
-        raise SaveError(f"{telling} of {root} cannot be read ([{exc.code}] {exc.message}), so which files are its "
-                        "own cannot be told and replacing it could delete files put into it; nothing was written: "
-                        "remove it yourself, or save elsewhere", code="save.not_checkpoint", file=file) from None
-    finally:
-        store.close()
-
-    def owns(name: str, what: str) -> bool:
-        return what in ("file", "dir") and (name in writes or m.owns(name, what == "dir"))
-    return owns, "which its manifest does not account for"
-
-
-def _flat(made_of: set[str] | frozenset[str]) -> Callable[[str, str], bool]:
-    """``owns`` of a directory made of the files ``made_of`` at its top level and nothing else."""
-    return lambda name, what: what == "file" and name in made_of
-
-
 def _refuse_foreign(final: Location, kind: str, writes: frozenset[str]) -> Callable[[str, str], bool]:
     """Refuse to replace a committed directory of ``kind`` that holds anything it is not made of (a README, a
     tokenizer folder, a ``config.json``, a note in a leaf's directory, put there by hand): replacing it would
-    delete them (``save.foreign``, naming the first; :func:`_owner`). One whose own names cannot be told (its
-    manifest or index unreadable) is refused too. Returns what it is made of (``owns``)."""
-    owns, which = _owner(final, kind, writes)
+    delete them (``save.foreign``, naming the first; :func:`xckpt.engine.owned.owner`). One whose own names cannot
+    be told (its manifest or index unreadable) is refused too (``save.not_checkpoint``). Returns what it is made of
+    (``owns``)."""
+    try:
+        owns, which = owned.owner(final, kind, writes)
+    except XckptError as exc:
+        file = str(final.child(owned.telling_file(kind)))
+        raise SaveError(f"{owned.telling_file(kind)} of {final} cannot be read ([{exc.code}] {exc.message}), so which "
+                        "files are its own cannot be told and replacing it could delete files put into it; nothing "
+                        "was written: remove it yourself, or save elsewhere", code="save.not_checkpoint",
+                        file=file) from None
     foreign: list[str] = []
     store = final.store()
     try:
@@ -250,19 +212,9 @@ def _remove_replaced(old: str, target: Target, generation: str) -> None:
     the save began). Anything put into it since stays: its directory is renamed
     ``<name>.xckpt-kept-<generation>`` beside the new checkpoint, with a warning."""
     assert target.owns is not None
-    store = Location(old).store()
-    try:
-        assert isinstance(store, LocalStore)
-        gone = store.prune(target.owns)
-    finally:
-        store.close()
-    if gone:
+    kept = owned.remove_owned(old, target.owns, f"{target.final.local_path.rstrip('/')}.xckpt-kept-{generation}")
+    if kept is None:
         return
-    kept = f"{target.final.local_path.rstrip('/')}.xckpt-kept-{generation}"
-    try:
-        os.rename(old, kept)
-    except OSError:
-        kept = old
     warnings.warn(f"{target.final}: the checkpoint this save replaced held files put into it while the save ran; "
                   f"they were not deleted, and are in {kept}", XckptWarning, stacklevel=2)
 

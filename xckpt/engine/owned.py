@@ -1,0 +1,102 @@
+"""Which entries of a committed directory are its own, and deleting only those (spec 6.3, 6.6).
+
+A save that replaces a checkpoint, and ``xckpt gc`` removing one a save left behind (the checkpoint it
+replaced, when a step after its commit failed), delete what that checkpoint is made of and nothing else:
+files put into it by hand (a README, a note in a leaf's directory) are kept, in a directory renamed
+``<name>.xckpt-kept-<generation>`` beside it. What a directory is made of depends on its kind: an xckpt
+checkpoint's entries are what its manifest says a save writes (:meth:`~xckpt.format.manifest.Manifest.owns`);
+a torch DCP directory's, its metadata and data files; a safetensors export's, its index and the files it
+names (or its one file).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Callable
+
+from xckpt.engine.storage import LocalStore, Location
+from xckpt.errors import XckptError
+from xckpt.format import names, safetensors
+from xckpt.format.manifest import parse as parse_manifest
+
+#: ``owns(name, kind)``: whether the entry ``name`` (relative to the directory; its kind as
+#: :meth:`LocalStore.walk` gives it: links and special files never are) is one of the directory's own.
+Owns = Callable[[str, str], bool]
+
+#: The names a torch DCP directory is made of (its writer's data files, and its metadata).
+_DCP_NAME = re.compile(r"__[0-9]+_[0-9]+\.distcp|\.metadata")
+
+
+def owner(root: Location, kind: str, writes: frozenset[str] = frozenset()) -> tuple[Owns, str]:
+    """Which entries of a committed directory of ``kind`` (``xckpt``, ``dcp``, ``safetensors``) at ``root`` are its
+    own, and what tells them (for messages); the top-level names ``writes`` too. Raises the
+    :class:`~xckpt.errors.XckptError` of a manifest or index that cannot be read (which files are its own cannot
+    be told then)."""
+    if kind == "dcp":
+        return (lambda name, what: what == "file" and (name in writes or _DCP_NAME.fullmatch(name) is not None)), \
+            "which are not DCP's own files (.metadata, __<rank>_<n>.distcp)"
+    store = root.store()
+    try:
+        if kind == "safetensors":
+            raw = store.read(safetensors.INDEX_FILE, limit=safetensors.MAX_INDEX_BYTES)
+            if raw is None:
+                return _flat({safetensors.SINGLE_FILE} | writes), f"which are not its {safetensors.SINGLE_FILE}"
+            index = safetensors.parse_index(raw, file=str(root.child(safetensors.INDEX_FILE)))
+            return _flat({safetensors.INDEX_FILE, *index.values()} | writes), "which its index does not name"
+        raw = store.read(names.MANIFEST)
+        if raw is None:
+            raise XckptError("the manifest is gone", code="manifest.missing", file=str(root.child(names.MANIFEST)))
+        m = parse_manifest(raw, file=str(root.child(names.MANIFEST)))
+    finally:
+        store.close()
+
+    def owns(name: str, what: str) -> bool:
+        return what in ("file", "dir") and (name in writes or m.owns(name, what == "dir"))
+    return owns, "which its manifest does not account for"
+
+
+def telling_file(kind: str) -> str:
+    """The file whose reading tells what a directory of ``kind`` is made of (for messages)."""
+    return safetensors.INDEX_FILE if kind == "safetensors" else names.MANIFEST
+
+
+def _flat(made_of: set[str] | frozenset[str]) -> Owns:
+    """``owns`` of a directory made of the files ``made_of`` at its top level and nothing else."""
+    return lambda name, what: what == "file" and name in made_of
+
+
+def kind_held(path: str) -> str | None:
+    """The kind of committed directory the local directory ``path`` holds, by its telling file (a regular file,
+    never found through a link): ``xckpt`` (a manifest), ``dcp`` (DCP's ``.metadata``), ``safetensors`` (an
+    index or the one file); None for none of these."""
+    def regular(name: str) -> bool:
+        try:
+            return os.path.isfile(os.path.join(path, name)) and not os.path.islink(os.path.join(path, name))
+        except OSError:
+            return False
+    if regular(names.MANIFEST):
+        return "xckpt"
+    if regular(names.DCP_METADATA):
+        return "dcp"
+    if regular(safetensors.INDEX_FILE) or regular(safetensors.SINGLE_FILE):
+        return "safetensors"
+    return None
+
+
+def remove_owned(path: str, owns: Owns, kept: str) -> str | None:
+    """Delete the entries of the local directory ``path`` that ``owns`` says are its own (the directory too,
+    once empty); when anything else stays, rename the directory ``kept`` (where a rename fails, it stays at
+    ``path``) and return where it is, else None."""
+    store = LocalStore(path)
+    try:
+        gone = store.prune(owns)
+    finally:
+        store.close()
+    if gone:
+        return None
+    try:
+        os.rename(path, kept)
+    except OSError:
+        return path
+    return kept
