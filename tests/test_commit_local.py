@@ -504,16 +504,13 @@ def test_a_failure_after_the_move_into_place_keeps_the_checkpoint(tmp_path, monk
     np.testing.assert_array_equal(xckpt.load(path)["w"], np.arange(4.0))
 
 
-@pytest.mark.parametrize("how", ["exchange", "aside", "safetensors"])
-def test_gc_keeps_files_put_into_a_replaced_checkpoint_a_failed_step_after_the_commit_left_beside(
-        tmp_path, monkeypatch, how):
-    """Files put into a checkpoint while a save replaced it survive when the parent directory's sync after the move
-    into place fails: the replaced checkpoint stays beside the new one (at the save's temporary name after an
-    atomic exchange, at its side-copy name after two renames), and ``xckpt gc`` deletes only what that checkpoint
-    is made of, moving the rest to ``<name>.xckpt-kept-<generation>`` with a warning (it deleted the directory
-    whole before, the notes with it). Same for a safetensors export replaced by another."""
+def _replace_leaving_the_old_beside(tmp_path: Path, monkeypatch: Any, how: str) -> tuple[Path, set[str]]:
+    """Replace the checkpoint ``tmp_path/ckpt`` while the parent directory's sync after the move into place fails,
+    putting notes into the replaced checkpoint meanwhile: it is left beside the new one (at the save's temporary
+    name after an atomic exchange, ``how="exchange"``, or a format 1.0 checkpoint, ``"format-1.0"``, which has no
+    generation; at its side-copy name after two renames, ``"aside"``; a safetensors export replaced by another,
+    ``"safetensors"``). Returns that leftover and the names of the replaced checkpoint's own entries."""
     import errno
-    import warnings
 
     from xckpt.engine import atomic
 
@@ -525,13 +522,15 @@ def test_gc_keeps_files_put_into_a_replaced_checkpoint_a_failed_step_after_the_c
         monkeypatch.setattr(atomic, "exchange", unsupported)
     path = tmp_path / "ckpt"
     if how == "safetensors":
-        src = tmp_path / "src"
-        xckpt.save({"w": np.ones(4, np.float32)}, src)
-        convert(str(src), str(path), target="safetensors")
-        replaced = {"model.safetensors"}
+        xckpt.save({"w": np.ones(4, np.float32)}, tmp_path / "src")
+        xckpt.save({"w": np.arange(4, dtype=np.float32)}, tmp_path / "src2")
+        convert(str(tmp_path / "src"), str(path), target="safetensors")
+    elif how == "format-1.0":
+        shutil.copytree(Path(__file__).resolve().parent.parent / "spec/conformance/valid_1.0/sharded/checkpoint", path)
+        assert "generation" not in json.loads((path / "xckpt.json").read_text())
     else:
         xckpt.save({"w": np.ones(4)}, path)
-        replaced = {name for name, _ in _walk(path)}
+    replaced = {name for name, _ in _walk(path)}
     real = atomic.sync_dir
     parent_syncs = []
 
@@ -543,37 +542,134 @@ def test_gc_keeps_files_put_into_a_replaced_checkpoint_a_failed_step_after_the_c
                 (left,) = [tmp_path / e for e in os.listdir(tmp_path) if e.startswith(".ckpt.xckpt-")
                            and e.split("-")[-2] in ("tmp", "old") and (tmp_path / e).is_dir()]
                 (left / "notes.txt").write_text("mine")  # put into the replaced checkpoint while the save ran
-                if how != "safetensors":
+                if how in ("exchange", "aside"):
                     (left / "w" / "NOTE").write_text("mine too")
                 raise OSError(errno.EIO, "Input/output error")
         return real(d)
     monkeypatch.setattr(atomic, "sync_dir", sync_dir)
     with pytest.warns(xckpt.XckptWarning, match="is committed, but a failure followed the commit"):
         if how == "safetensors":
-            src2 = tmp_path / "src2"
-            monkeypatch.setattr(atomic, "sync_dir", real)
-            xckpt.save({"w": np.arange(4, dtype=np.float32)}, src2)
-            monkeypatch.setattr(atomic, "sync_dir", sync_dir)
-            convert(str(src2), str(path), target="safetensors", overwrite=True)
+            convert(str(tmp_path / "src2"), str(path), target="safetensors", overwrite=True)
         else:
             xckpt.save({"w": np.arange(4.0)}, path, overwrite=True)
     monkeypatch.undo()
-    (left,) = [e for e in os.listdir(tmp_path) if e.startswith(".ckpt.xckpt-")]
-    generation = left.rpartition("-")[2]
-    with pytest.warns(xckpt.XckptWarning, match="not known to be its own"):
-        found = xckpt.gc(tmp_path, older_than_s=0)
-    assert [c.action for c in found if c.leftover.path.endswith(left)] == ["removed"]
-    assert not [e for e in os.listdir(tmp_path) if e.startswith(".ckpt.")]
-    kept = tmp_path / f"ckpt.xckpt-kept-{generation}"
-    want = {"notes.txt": "mine"} if how == "safetensors" else {"notes.txt": "mine", "w/NOTE": "mine too"}
+    (left,) = [tmp_path / e for e in os.listdir(tmp_path) if e.startswith(".ckpt.xckpt-")]
+    return left, replaced
+
+
+def _check_kept(tmp_path: Path, kept: Path, how: str, replaced: set[str]) -> None:
+    """``kept`` holds exactly the notes :func:`_replace_leaving_the_old_beside` put in, nothing of the replaced
+    checkpoint; no leftover remains; the new checkpoint is whole."""
+    want = {"notes.txt": "mine"} | ({"w/NOTE": "mine too"} if how in ("exchange", "aside") else {})
     assert {name: (kept / name).read_text() for name, kind in _walk(kept) if kind == "file"} == want
-    assert not replaced & {name for name, _ in _walk(kept)} - {"w"}  # nothing of the replaced checkpoint
+    assert not replaced & {name for name, _ in _walk(kept)} - {"w"}
+    assert not [e for e in os.listdir(tmp_path) if e.startswith(".ckpt.")]
+    path = tmp_path / "ckpt"
     if how == "safetensors":
         from safetensors.numpy import load_file
         np.testing.assert_array_equal(load_file(str(path / "model.safetensors"))["w"], np.arange(4, dtype=np.float32))
     else:
         np.testing.assert_array_equal(xckpt.load(path)["w"], np.arange(4.0))
         assert xckpt.validate(path).ok
+
+
+@pytest.mark.parametrize("how", ["exchange", "format-1.0", "aside", "safetensors"])
+def test_gc_keeps_files_put_into_a_replaced_checkpoint_a_failed_step_after_the_commit_left_beside(
+        tmp_path, monkeypatch, how):
+    """Files put into a checkpoint while a save replaced it survive when the parent directory's sync after the move
+    into place fails: ``xckpt gc`` deletes only what the replaced checkpoint left beside is made of, moving the rest
+    to ``<name>.xckpt-kept-<generation>`` with a warning (it deleted the directory whole before, the notes with it;
+    a replaced checkpoint of format 1.0, whose manifest has no generation, was still taken for the save's own)."""
+    left, replaced = _replace_leaving_the_old_beside(tmp_path, monkeypatch, how)
+    generation = left.name.rpartition("-")[2]
+    with pytest.warns(xckpt.XckptWarning, match="not known to be its own"):
+        found = xckpt.gc(tmp_path, older_than_s=0)
+    assert [c.action for c in found if c.leftover.path == str(left)] == ["removed"]
+    _check_kept(tmp_path, tmp_path / f"ckpt.xckpt-kept-{generation}", how, replaced)
+
+
+class _Killed(BaseException):
+    """A process killed at this point (nothing of it runs after)."""
+
+
+def test_gc_cut_short_while_removing_a_replaced_checkpoint_is_finished_by_the_next(tmp_path, monkeypatch):
+    """A gc killed midway through deleting a replaced checkpoint (after some of its files went) leaves its manifest,
+    which goes last: the next gc still knows which files are its own and keeps the notes (before, the manifest
+    could go first, and the next gc took what was left for the save's own writing and deleted it whole). Then a
+    kept name that is taken: the notes go to the next free one."""
+    left, replaced = _replace_leaving_the_old_beside(tmp_path, monkeypatch, "exchange")
+    generation = left.name.rpartition("-")[2]
+    real = os.unlink
+    gone = []
+
+    def unlink(p, *a, **k):
+        real(p, *a, **k)
+        gone.append(p)
+        if len(gone) == 3:
+            raise _Killed
+    monkeypatch.setattr(os, "unlink", unlink)
+    with pytest.raises(_Killed):
+        xckpt.gc(tmp_path, older_than_s=0)
+    monkeypatch.undo()
+    assert (left / "xckpt.json").is_file() and (left / "notes.txt").is_file()
+    taken = tmp_path / f"ckpt.xckpt-kept-{generation}"
+    taken.mkdir()
+    (taken / "other").write_text("not these")
+    with pytest.warns(xckpt.XckptWarning, match="not known to be its own"):
+        found = xckpt.gc(tmp_path, older_than_s=0)
+    assert [c.action for c in found if c.leftover.path == str(left)] == ["removed"]
+    assert (taken / "other").read_text() == "not these"
+    _check_kept(tmp_path, tmp_path / f"ckpt.xckpt-kept-{generation}-1", "exchange", replaced)
+
+
+def test_gc_reports_a_replaced_checkpoint_it_cannot_delete_and_keeps_it_for_a_later_try(tmp_path, monkeypatch):
+    """Files of the replaced checkpoint that cannot be deleted (a permission) make gc report the leftover "failed"
+    with ``io.write`` naming one, and leave it where it was, manifest included, so that a later gc finishes it
+    (before, it was reported "removed" and its files moved aside as if they were not its own)."""
+    left, replaced = _replace_leaving_the_old_beside(tmp_path, monkeypatch, "exchange")
+    generation = left.name.rpartition("-")[2]
+    real = os.unlink
+
+    def unlink(p, *a, **k):
+        if str(p) in ("0", "1") or "/c/" in str(p):  # a chunk object (unlinked relative to its directory)
+            raise PermissionError(13, "Permission denied")
+        return real(p, *a, **k)
+    monkeypatch.setattr(os, "unlink", unlink)
+    found = xckpt.gc(tmp_path, older_than_s=0)
+    monkeypatch.undo()
+    (mine,) = [c for c in found if c.leftover.path == str(left)]
+    assert mine.action == "failed" and "cannot delete" in mine.error and "/c/" in mine.error, mine
+    assert (left / "xckpt.json").is_file() and (left / "notes.txt").is_file()
+    with pytest.warns(xckpt.XckptWarning, match="not known to be its own"):
+        xckpt.gc(tmp_path, older_than_s=0)
+    _check_kept(tmp_path, tmp_path / f"ckpt.xckpt-kept-{generation}", "exchange", replaced)
+
+
+def test_gc_removes_a_killed_exports_own_temporary_directory_whole(tmp_path):
+    """A safetensors export (with a config.json beside its weights) killed before its move into place, to a new path
+    and over an earlier export: gc removes its temporary directory whole, with no warning and no kept directory
+    (its config.json is one of the files its kind writes)."""
+    import warnings
+    src = tmp_path / "src"
+    xckpt.save({"a": np.ones(64, np.float32)}, src)
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "gpt2"}')
+    child = ("import sys\nfrom xckpt.interop.safetensors.writer import xckpt_to_safetensors\n"
+             "xckpt_to_safetensors(sys.argv[1], sys.argv[2], extra_files={'config.json': sys.argv[3]}, overwrite=True)")
+    for over in (False, True):
+        dst = tmp_path / f"hf{int(over)}"
+        if over:
+            subprocess.run([sys.executable, "-c", child, str(src), str(dst), str(config)], check=True, timeout=120)
+        res = subprocess.run([sys.executable, "-c", child, str(src), str(dst), str(config)], timeout=120,
+                             env=dict(os.environ, XCKPT_FAILPOINTS="before_publish:kill"))
+        assert res.returncode == -9, res
+        (left,) = [e for e in os.listdir(tmp_path) if e.startswith(f".{dst.name}.xckpt-tmp-")]
+        assert {"config.json", "model.safetensors"} <= set(os.listdir(tmp_path / left))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = xckpt.gc(tmp_path, older_than_s=0)
+    assert {c.action for c in found} == {"removed"}
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "hf1", "src"]
 
 
 def test_gc_removes_a_dead_saves_own_temporary_directory_whole(tmp_path):

@@ -477,26 +477,37 @@ def _remove_replaced(leftover: Leftover, kept: str) -> bool:
     """Delete a save's temporary directory or side copy that holds a committed checkpoint other than what the save
     itself wrote: the checkpoint it replaced, left there when a step after its commit failed (the parent
     directory's sync after the exchange, the removal itself) or when it died between its two renames. Only what
-    that checkpoint is made of goes (:func:`xckpt.engine.owned.owner`); anything else (files put into it while the
-    save ran) stays, the directory renamed ``kept``, with an :class:`~xckpt.errors.XckptWarning`; one whose
-    manifest or index cannot be read is kept whole. Whether it held such a checkpoint (else nothing was done).
+    that checkpoint is made of goes (:func:`xckpt.engine.owned.remove_owned`: its telling file last, so that a
+    removal cut short is finished the same way); anything else (files put into it while the save ran) stays, the
+    directory renamed ``kept``, with an :class:`~xckpt.errors.XckptWarning`; one whose manifest or index cannot be
+    read is kept whole. Whether it held such a checkpoint (else nothing was done); ``io.write`` when an entry of its
+    own cannot be deleted (it stays, for a later try).
 
     A side copy always holds the replaced checkpoint. A temporary directory holds the save's own writing unless it
-    holds an xckpt manifest of another generation (a manifest that does not parse is the save's own, cut short:
-    the checkpoint it replaced was read whole when it began), or a DCP directory's or safetensors export's telling
-    file (a conversion that died after writing its own loses the same files either way)."""
+    holds an xckpt manifest without the save's generation (one of another save, or of format 1.0, which had none;
+    a manifest that does not parse is the save's own, cut short: the checkpoint it replaced was read whole when
+    the save began), or a DCP directory or safetensors export while one of the same kind stands at the destination
+    (the one the save put there, or the one it would have replaced; either way the files of its kind go, and a
+    safetensors export's extra top-level files, ``config.json``, are those of the export at the destination)."""
     path = leftover.path
     if os.path.islink(path) or not os.path.isdir(path):
         return False
     kind = owned.kind_held(path)
     if kind is None:
         return False
-    if kind == "xckpt" and leftover.kind == "tmp":
-        record = steps.json_object(os.path.join(path, names.MANIFEST), MAX_READ_BYTES)
-        if record is None or record.get("generation") in (None, leftover.generation):
-            return False  # the dead save's own manifest: it died before moving it into place
+    writes: frozenset[str] = frozenset()
+    if leftover.kind == "tmp":
+        final = os.path.join(os.path.dirname(path), leftover.name)
+        if kind == "xckpt":
+            record = steps.json_object(os.path.join(path, names.MANIFEST), MAX_READ_BYTES)
+            if record is None or record.get("generation") == leftover.generation:
+                return False  # the dead save's own manifest: it died before moving it into place
+        elif os.path.islink(final) or not os.path.isdir(final) or owned.kind_held(final) != kind:
+            return False  # nothing of its kind at the destination: the temporary directory is the conversion's own
+        elif kind == "safetensors":
+            writes = frozenset(e.name for e in os.scandir(final) if e.is_file(follow_symlinks=False))
     try:
-        owns: owned.Owns = owned.owner(Location(path), kind)[0]
+        owns: owned.Owns = owned.owner(Location(path), kind, writes)[0]
     except XckptError:
         owns = lambda _name, _what: False  # noqa: E731 - which files are its own cannot be told: all stay
     where = owned.remove_owned(path, owns, kept)

@@ -209,8 +209,9 @@ def _refuse_foreign(final: Location, kind: str, writes: frozenset[str]) -> Calla
 def _remove_replaced(old: str, target: Target, generation: str) -> None:
     """Delete the checkpoint this save replaced, now at ``old`` (moved out of the way, and found to be the one
     it set out to replace): what it is made of only (``target.owns``, as :func:`_refuse_foreign` found it when
-    the save began). Anything put into it since stays: its directory is renamed
-    ``<name>.xckpt-kept-<generation>`` beside the new checkpoint, with a warning."""
+    the save began; :func:`xckpt.engine.owned.remove_owned`, its manifest last). Anything put into it since stays:
+    its directory is renamed ``<name>.xckpt-kept-<generation>`` beside the new checkpoint, with a warning. A file of
+    its own that cannot be deleted is ``io.write`` (the caller warns; the directory stays beside, for gc)."""
     assert target.owns is not None
     kept = owned.remove_owned(old, target.owns, f"{target.final.local_path.rstrip('/')}.xckpt-kept-{generation}")
     if kept is None:

@@ -11,6 +11,7 @@ names (or its one file).
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from typing import Callable
@@ -84,19 +85,72 @@ def kind_held(path: str) -> str | None:
     return None
 
 
+#: The top-level files that tell what a committed directory is (:func:`kind_held`, and what a side copy must hold to be
+#: one): deleted last, so that a removal cut short (a killed process) still leaves a directory known for what it is,
+#: whose next removal knows again which entries are its own.
+TELLING = frozenset({names.MANIFEST, names.DCP_METADATA, names.DCP_RANK0_METADATA, safetensors.INDEX_FILE,
+                     safetensors.SINGLE_FILE})
+
+
 def remove_owned(path: str, owns: Owns, kept: str) -> str | None:
-    """Delete the entries of the local directory ``path`` that ``owns`` says are its own (the directory too,
-    once empty); when anything else stays, rename the directory ``kept`` (where a rename fails, it stays at
-    ``path``) and return where it is, else None."""
+    """Delete the entries of the local directory ``path`` that ``owns`` says are its own, its telling files
+    (:data:`TELLING`) last, and the directory once empty; return None. When anything else stays (files put into
+    it), the directory is first renamed ``kept`` (or, where that name is taken, ``kept`` and a suffix), then loses
+    its telling files; return where it went.
+
+    An entry of its own that cannot be deleted (a permission), or a rename that fails, is ``io.write`` naming it:
+    the directory stays where it was with its telling files, for a later try."""
     store = LocalStore(path)
     try:
-        gone = store.prune(owns)
+        store.prune(lambda name, what: owns(name, what) and name not in TELLING)
+        if not os.path.isdir(path):  # (removed meanwhile)
+            return None
+        left = list(store.walk())
     finally:
         store.close()
-    if gone:
+    stuck = [name for name, what in left if what == "file" and name not in TELLING and owns(name, what)]
+    if stuck:
+        raise XckptError(f"cannot delete {os.path.join(path, stuck[0])}"
+                         + (f" and {len(stuck) - 1} more of its own files" if len(stuck) > 1 else ""),
+                         code="io.write", file=os.path.join(path, stuck[0]))
+    telling = {name for name, what in left if name in TELLING and owns(name, what)}
+    if all(name in telling for name, _ in left):  # nothing but its telling files: all of it goes
+        _unlink(path, telling)
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise XckptError(f"cannot delete {path}: {exc.strerror or exc}", code="io.write", file=path) from exc
         return None
-    try:
-        os.rename(path, kept)
-    except OSError:
-        return path
-    return kept
+    where = _rename_free(path, kept)
+    _unlink(where, telling)
+    return where
+
+
+def _rename_free(path: str, kept: str) -> str:
+    """Rename ``path`` to ``kept``, or where a directory already has that name, to ``kept`` with a suffix; return
+    the name it has now (``io.write`` when it cannot be renamed)."""
+    for attempt in range(100):
+        name = kept if attempt == 0 else f"{kept}-{attempt}"
+        try:
+            os.rename(path, name)  # (a rename onto an empty directory replaces it: nothing is lost)
+            return name
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                raise XckptError(f"cannot move {path} to {name}: {exc.strerror or exc}", code="io.write",
+                                 file=path) from exc
+    raise XckptError(f"cannot move {path} aside: {kept} and 99 more names after it are taken", code="io.write",
+                     file=path)
+
+
+def _unlink(root: str, names_: set[str]) -> None:
+    """Delete the top-level files ``names_`` of the directory ``root`` (missing ones are gone already)."""
+    for name in sorted(names_):
+        try:
+            os.unlink(os.path.join(root, name))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise XckptError(f"cannot delete {os.path.join(root, name)}: {exc.strerror or exc}", code="io.write",
+                             file=os.path.join(root, name)) from exc
