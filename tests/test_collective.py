@@ -52,6 +52,7 @@ def test_decide_step_failure_of_the_decision_reaches_every_rank() -> None:
     for exc in out:
         assert isinstance(exc, CollectiveError) and list(exc.failures) == [0]
         assert exc.failures[0]["message"] == "cannot decide on [0, 10, 20, 30]"
+        assert "rank 0: [ValueError] cannot decide on [0, 10, 20, 30]" in str(exc), str(exc)  # not [error]
 
 
 @pytest.mark.parametrize("failing", [set(), {0}, {2}])

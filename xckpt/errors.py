@@ -150,7 +150,8 @@ class RankFailures(XckptError):
         for rank, f in self.failures.items():
             where = "" if one else ", ".join(x for x in (f"leaf {f['leaf']!r}" if f.get("leaf") else "",
                                                           f"file {f['file']}" if f.get("file") else "") if x)
-            parts.append(f"rank {rank}: [{f.get('code')}] {f.get('message')}" + (f" ({where})" if where else ""))
+            label = f.get("type") if f.get("code") == "error" else f.get("code")  # another exception: its type
+            parts.append(f"rank {rank}: [{label}] {f.get('message')}" + (f" ({where})" if where else ""))
         codes = {f.get("code") for f in self.failures.values()}
         XckptError.__init__(self, f"{what} failed on {'rank' if one else 'ranks'} {sorted(self.failures)}: "
                             + "; ".join(parts), code=codes.pop() if len(codes) == 1 and None not in codes else None,
