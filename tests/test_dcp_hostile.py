@@ -1017,3 +1017,185 @@ def test_a_refused_numpy_state_is_described_briefly(ckpt, tmp_path):
     _as_step_value(ckpt, _value_blob([_Crafted(_RECONSTRUCT, (np.ndarray, (0,), b"b"), state)]))
     err = _fails(ckpt, tmp_path / "out", "convert.dcp_value")
     assert "array state (1, b'\\x00" in err.message and len(err.message) < 1000, err.message[:2000]
+
+
+# -- (z) shared structures, amplification and huge numbers: refused at once, in bounded memory -------------
+
+
+class _Slow(Exception):
+    """A read that took longer than a refusal takes."""
+
+
+def _soon(seconds: int, fn):
+    """``fn()``, or ``_Slow`` after ``seconds`` (a crafted file that makes the reader hang fails the test at once)."""
+    import signal
+
+    def alarm(*_):
+        raise _Slow(f"still running after {seconds} s")
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        return fn()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _refused_soon(src, code: str, leaf: str | None = None) -> XckptError:
+    """Loading, inspecting and converting ``src`` each fail with ``code`` within seconds (naming ``leaf``)."""
+    for fn in (lambda: xckpt.load(src), lambda: xckpt.inspect(src), lambda: _convert(src, f"{src}.out")):
+        with pytest.raises(XckptError) as err:
+            _soon(60, fn)
+        assert err.value.code == code and err.value.leaf == leaf, str(err.value)
+        assert not os.path.exists(f"{src}.out/xckpt.json")
+    return err.value
+
+
+def _storage(md, fqn: str):
+    return next((k, v) for k, v in md.storage_data.items() if k.fqn == fqn)
+
+
+def _tuple_dag(depth: int, leaf=1):
+    t = (leaf,)
+    for _ in range(depth):
+        t = (t, t)
+    return t
+
+
+def test_shared_tuples_in_metadata_messages_are_never_expanded(ckpt):
+    """A ``transform_descriptors`` of 40 levels of shared tuples (1.4 KB of pickle) is refused at once: the message
+    describes it without ``repr`` (which took 2**40 steps: every reader hung)."""
+    md = _md(ckpt)
+    k, v = _storage(md, "f32")
+    md.storage_data[k] = dataclasses.replace(v, transform_descriptors=_tuple_dag(40, "x"))
+    _write_md(ckpt, md)
+    assert "a builtins.tuple object" in str(_refused_soon(ckpt, "convert.dcp_transform", "f32"))
+
+
+def test_a_metadata_index_filled_twice_or_with_shared_tuples_is_refused(ckpt):
+    """A ``MetadataIndex`` given its state a second time (after it was checked as a dict key) with an offset of 40
+    levels of shared tuples: refused (it was hashed and printed, 2**40 steps); so is one whose first state holds
+    such a field (its ``index``, which is printed though not hashed)."""
+    import pickletools
+    import struct
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    md = _md(ckpt)
+    blob = pickle.dumps(md, protocol=2)
+    ops = list(pickletools.genops(blob))
+    at = next(i for i, (op, arg, _) in enumerate(ops)
+              if op.name == "GLOBAL" and arg == "torch.distributed.checkpoint.metadata MetadataIndex")
+    new = next(j for j in range(at, len(ops)) if ops[j][0].name == "NEWOBJ")
+    memo = ops[new + 1][1]  # the PUT after it
+    dag = b"K\x01\x85" + b"2\x86" * 40  # (1,), then 40 times (t, t) by DUP
+    again = b"j" + struct.pack("<I", memo) + b"}" + b"X" + struct.pack("<I", 6) + b"offset" + dag + b"sb0"
+    (ckpt / ".metadata").write_bytes(blob[:-1] + again + b".")
+    assert "once" in str(_refused_soon(ckpt, "convert.dcp_pickle"))
+    k, v = _storage(md, "f32")
+    del md.storage_data[k]
+    key = MetadataIndex("f32", k.offset)
+    object.__setattr__(key, "index", _tuple_dag(40))  # (not part of its hash)
+    md.storage_data[key] = v
+    _write_md(ckpt, md)
+    _refused_soon(ckpt, "convert.dcp_metadata", "f32")
+
+
+@pytest.mark.parametrize("craft", ["ordered_dict_items", "shared_size", "shared_path", "bytearray8"])
+def test_calls_that_would_hash_or_copy_without_bound_are_refused(ckpt, craft):
+    """What the admitted reconstructions would hash unchecked or copy again at every call is refused: an
+    ``OrderedDict`` made from items (its keys: 40 levels of shared tuples, 2**40 steps to hash), 300 ``torch.Size``
+    or paths made from one shared list of 100,000 items (each call copied it: 300 calls in a 100 KB pickle took
+    2.6 GB), and protocol 5's ``BYTEARRAY8`` (its stated 2 GiB were allocated before anything was read)."""
+    import collections
+    import pathlib
+    import struct
+
+    shared = [1] * 100_000
+
+    class Call:
+        def __init__(self, fn, args) -> None:
+            self.fn, self.args = fn, args
+
+        def __reduce__(self):
+            return self.fn, self.args
+    if craft == "bytearray8":
+        blob = b"\x80\x05\x96" + struct.pack("<Q", 2 << 30) + b"x."
+    elif craft == "ordered_dict_items":
+        blob = pickle.dumps(Call(collections.OrderedDict, ([(_tuple_dag(40), 1)],)), protocol=2)
+    elif craft == "shared_size":
+        blob = pickle.dumps([Call(torch.Size, (shared,)) for _ in range(300)], protocol=2)
+    else:
+        parts = tuple(["p"] * 100_000)
+        blob = pickle.dumps([Call(pathlib.PurePosixPath, parts) for _ in range(300)], protocol=2)
+    assert len(blob) < 1 << 20
+    (ckpt / ".metadata").write_bytes(blob)
+    _refused_soon(ckpt, "convert.dcp_pickle")
+
+
+def test_an_offset_beyond_64_bits_is_refused_as_metadata(ckpt):
+    """A storage offset of 5,000 digits is invalid metadata (it passed, then building the truncation message raised a
+    bare ValueError: an int too large to print)."""
+    md = _md(ckpt)
+    k, v = _storage(md, "f32")
+    md.storage_data[k] = dataclasses.replace(v, offset=10 ** 5000)
+    _write_md(ckpt, md)
+    _refused_soon(ckpt, "convert.dcp_metadata", "f32")
+
+
+def test_a_gap_of_a_billion_rank_metadata_files_is_named_at_once(tmp_path):
+    """``__0.metadata`` and ``__999999999.metadata``: the first missing ranks are named without listing a billion
+    of them (that took 100 GB)."""
+    (tmp_path / "__0.metadata").write_bytes(b"")
+    (tmp_path / "__999999999.metadata").write_bytes(b"")
+    err = _refused_soon(tmp_path, "convert.dcp_metadata")
+    assert "[1, 2, 3, 4, 5, 6, 7, 8]" in str(err) and err.file.endswith("__1.metadata"), str(err)
+
+
+def _value_file(ckpt, fqn: str, value_blob: bytes) -> None:
+    """Store ``value_blob`` (torch.save bytes) as the value ``fqn`` of the checkpoint, in a file of its own."""
+    (ckpt / "v.distcp").write_bytes(value_blob)
+    md = _md(ckpt)
+    k, v = _storage(md, fqn)
+    md.storage_data[k] = dataclasses.replace(v, relative_path="v.distcp", offset=0, length=len(value_blob))
+    _write_md(ckpt, md)
+
+
+def _saved(obj) -> bytes:
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_a_value_of_shared_lists_is_refused_before_it_is_copied_out(ckpt):
+    """A value that is 40 levels of lists of two references to the same list (1.5 KB) is refused, not copied into
+    2**40 items (every reader hung, growing by hundreds of MB)."""
+    inner: list = [1]
+    for _ in range(40):
+        inner = [inner, inner]
+    _value_file(ckpt, "step", _saved(inner))
+    assert "shared" in str(_refused_soon(ckpt, "convert.dcp_value", "step"))
+
+
+def test_numpy_arrays_sharing_one_pickled_state_are_refused(ckpt):
+    """2,000 numpy arrays built from one memoized state of 100 KB (a 100 KB value) are refused before they hold
+    200 MB (each copied the state's bytes)."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy 1.x
+        from numpy.core.multiarray import _reconstruct
+    state = (1, (100_000,), np.dtype("u1"), False, b"\x01" * 100_000)
+
+    class Shared:
+        def __reduce__(self):
+            return _reconstruct, (np.ndarray, (0,), b"b"), state
+    _value_file(ckpt, "step", _saved([Shared() for _ in range(2000)]))
+    assert "more data than the value stores" in str(_refused_soon(ckpt, "convert.dcp_value", "step"))
+
+
+def test_a_sparse_tensor_in_a_value_is_refused_naming_it(ckpt):
+    """A value that is a sparse tensor: ``tensor.layout`` naming the leaf (a RuntimeError escaped from the load)."""
+    _value_file(ckpt, "step", _saved(torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))))
+    err = _refused_soon(ckpt, "tensor.layout", "step")
+    assert err.file.endswith(".metadata"), str(err)

@@ -20,10 +20,12 @@ but the plain data DCP metadata is made of:
 Every other global is refused before it is looked up (``convert.dcp_pickle``, naming the
 file and the ``module.name``), and so are the opcodes that reach outside the pickle
 (persistent ids, the copyreg extension registry, protocol 0/1 instance creation,
-out-of-band buffers). ``REDUCE`` and ``NEWOBJ`` may call admitted objects only, and
-``BUILD`` may only set the fields of a freshly created instance of one of the admitted
-dataclasses (never the attributes of a class, of a shared object such as a dtype or an
-enum member, nor names that are not fields). The result must be a ``Metadata``
+out-of-band buffers, ``BYTEARRAY8``). ``REDUCE`` and ``NEWOBJ`` may call admitted objects only,
+the items they pass counting against the pickle's size (one shared list passed to many calls would
+be copied by each), and ``BUILD`` may only set, once, the fields of a freshly created instance of one
+of the admitted dataclasses (never the attributes of a class, of a shared object such as a dtype or
+an enum member, nor names that are not fields). Dict keys and a ``MetadataIndex``'s fields must be
+cheap to hash and print (a pickle can nest one shared tuple 40 levels deep in a kilobyte). The result must be a ``Metadata``
 (``convert.dcp_metadata``) whose parts have the types and bounds conversion relies on
 (:func:`check_metadata`).
 
@@ -118,6 +120,23 @@ def _path_maker(cls: type) -> Callable[..., Any]:
     return make
 
 
+def _size(*args: Any) -> torch.Size:
+    """``torch.Size(dims)`` of a list or tuple of integers (what it copies is counted by the unpickler: a pickle can
+    pass one shared list of millions of items to many calls)."""
+    dims = args[0] if len(args) == 1 else None
+    if type(dims) not in (list, tuple) or not all(type(d) is int for d in dims):
+        raise _pickle_error(f"a torch.Size of {_describe(dims)}, not of integers")
+    return torch.Size(dims)
+
+
+def _ordered_dict(*args: Any) -> collections.OrderedDict:
+    """``collections.OrderedDict()``: empty (its items come after it, as pickle writes them, where each key is
+    checked before it is hashed; items passed to the call would be hashed unchecked)."""
+    if args:
+        raise _pickle_error(f"an OrderedDict made from {_describe(args[0])} (a pickled one is made empty)")
+    return collections.OrderedDict()
+
+
 _LAYOUTS: dict[str, torch.layout] = {
     str(v): v for v in (getattr(torch, n, None) for n in ("strided", "sparse_coo", "sparse_csr", "sparse_csc",
                                                           "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged"))
@@ -136,19 +155,21 @@ ADMITTED: dict[tuple[str, str], Any] = {
     (_MD, "StorageMeta"): StorageMeta,
     (_MD, "_MEM_FORMAT_ENCODING"): _mem_format,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("torch", "Size"): torch.Size,
+    ("torch", "Size"): _size,
     ("torch.serialization", "_get_layout"): _layout,
-    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("collections", "OrderedDict"): _ordered_dict,
     **{(m, n): maker for m in ("pathlib", "pathlib._local")
        for n, maker in (("PosixPath", _POSIX_PATH), ("PurePosixPath", _POSIX_PATH),
                         ("WindowsPath", _WINDOWS_PATH), ("PureWindowsPath", _WINDOWS_PATH))},
 }
-#: What ``NEWOBJ`` may create: the admitted classes.
-_NEW_OK: tuple[type, ...] = _DATACLASSES + (torch.Size, collections.OrderedDict)
+#: What ``NEWOBJ`` may create: the admitted dataclasses (``torch.Size`` and ``OrderedDict`` are made by their
+#: reconstructions, :func:`_size` and :func:`_ordered_dict`, which check what they copy).
+_NEW_OK: tuple[type, ...] = _DATACLASSES
 #: What ``REDUCE`` may call: the admitted classes and reconstructions.
 _CALL_OK: frozenset[int] = frozenset(id(v) for v in ADMITTED.values())
 #: Opcodes refused outright (by their name in :mod:`pickle`).
-REFUSED_OPCODES = ("PERSID", "BINPERSID", "INST", "OBJ", "EXT1", "EXT2", "EXT4", "NEXT_BUFFER", "READONLY_BUFFER")
+REFUSED_OPCODES = ("PERSID", "BINPERSID", "INST", "OBJ", "EXT1", "EXT2", "EXT4", "NEXT_BUFFER", "READONLY_BUFFER",
+                   "BYTEARRAY8")
 
 
 def _dtype(name: str) -> torch.dtype | None:
@@ -185,9 +206,13 @@ class MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
 
     dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
 
-    def __init__(self, stream: io.BufferedIOBase | io.BytesIO, *, file: str) -> None:
+    def __init__(self, stream: io.BufferedIOBase | io.BytesIO, *, file: str, copies: int = 1 << 20) -> None:
         super().__init__(stream)
         self.file = file
+        self._unfilled: set[int] = set()  # ids of the instances created and not yet filled (BUILD)
+        #: items the admitted calls may still copy from their arguments: the pickle's size (each item of a pickle
+        #: takes a byte of it at least, unless it is one shared object passed to many calls, each copying it)
+        self._copies = copies
 
     def find_class(self, module: str, name: str) -> Any:
         """The admitted object for ``module.name``; anything else is refused (``convert.dcp_pickle``)."""
@@ -207,7 +232,8 @@ class MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
 
     def _refuse_opcode(self) -> None:
         raise UnsupportedError("the DCP metadata pickle uses an opcode DCP metadata never needs (persistent id, "
-                               "extension registry, protocol 0/1 instance, or out-of-band buffer)",
+                               "extension registry, protocol 0/1 instance, out-of-band buffer, or bytearray: "
+                               "its stated length would be allocated before it is read)",
                                code="convert.dcp_pickle", file=self.file)
 
     def _load_reduce(self) -> None:
@@ -216,13 +242,20 @@ class MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
         if id(func) not in _CALL_OK or type(args) is not tuple:
             raise UnsupportedError(f"the DCP metadata pickle calls {_describe(func)} (with {_describe(args)}), "
                                    "which is not an admitted class", code="convert.dcp_pickle", file=self.file)
+        self._copies -= len(args) + sum(len(a) for a in args if type(a) in (list, tuple, str))
+        if self._copies < 0:
+            raise UnsupportedError("the DCP metadata pickle passes more items to the classes it calls than it holds "
+                                   "(one object shared by many calls, each copying it)", code="convert.dcp_pickle",
+                                   file=self.file)
         self.stack[-1] = func(*args)
 
     def _new(self, cls: Any, args: Any, kwargs: Any) -> None:
         if not (isinstance(cls, type) and cls in _NEW_OK) or type(args) is not tuple or type(kwargs) is not dict:
             raise UnsupportedError(f"the DCP metadata pickle creates an instance of {_describe(cls)}, which is not "
                                    "an admitted class", code="convert.dcp_pickle", file=self.file)
-        self.append(cls.__new__(cls, *args, **kwargs))
+        inst = cls.__new__(cls, *args, **kwargs)
+        self._unfilled.add(id(inst))  # (kept alive by the stack or the memo while the pickle is read)
+        self.append(inst)
 
     def _load_newobj(self) -> None:
         args = self.stack.pop()
@@ -250,10 +283,11 @@ class MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
         state = self.stack.pop()
         inst = self.stack[-1]
         cls = type(inst)
-        if cls not in _FIELDS:
+        if cls not in _FIELDS or id(inst) not in self._unfilled:
             raise UnsupportedError(f"the DCP metadata pickle sets the state of {_describe(inst)} (only new "
-                                   "instances of the admitted dataclasses may be filled)",
+                                   "instances of the admitted dataclasses may be filled, once)",
                                    code="convert.dcp_pickle", file=self.file)
+        self._unfilled.discard(id(inst))
         if cls is TensorProperties:
             if type(state) is not tuple or len(state) != 5:
                 raise XckptError(f"TensorProperties state is {_describe(state)}, not a 5-tuple",
@@ -268,6 +302,11 @@ class MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
             raise UnsupportedError(f"the DCP metadata pickle sets the state of a {cls.__name__} from "
                                    f"{_describe(state)}" + (f" with names that are not its fields: {extra}" if extra
                                                             else ""), code="convert.dcp_pickle", file=self.file)
+        if cls is MetadataIndex and not all(_cheap_key(state.get(f)) for f in ("fqn", "offset", "index")):
+            fqn = state.get("fqn")
+            raise XckptError("the DCP metadata pickle fills a MetadataIndex (a dict key) with fields that are not a "
+                             "name, a bounded integer or a short tuple of them", code="convert.dcp_metadata",
+                             file=self.file, leaf=fqn if type(fqn) is str else None)
         inst.__dict__.update(state)
 
 
@@ -300,7 +339,7 @@ def load_metadata(data: bytes, *, file: str) -> Metadata:
     ``convert.dcp_metadata`` for a pickle that cannot be read or is not valid DCP metadata.
     """
     try:
-        md = MetadataUnpickler(io.BytesIO(data), file=file).load()
+        md = MetadataUnpickler(io.BytesIO(data), file=file, copies=len(data) + 4096).load()
     except XckptError as exc:
         raise exc.at(file=file) from None
     except Exception as exc:  # noqa: BLE001 - whatever a malformed pickle raises
@@ -313,22 +352,25 @@ def load_metadata(data: bytes, *, file: str) -> Metadata:
     return md
 
 
-def check_storage_name(name: Any, *, file: str) -> str:
-    """``name`` if it is a plain file name in the checkpoint directory (a ``_StorageInfo.relative_path``).
+def check_storage_name(name: Any, *, file: str, leaf: str | None = None) -> str:
+    """``name`` if it is a plain file name in the checkpoint directory (a ``_StorageInfo.relative_path``, of the
+    item ``leaf`` where given).
 
     Refuses (``path.unsafe``) an empty name, ``.``, ``..``, and names holding ``/``, ``\\`` or NUL.
     """
     if type(name) is not str:
         raise XckptError(f"a DCP storage path is a {type(name).__name__}, not a string",
-                         code="convert.dcp_metadata", file=file)
+                         code="convert.dcp_metadata", file=file, leaf=leaf)
     if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
-        raise UnsafePathError(f"the DCP storage path {name!r} is not a plain file name in the checkpoint",
-                              code="path.unsafe", file=file)
+        raise UnsafePathError(f"the DCP storage path {name[:200]!r} is not a plain file name in the checkpoint",
+                              code="path.unsafe", file=file, leaf=leaf)
     return name
 
 
 def _int(v: Any) -> bool:
-    return type(v) is int and v >= 0
+    """A non-negative integer below 2**128 (an offset, a length, a dimension; one of thousands of digits could not
+    even be printed in a message)."""
+    return type(v) is int and 0 <= v < 1 << 128
 
 
 def _dims(v: Any) -> bool:
@@ -342,6 +384,14 @@ ZSTD_TRANSFORM = "stream.zstd/1"
 def zstd_compressed(info: _StorageInfo) -> bool:
     """Whether a stored item was written through DCP's ``ZStandard`` extension (checked by :func:`check_metadata`)."""
     return list(getattr(info, "transform_descriptors", None) or []) == [ZSTD_TRANSFORM]
+
+
+def _transforms(transforms: Any) -> str:
+    """DCP extension descriptors, for messages, without ``repr`` of anything but a few short strings."""
+    if isinstance(transforms, (list, tuple)) and all(type(t) is str for t in transforms[:5]):
+        return repr([t[:40] for t in transforms[:5]]) + (f" and {len(transforms) - 5} more" if len(transforms) > 5
+                                                          else "")
+    return _describe(transforms)
 
 
 def check_metadata(md: Metadata, *, file: str) -> None:
@@ -375,16 +425,16 @@ def _check_metadata(md: Metadata, file: str) -> None:
     for index, info in storage.items():
         if type(index) is not MetadataIndex or type(index.fqn) is not str or not (
                 index.offset is None or _dims(index.offset)):
-            raise bad(f"storage key {index!r:.80} is not a MetadataIndex")
+            raise bad(f"storage key {_describe(index)} is not a MetadataIndex of a name and an offset")
         if type(info) is not _StorageInfo or not (_int(info.offset) and _int(info.length)):
             raise bad(f"storage entry of {index.fqn!r} is not a _StorageInfo with integer offset and length",
                       index.fqn)
-        check_storage_name(info.relative_path, file=file)
+        check_storage_name(info.relative_path, file=file, leaf=index.fqn)
         transforms = getattr(info, "transform_descriptors", None)
         if transforms is not None and (not isinstance(transforms, (list, tuple))
                                        or len(transforms) and list(transforms) != [ZSTD_TRANSFORM]):
             raise UnsupportedError(f"the data of {index.fqn!r} was written through DCP extensions "
-                                   f"{transforms!r:.80}; xckpt reads plain torch.save data, and that data "
+                                   f"{_transforms(transforms)}; xckpt reads plain torch.save data, and that data "
                                    f"compressed by DCP's ZStandard extension ({ZSTD_TRANSFORM!r}) only",
                                    code="convert.dcp_transform", file=file, leaf=index.fqn)
     for fqn, smd in sdm.items():
@@ -570,7 +620,7 @@ class DcpDirectory:
             raise XckptError(f"{self.root} is not a DCP checkpoint (no .metadata, nor {rank_metadata_name(0)})",
                              code="convert.not_dcp", file=self.root)
         if ranks != list(range(len(ranks))):
-            missing = sorted(set(range(ranks[-1] + 1)) - set(ranks))
+            missing = _missing(ranks, 8)
             raise DataError(f"the DCP checkpoint has per-rank metadata up to rank {ranks[-1]} but none of ranks "
                             f"{missing[:8]}", code="convert.dcp_metadata",
                             file=self.path(rank_metadata_name(missing[0])))
@@ -690,6 +740,21 @@ class DcpItem(io.RawIOBase):
         if not self.closed:
             os.close(self._fd)
         super().close()
+
+
+def _missing(ranks: list[int], n: int) -> list[int]:
+    """The first ``n`` numbers below ``ranks[-1]`` missing from the sorted ``ranks`` (found without listing them all:
+    a directory may hold ``__0.metadata`` and ``__999999999.metadata``)."""
+    out: list[int] = []
+    expect = 0
+    for r in ranks:
+        while expect < r and len(out) < n:
+            out.append(expect)
+            expect += 1
+        if len(out) >= n:
+            break
+        expect = r + 1
+    return out
 
 
 def _check_range(info: _StorageInfo, size: int, path: str) -> None:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import math
 import reprlib
-from typing import Any
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -91,6 +93,21 @@ class PickledDtype:
         return np.dtype((self._order or "=") + self._code)
 
 
+_budget = threading.local()
+
+
+@contextmanager
+def data_budget(nbytes: int) -> Iterator[None]:
+    """While it is open, the arrays rebuilt on this thread may hold ``nbytes`` of data in all (a value's stored
+    bytes: each array's data lies in its pickle, so arrays holding more are made from one pickled state that many
+    arrays share, each of which would copy it: ``convert.dcp_value``)."""
+    _budget.left = nbytes
+    try:
+        yield
+    finally:
+        del _budget.left
+
+
 def _data(dtype: Any, shape: tuple[int, ...], raw: Any, fortran: bool = False) -> np.ndarray:
     """A new array of ``dtype`` (a built :class:`PickledDtype`) and ``shape`` from the bytes ``raw``, little-endian."""
     if not isinstance(dtype, PickledDtype):
@@ -100,6 +117,12 @@ def _data(dtype: Any, shape: tuple[int, ...], raw: Any, fortran: bool = False) -
         raise _refuse(f"array whose data is a {type(raw).__name__}, not bytes")
     if len(raw) != math.prod(shape) * dt.itemsize:
         raise _refuse(f"array of shape {shape} and dtype {dt} given {len(raw)} bytes of data")
+    left = getattr(_budget, "left", None)
+    if left is not None:
+        if len(raw) > left:
+            raise _refuse("arrays holding more data than the value stores (one pickled array state shared by many "
+                          "arrays)")
+        _budget.left = left - len(raw)
     flat = np.frombuffer(raw, dtype=dt)
     return flat.reshape(shape, order="F" if fortran else "C").astype(dt.newbyteorder("<"), order="C")
 

@@ -24,18 +24,31 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem, SavePlanner, WriteItem, WriteItemType
 
-from xckpt.errors import ShapeError, UnsupportedError
+from xckpt.errors import ShapeError, UnsupportedError, XckptError
 from xckpt.format import values
 
 from .dcp_numpy import PickledArray
 from .tensors import cpu_to_numpy
 
 
-def plain_value(value: Any, depth: int = 0) -> Any:
+def plain_value(value: Any, limit: int | None = None) -> Any:
     """``value`` with each ``io.BytesIO`` (a value DCP stores as such) replaced by its bytes, and each numpy
     array a DCP pickle held (:class:`.dcp_numpy.PickledArray`) by that array as a leaf, in dicts, lists and tuples
     too: what xckpt stores for it (msgpack has no file objects). Containers nested deeper than values may
-    be are left as they are, for the encoder to refuse by name."""
+    be are left as they are, for the encoder to refuse by name. ``limit``: the most items (containers and what they
+    hold, each time it is met) copied, beyond which it is ``convert.dcp_value``: for a value read from a checkpoint,
+    about its stored bytes (each item of a pickle takes a byte at least, unless it is shared: a list of two
+    references to a list of two references ..., 40 levels deep in a kilobyte, would be 2**40 items copied)."""
+    left = [limit if limit is not None else -1]
+    return _plain(value, 0, left)
+
+
+def _plain(value: Any, depth: int, left: list[int]) -> Any:
+    if left[0] >= 0:
+        if left[0] == 0:
+            raise XckptError("a value of more items than its stored bytes (containers shared many times)",
+                             code="convert.dcp_value")
+        left[0] -= 1
     if isinstance(value, io.BytesIO):
         return value.getvalue()
     if isinstance(value, PickledArray):
@@ -43,11 +56,11 @@ def plain_value(value: Any, depth: int = 0) -> Any:
     if depth > values.MAX_DEPTH:
         return value
     if isinstance(value, dict):
-        return {k: plain_value(v, depth + 1) for k, v in value.items()}
+        return {k: _plain(v, depth + 1, left) for k, v in value.items()}
     if isinstance(value, list):
-        return [plain_value(v, depth + 1) for v in value]
+        return [_plain(v, depth + 1, left) for v in value]
     if type(value) is tuple:  # a namedtuple is left to the encoder
-        return tuple(plain_value(v, depth + 1) for v in value)
+        return tuple(_plain(v, depth + 1, left) for v in value)
     return value
 
 

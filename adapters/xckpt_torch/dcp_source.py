@@ -88,7 +88,10 @@ class DcpCheckpoint:
             for i, (key, obj) in enumerate(leaves):
                 make = None if isinstance(obj, (ArraySource, Value)) else registry.source_for(obj)
                 if make is not None:  # a tensor inside a value DCP pickled whole (a tuple's)
-                    obj = make(obj)
+                    try:
+                        obj = make(obj)
+                    except XckptError as exc:  # (a sparse tensor, a quantized dtype): say where
+                        raise exc.at(file=self.metadata_file, leaf=key_str(key)) from None
                 if isinstance(obj, ArraySource):
                     entries.append(_entry(key, obj, self.metadata_file))
                     self._arrays[tuple(key)] = obj
@@ -453,10 +456,12 @@ def _read_chunk(d: DcpDirectory, info: _StorageInfo, fqn: str, region: Region, d
     t = _torch_load(d, info, what, "convert.dcp_chunk", region.numel * dtype.itemsize + ARCHIVE_OVERHEAD)
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dtype != dtype \
             or tuple(t.shape) != tuple(region.sizes):
-        desc = (f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+        layout = f" and layout {t.layout}" if isinstance(t, torch.Tensor) and t.layout != torch.strided else ""
+        desc = (f"a {t.dtype} tensor of shape {tuple(t.shape)}{layout}" if isinstance(t, torch.Tensor)
                 else f"a {type(t).__name__}")
         raise UnsupportedError(f"{what} holds {desc}, not the {dtype} chunk of shape {tuple(region.sizes)} "
-                               "its metadata records", code="convert.dcp_chunk", file=d.path(info.relative_path))
+                               "(strided) its metadata records", code="convert.dcp_chunk",
+                               file=d.path(info.relative_path))
     return to_host(t.detach().contiguous())
 
 
@@ -472,10 +477,12 @@ def _read_value(d: DcpDirectory, info: _StorageInfo, fqn: str) -> Any:
     """A stored value; besides what a weights-only load admits, an ``io.BytesIO`` (a DCP leaf type, saved
     as a pickled file object, ``bytes()`` for an empty one), given as its bytes, and numpy arrays, scalars
     (as 0-d arrays) and dtypes, parsed by :mod:`.dcp_numpy`."""
-    with torch.serialization.safe_globals([io.BytesIO, (_empty_bytes, "builtins.bytes"), *dcp_numpy.GLOBALS]):
+    stored = MAX_VALUE_BYTES if zstd_compressed(info) else info.length  # (at most, once decompressed)
+    with torch.serialization.safe_globals([io.BytesIO, (_empty_bytes, "builtins.bytes"), *dcp_numpy.GLOBALS]), \
+            dcp_numpy.data_budget(stored):
         what = f"DCP value {fqn!r}"
         loaded = _torch_load(d, info, what, "convert.dcp_value", MAX_VALUE_BYTES)
     try:
-        return plain_value(loaded)
-    except XckptError as exc:  # an array the pickle left unbuilt
+        return plain_value(loaded, stored + 4096)
+    except XckptError as exc:  # an array the pickle left unbuilt, a value of too many items
         raise exc.naming(d.path(info.relative_path), message=f"{what} holds {exc.message}") from None

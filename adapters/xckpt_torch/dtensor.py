@@ -136,8 +136,13 @@ def _describe(d: DTensor) -> dict[str, Any]:
 
 
 def _check_device(t: torch.Tensor) -> None:
+    """Refuse a tensor whose data cannot be saved as it lies: on the meta device (``tensor.meta``), or sparse or
+    otherwise not strided (``tensor.layout``: densify it first)."""
     if t.is_meta:
         raise UnsupportedError("a tensor on the meta device has no data to save", code="tensor.meta")
+    if t.layout != torch.strided:
+        raise UnsupportedError(f"a tensor of layout {t.layout} is not saved (only strided, dense tensors are): "
+                               "densify it first (to_dense())", code="tensor.layout")
 
 
 def _xckpt_errors(fn: Any) -> Any:
