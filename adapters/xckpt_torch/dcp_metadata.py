@@ -22,11 +22,11 @@ file and the ``module.name``), and so are the opcodes that reach outside the pic
 (persistent ids, the copyreg extension registry, protocol 0/1 instance creation,
 out-of-band buffers, ``BYTEARRAY8``). ``REDUCE`` and ``NEWOBJ`` may call admitted objects only,
 the items ``REDUCE`` passes counting against the pickle's size (one shared list passed to many calls
-would be copied by each), and ``BUILD`` may only set, once, the fields of a freshly created instance of one
-of the admitted dataclasses (never the attributes of a class, of a shared object such as a dtype or
-an enum member, nor names that are not fields). Dict keys and a ``MetadataIndex``'s fields must be
-cheap to hash and print (a pickle can nest one shared tuple 40 levels deep in a kilobyte). The result must be a ``Metadata``
-(``convert.dcp_metadata``) whose parts have the types and bounds conversion relies on
+would be copied by each), and ``BUILD`` may only set, once, the fields of a freshly created instance
+of one of the admitted dataclasses (never the attributes of a class, of a shared object such as a
+dtype or an enum member, nor names that are not fields). Dict keys and a ``MetadataIndex``'s fields
+must be cheap to hash and print (a pickle can nest one shared tuple 40 levels deep in a kilobyte).
+The result must be a ``Metadata`` (``convert.dcp_metadata``) whose parts have the types and bounds conversion relies on
 (:func:`check_metadata`).
 
 The pickle is read with the pure-Python unpickler of the standard library (the same

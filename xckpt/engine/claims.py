@@ -318,16 +318,12 @@ def scan(directory: Location, *, stale_after: float | None = None, name: str | N
     return sorted(out, key=lambda x: x.path)
 
 
-#: The files one of which a side copy (``old``) holds: the checkpoint that a save moved aside is xckpt's, a DCP
-#: directory or a safetensors export.
-_SIDE_COPY_HOLDS = (names.MANIFEST, names.DCP_METADATA, names.DCP_RANK0_METADATA, safetensors.INDEX_FILE,
-                    safetensors.SINGLE_FILE)
-
-
 def _as_made(path: str, kind: str) -> bool:
     """Whether the entry ``path``, named as a leftover of ``kind``, is what a save makes under that name: a lease is
     a regular file; a temporary or status directory a directory (not a link); a side copy a directory holding a
-    checkpoint's telling file. Anything else under such a name was not made by a save, and is never removed."""
+    checkpoint's telling file (:data:`xckpt.engine.owned.TELLING`: the checkpoint a save moved aside is xckpt's, a
+    DCP directory or a safetensors export). Anything else under such a name was not made by a save, and is never
+    removed."""
     try:
         st = os.lstat(path)
     except OSError:
@@ -336,8 +332,7 @@ def _as_made(path: str, kind: str) -> bool:
         return stat.S_ISREG(st.st_mode)
     if not stat.S_ISDIR(st.st_mode):
         return False
-    return kind != "old" or any(os.path.isfile(os.path.join(path, n)) and not os.path.islink(os.path.join(path, n))
-                                for n in _SIDE_COPY_HOLDS)
+    return kind != "old" or any(steps.regular(os.path.join(path, n)) is not None for n in owned.TELLING)
 
 
 def _newest_mtime(path: str) -> float | None:

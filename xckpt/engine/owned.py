@@ -16,6 +16,7 @@ import os
 import re
 from typing import Callable
 
+from xckpt.engine import steps
 from xckpt.engine.storage import LocalStore, Location
 from xckpt.errors import XckptError
 from xckpt.format import names, safetensors
@@ -72,10 +73,7 @@ def kind_held(path: str) -> str | None:
     never found through a link): ``xckpt`` (a manifest), ``dcp`` (DCP's ``.metadata``), ``safetensors`` (an
     index or the one file); None for none of these."""
     def regular(name: str) -> bool:
-        try:
-            return os.path.isfile(os.path.join(path, name)) and not os.path.islink(os.path.join(path, name))
-        except OSError:
-            return False
+        return steps.regular(os.path.join(path, name)) is not None
     if regular(names.MANIFEST):
         return "xckpt"
     if regular(names.DCP_METADATA):
@@ -85,8 +83,8 @@ def kind_held(path: str) -> str | None:
     return None
 
 
-#: The top-level files that tell what a committed directory is (:func:`kind_held`, and what a side copy must hold to be
-#: one): deleted last, so that a removal cut short (a killed process) still leaves a directory known for what it is,
+#: The top-level files that tell what a committed directory is (:func:`kind_held`, and what a side copy must hold to
+#: be one): deleted last, so that a removal cut short (a killed process) still leaves a directory known for what it is,
 #: whose next removal knows again which entries are its own.
 TELLING = frozenset({names.MANIFEST, names.DCP_METADATA, names.DCP_RANK0_METADATA, safetensors.INDEX_FILE,
                      safetensors.SINGLE_FILE})
