@@ -7,6 +7,7 @@ import itertools
 import math
 import os
 import random
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -524,3 +525,79 @@ def test_stored_numbers_of_any_size_fill_a_tensor_they_fit(tmp_path):
     with pytest.raises(xckpt.KeyMismatchError) as e:
         xckpt.load(tmp_path / "c", like={"big": torch.zeros((), dtype=torch.int64)}, partial=True)
     assert e.value.leaf == "big"
+
+
+# -- in-place targets that share memory across keys ----------------------------------------------------------------
+
+
+def _two(tmp_path: Path) -> tuple[Path, np.ndarray, np.ndarray]:
+    a = np.arange(12, dtype=np.float32).reshape(3, 4) + 0.5
+    a[0, 0] = np.nan  # compared bit for bit: a NaN is equal to itself
+    b = -np.arange(12, dtype=np.float32).reshape(3, 4) - 100
+    path = tmp_path / "two"
+    xckpt.save({"a": a, "a2": a.copy(), "b": b}, path)
+    return path, a, b
+
+
+@pytest.mark.parametrize("staging", [None, 0])
+def test_one_tensor_under_two_keys_with_different_stored_values_is_refused(tmp_path: Path, staging: int | None) -> None:
+    """The last read won unseen: out['a'] held b's values and the load succeeded."""
+    path, _, _ = _two(tmp_path)
+    t = torch.full((3, 4), 7.0)
+    kw = {} if staging is None else {"max_staging_bytes": staging}
+    with pytest.raises(xckpt.KeyMismatchError) as info:
+        xckpt.load(path, like={"a": t, "b": t}, partial=True, **kw)
+    assert info.value.mismatched == ["a", "b"] and "tied" in info.value.message
+    assert torch.equal(t, torch.full((3, 4), 7.0))  # nothing was read into it
+
+
+@pytest.mark.parametrize("staging", [None, 0])
+def test_one_tensor_under_two_keys_with_equal_stored_values_loads(tmp_path: Path, staging: int | None) -> None:
+    """A tied weight (an embedding and its output layer) loads as torch's load_state_dict loads it."""
+    path, a, _ = _two(tmp_path)
+    t = torch.zeros(3, 4)
+    kw = {} if staging is None else {"max_staging_bytes": staging}
+    out = xckpt.load(path, like={"a": t, "a2": t}, partial=True, **kw)
+    assert out["a"] is t and out["a2"] is t
+    np.testing.assert_array_equal(t.numpy().view(np.uint32), a.view(np.uint32))
+
+
+@pytest.mark.parametrize("staging", [None, 0])
+def test_overlapping_views_of_one_tensor_as_targets_are_refused(tmp_path: Path, staging: int | None) -> None:
+    """Rows 0-2 and 2-4 of one tensor: row 2 of 'a' came back holding b's row 0."""
+    path, _, _ = _two(tmp_path)
+    base = torch.full((6, 4), 7.0)
+    kw = {} if staging is None else {"max_staging_bytes": staging}
+    with pytest.raises(xckpt.XckptError) as info:
+        xckpt.load(path, like={"a": base[:3], "b": base[2:5]}, partial=True, **kw)
+    assert info.value.code == "shape.mismatch" and "share part of their memory" in info.value.message
+    assert torch.equal(base, torch.full((6, 4), 7.0))
+
+
+@pytest.mark.parametrize("staging", [None, 0])
+def test_side_by_side_views_of_one_tensor_as_targets_load(tmp_path: Path, staging: int | None) -> None:
+    """Column halves of one fused tensor span the same bytes but share no element: each loads its own."""
+    path, a, b = _two(tmp_path)
+    fused = torch.zeros(3, 8)
+    kw = {} if staging is None else {"max_staging_bytes": staging}
+    xckpt.load(path, like={"a": fused[:, :4], "b": fused[:, 4:]}, partial=True, **kw)
+    np.testing.assert_array_equal(fused[:, :4].numpy().view(np.uint32), a.view(np.uint32))
+    np.testing.assert_array_equal(fused[:, 4:].numpy(), b)
+
+
+def test_a_module_on_the_meta_device_is_refused_not_left_unloaded(tmp_path: Path) -> None:
+    """The load returned normally and the module stayed on meta: torch's copy into it is a no-op."""
+    torch.manual_seed(0)
+    xckpt.save({"m": torch.nn.Linear(4, 3)}, tmp_path / "m")
+    with torch.device("meta"):
+        m = torch.nn.Linear(4, 3)
+    other = torch.zeros(4, 3)
+    xckpt.save({"m": torch.nn.Linear(4, 3), "t": torch.arange(12.0).reshape(4, 3)}, tmp_path / "mt")
+    with pytest.raises(UnsupportedError) as info:
+        xckpt.load(tmp_path / "mt", like={"t": other, "m": m})  # refused before anything is read
+    assert info.value.code == "tensor.meta" and info.value.leaf == "m"
+    assert m.weight.is_meta and torch.equal(other, torch.zeros(4, 3))
+    m.to_empty(device="cpu")  # materialized, it loads
+    xckpt.load(tmp_path / "m", like={"m": m})
+    torch.manual_seed(0)
+    assert torch.equal(m.weight, torch.nn.Linear(4, 3).weight)

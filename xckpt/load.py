@@ -7,6 +7,7 @@ state (see :func:`load` for targets loaded in place).
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import warnings
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from xckpt.errors import (CollectiveLoadError, KeyMismatchError, ResourceError, 
 from xckpt.format import dtypes
 from xckpt.format.casts import cast_refusal, narrows, scalar_refusal, unfit
 from xckpt.format.manifest import ArrayEntry, Entry, ValueEntry
-from xckpt.format.regions import Region, refuse_overlap
+from xckpt.format.regions import Region, memory_span, refuse_overlap
 from xckpt.format.tree import Default, Key, is_namedtuple, key_str, unflatten
 from xckpt.host import full_target
 from xckpt.mapping.target import Target, TargetLeaf, shape_of
@@ -55,12 +56,15 @@ _EMPTY = object()
 
 
 def _plan_like(like: Any, key: Key, requests: list[_Request], optional: bool = False,
-               notes: dict[Key, dict[str, Any]] | None = None) -> Callable[[dict[Key, Any]], Any]:
+               notes: dict[Key, dict[str, Any]] | None = None,
+               checks: list[Callable[[], None]] | None = None) -> Callable[[dict[Key, Any]], Any]:
     """Collect the leaves of a target tree; return a function that rebuilds it from results.
 
-    ``notes`` collects what the adapters note about the custom containers met, by key."""
+    ``notes`` collects what the adapters note about the custom containers met, by key; ``checks`` (a load's,
+    not a description's) what their rebuild functions ask to run before anything is read
+    (``rebuild.before_reading``: see :func:`xckpt.registry.register_container`)."""
     if isinstance(like, Default):
-        return _plan_like(like.value, key, requests, True, notes)
+        return _plan_like(like.value, key, requests, True, notes, checks)
     if like is None:
         requests.append(_Request(key, None))
         return lambda res: None
@@ -71,19 +75,22 @@ def _plan_like(like: Any, key: Key, requests: list[_Request], optional: bool = F
             said = registry.notes_for(like) if notes is not None else None
             if said:
                 notes[key] = said  # type: ignore[index]
-            inner = _plan_like(plain, key, requests, optional, notes)
+            check = getattr(rebuild, "before_reading", None)
+            if check is not None and checks is not None:
+                checks.append(functools.partial(_restored, like, key, lambda _: check(), None))
+            inner = _plan_like(plain, key, requests, optional, notes, checks)
             return lambda res: _restored(like, key, rebuild, inner(res))
     if isinstance(like, (dict, list, tuple)) and not like:
         requests.append(_Request(key, _EMPTY))
     if isinstance(like, dict):
-        parts = {k: _plan_like(v, key + (k,), requests, optional, notes) for k, v in like.items()}
+        parts = {k: _plan_like(v, key + (k,), requests, optional, notes, checks) for k, v in like.items()}
         return lambda res: _rebuild_dict(like, parts, res)
     if is_namedtuple(like):
         fields = type(like)._fields
-        subs = [_plan_like(v, key + (f,), requests, optional, notes) for f, v in zip(fields, like)]
+        subs = [_plan_like(v, key + (f,), requests, optional, notes, checks) for f, v in zip(fields, like)]
         return lambda res: type(like)(*[s(res) for s in subs])
     if isinstance(like, (list, tuple)):
-        subs = [_plan_like(v, key + (i,), requests, optional, notes) for i, v in enumerate(like)]
+        subs = [_plan_like(v, key + (i,), requests, optional, notes, checks) for i, v in enumerate(like)]
         return lambda res: type(like)(s(res) for s in subs)
     requests.append(_Request(key, like, optional))
     return lambda res: res.get(key, like)
@@ -216,7 +223,10 @@ def _plan_target(like: Any, mapping: Any) -> tuple[list[_Request], Any, Target |
     description."""
     requests: list[_Request] = []
     notes: dict[Key, dict[str, Any]] | None = {} if mapping is not None else None  # only a mapping reads them
-    build = _plan_like(like, (), requests, notes=notes) if like is not None else None
+    checks: list[Callable[[], None]] = []
+    build = _plan_like(like, (), requests, notes=notes, checks=checks) if like is not None else None
+    for check in checks:  # a container that cannot be loaded into (a module on the meta device): before any read
+        check()
     target = _target(requests, notes or {}) if like is not None and mapping is not None else None
     return requests, build, target
 
@@ -503,6 +513,51 @@ class _Part:
     out: np.ndarray | None  # the target's own memory (in place), or None: a new array
 
 
+def _tied(parts: list[_Part]) -> list[list[_Part]]:
+    """The in-place parts whose targets are one and the same memory (a tied weight under two keys), in
+    groups of two or more; a target that shares some memory with another without being the same (overlapping
+    views of one tensor) is refused as ``shape.mismatch``, naming both leaves: one would overwrite the other."""
+    spans = []
+    for p in parts:
+        if p.out is not None and p.out.size:
+            address = p.out.__array_interface__["data"][0]
+            spans.append((*memory_span(address, p.out.shape, p.out.strides, p.out.itemsize), address, p))
+    spans.sort(key=lambda s: s[0])
+    groups: dict[int, list[_Part]] = {}  # by id of each group's first part
+    group_of: dict[int, int] = {}
+    open_: list[tuple[int, int, _Part]] = []  # (end, address, part) of the spans still open
+    for low, high, address, p in spans:
+        open_ = [o for o in open_ if o[0] > low]
+        for _, other_address, q in open_:
+            a, b = p.out, q.out
+            assert a is not None and b is not None
+            if address == other_address and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype:
+                first = group_of.setdefault(id(q), id(q))
+                groups.setdefault(first, [q]).append(p)
+                group_of[id(p)] = first
+                break
+            if np.shares_memory(a, b):
+                raise ShapeError(f"the targets of {key_str(q.entry.key)} and {key_str(p.entry.key)} share part of "
+                                 "their memory (overlapping views of one tensor): one would overwrite the other; "
+                                 "load into tensors of their own", code="shape.mismatch", leaf=key_str(p.entry.key))
+        open_.append((high, address, p))
+    return list(groups.values())
+
+
+def _check_tied(group: list[_Part], raws: dict[int, np.ndarray]) -> None:
+    """Refuse, before anything is read into a target, a group of :func:`_tied` parts whose stored values
+    differ (compared bit for bit in the target's dtype): whichever came last would win unseen."""
+    first = group[0]
+    want = np.ascontiguousarray(_logical(raws[id(first)], first.entry, first.dtype)).view(np.uint8)
+    for p in group[1:]:
+        got = np.ascontiguousarray(_logical(raws[id(p)], p.entry, p.dtype)).view(np.uint8)
+        if not np.array_equal(got, want):
+            a, b = key_str(first.entry.key), key_str(p.entry.key)
+            raise KeyMismatchError(f"{a} and {b} are loaded into one and the same tensor (tied), but the "
+                                   "checkpoint holds different values for them; untie them in the target",
+                                   mismatched=[a, b], leaf=b)
+
+
 def _storage(arr: np.ndarray, e: ArrayEntry) -> np.ndarray:
     """An array of the entry's logical dtype viewed as its storage dtype."""
     return arr.view(dtypes.numpy_dtype(e.storage_dtype)) if dtypes.is_raw(e.dtype) else arr
@@ -550,6 +605,8 @@ class _Reads:
         if total > limit:
             raise ResourceError(f"load would read {total} bytes into memory, more than the limit {limit}",
                                 file=str(ckpt.loc))
+        #: Groups of parts loaded into one and the same memory: staged and compared first, whatever their size.
+        self._tied = _tied([p for ps in parts.values() for p in ps])
         in_place = sum(p.region.numel * dtypes.itemsize(p.entry.dtype) for ps in parts.values() for p in ps
                        if p.out is not None)
         self.atomic = in_place <= staging
@@ -581,6 +638,9 @@ class _Reads:
         first: list[ReadRequest] = []  # the ``early`` jobs' regions (new arrays, in their stored dtype)
         later: list[tuple[_Part, int, np.ndarray]] = []
         casts: list[tuple[_Part, int]] = []
+        tied = {id(p) for group in self._tied for p in group}
+        tied_reads: list[ReadRequest] = []
+        tied_raws: dict[int, np.ndarray] = {}
         for i, ps in self._parts.items():
             for k, p in enumerate(ps):
                 same = p.dtype == p.entry.dtype
@@ -591,9 +651,13 @@ class _Reads:
                         raise exc.at(file=str(ckpt.loc.child(p.entry.path)), leaf=key_str(p.entry.key)) from None
                     (first if i in self._early else direct).append(ReadRequest(p.entry, p.region, raw))
                     results[i][k] = _logical(raw, p.entry, p.dtype)
-                elif p.out is not None and self.atomic:
+                elif p.out is not None and (self.atomic or id(p) in tied):
                     raw = np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype))
-                    direct.append(ReadRequest(p.entry, p.region, raw))
+                    if id(p) in tied:
+                        tied_reads.append(ReadRequest(p.entry, p.region, raw))
+                        tied_raws[id(p)] = raw
+                    else:
+                        direct.append(ReadRequest(p.entry, p.region, raw))
                     later.append((p, k, raw))
                 elif p.out is not None and same:
                     direct.append(ReadRequest(p.entry, p.region, _storage(p.out, p.entry)))
@@ -606,6 +670,12 @@ class _Reads:
             # which every process learns before any copies staged data in
             ckpt.read(first)
             self._built = {i: t.build(results[i]) for i, t in self._jobs if i in self._early}
+        if tied_reads:  # tied targets: their stored values agree, and fit, before anything is read into a target
+            ckpt.read(tied_reads)
+            for group in self._tied:
+                for p in group:
+                    _fits(tied_raws[id(p)], p)
+                _check_tied(group, tied_raws)
         if self.unstaged and casts:  # cast reads are not checked by the direct reads' own pass
             self.check()
             # nor their values: those a target cannot hold are found before anything is read into a target
@@ -616,7 +686,8 @@ class _Reads:
                     _fits(raw, p)
         ckpt.read(direct, precheck=self.unstaged and not self._checked)
         for p, _, raw in later:  # staged for in-place targets: every value fits before finish() copies any in
-            _fits(raw, p)
+            if id(p) not in tied:
+                _fits(raw, p)
         for batch in _batches(casts):
             raws = [np.empty(p.region.sizes, dtype=dtypes.numpy_dtype(p.entry.storage_dtype)) for p, _ in batch]
             ckpt.read([ReadRequest(p.entry, p.region, raw) for (p, _), raw in zip(batch, raws)])

@@ -138,7 +138,10 @@ def register_container(matches: Matcher, save_view: Callable[[Any], Any],
     """Register a custom container.
 
     ``save_view(obj)`` gives the plain tree to save; ``load_view(obj)`` gives the plain
-    target tree and a function that turns the loaded plain tree into the result.
+    target tree and a function that turns the loaded plain tree into the result. That function
+    may carry ``before_reading``, called with no argument by a load (not by a description of the
+    target) before anything is read: it raises an :class:`~xckpt.errors.XckptError` to refuse the
+    container as a target (a module on the meta device).
     """
     _containers.insert(0, (matches, save_view, load_view))
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from xckpt.errors import TreeError, XckptError
+from xckpt.errors import TreeError, UnsupportedError, XckptError
 from xckpt.format.tree import Default
 
 _bound: "weakref.WeakKeyDictionary[torch.optim.Optimizer, nn.Module]" = weakref.WeakKeyDictionary()
@@ -88,10 +88,21 @@ def module_load_view(model: nn.Module) -> tuple[dict[str, Any], Callable[[Any], 
     """Load in place into the module's state dict, then hand it to ``set_model_state_dict``."""
     _remember(model)
     like = _guard(type(model).__name__, lambda: _state_dict().get_model_state_dict(model))
+    # (a module on the meta device describes a target well: an export's mapping resolves against one)
+    meta = next((name for name, t in like.items() if isinstance(t, torch.Tensor) and t.is_meta), None)
 
     def rebuild(loaded: dict[str, Any]) -> nn.Module:
         _state_dict().set_model_state_dict(model, loaded)
         return model
+
+    def refuse() -> None:  # torch would copy into it as a no-op: the load would succeed and load nothing
+        raise UnsupportedError(f"the {type(model).__name__}'s {meta} (and maybe more) is on the meta device, "
+                               "which holds no data to load into; materialize the module first "
+                               "(module.to_empty(device=...)), or load its state dict and assign it",
+                               code="tensor.meta")
+
+    if meta is not None:
+        rebuild.before_reading = refuse  # type: ignore[attr-defined]  # (registry.register_container)
 
     return like, rebuild
 

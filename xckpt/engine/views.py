@@ -126,10 +126,10 @@ def read_views(requests: Sequence[ReadRequest], open_view: Callable[[ArrayEntry]
 
 def translate(exc: BaseException, entry: ArrayEntry, file: str) -> XckptError:
     """Turn a TensorStore error about an array into a specific xckpt error (the validator's codes)."""
-    if isinstance(exc, XckptError):
-        return exc
-    text = str(exc)
     leaf = key_str(entry.key)
+    if isinstance(exc, XckptError):  # raised by a view's own code (a checked cast): it learns where
+        return exc.at(file=file, leaf=leaf)
+    text = str(exc)
     if "Error opening" in text:  # the array's metadata (zarr.json), before any chunk is read
         if "does not exist" in text or "NOT_FOUND" in text:
             return DataError(f"array metadata is missing: {text[:400]}", code="array.metadata_missing",

@@ -215,12 +215,34 @@ def check_tiling(shape: Sequence[int], regions: Sequence[Region]) -> str | None:
             a, b = first
             return f"regions {a.offsets}+{a.sizes} and {b.offsets}+{b.sizes} overlap"
     else:
-        for i, a in enumerate(nonempty):
-            for b in nonempty[i + 1:]:
-                if intersect(a, b) is not None:
-                    return f"regions {a.offsets}+{a.sizes} and {b.offsets}+{b.sizes} overlap"
+        if total != math.prod(shape):  # a gap or an overlap, known without comparing regions
+            return f"regions cover {total} of {math.prod(shape)} elements of shape {shape}"
+        pair = _overlapping(nonempty)
+        if pair is not None:
+            a, b = pair
+            return f"regions {a.offsets}+{a.sizes} and {b.offsets}+{b.sizes} overlap"
     if total != math.prod(shape):
         return f"regions cover {total} of {math.prod(shape)} elements of shape {shape}"
+    return None
+
+
+def _overlapping(regions: Sequence[Region]) -> tuple[Region, Region] | None:
+    """Two of ``regions`` (non-empty, sorted) that overlap, else None: each compared, at numpy's speed, with the
+    regions that start along the first dimension before it ends there."""
+    if len(regions) < 2:
+        return None
+    low = np.array([r.offsets for r in regions], dtype=np.int64)
+    high = np.array([r.ends for r in regions], dtype=np.int64)
+    order = np.argsort(low[:, 0], kind="stable")
+    low, high = low[order], high[order]
+    starts = low[:, 0]
+    for i in range(len(regions) - 1):
+        stop = int(np.searchsorted(starts, high[i, 0], side="left"))
+        if stop <= i + 1:
+            continue
+        hit = np.all((low[i + 1:stop] < high[i]) & (low[i] < high[i + 1:stop]), axis=1)
+        if hit.any():
+            return regions[int(order[i])], regions[int(order[i + 1 + int(np.argmax(hit))])]
     return None
 
 
@@ -237,6 +259,16 @@ def strides_overlap(shape: Sequence[int], strides: Sequence[int], itemsize: int)
             return True
         reach += stride * (n - 1)
     return False
+
+
+def memory_span(address: int, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> tuple[int, int]:
+    """The bytes ``[low, high)`` a strided array at ``address`` (``strides`` in bytes, any sign) touches;
+    an empty span for an array without elements."""
+    if any(n == 0 for n in shape):
+        return address, address
+    low = address + sum(min(0, (int(n) - 1) * int(st)) for n, st in zip(shape, strides))
+    high = address + sum(max(0, (int(n) - 1) * int(st)) for n, st in zip(shape, strides)) + itemsize
+    return low, high
 
 
 def refuse_overlap(shape: Sequence[int], strides: Sequence[int], itemsize: int, leaf: str | None) -> None:

@@ -3,7 +3,8 @@
 Each transform knows what it does to a shape and dtype (checked before any data
 is read), to the chunk grid and sharding notes of a manifest entry, and how to
 express itself as a TensorStore view: an index transform (transpose, slice, unit
-dimensions) or a cast; reshapes live in :mod:`.reshape`. Reading a region of the view reads only the stored
+dimensions) or a cast (checked where the new dtype cannot hold every stored value, as
+a load's own casts are); reshapes live in :mod:`.reshape`. Reading a region of the view reads only the stored
 chunks that region needs.
 """
 
@@ -16,6 +17,8 @@ from typing import Any, Sequence
 import tensorstore as ts
 
 from xckpt.format import dtypes
+from xckpt.format.casts import cast_refusal, narrows
+from xckpt.mapping.virtual import checked_cast
 
 
 class TransformError(ValueError):
@@ -113,17 +116,32 @@ class Cast(Transform):
     dtype: str
 
     def apply(self, layout: Layout) -> Layout:
-        """Same shape, new dtype."""
+        """Same shape, new dtype; a cast that cannot be made (from a dtype stored as raw bytes, to one
+        TensorStore lacks, dropping an imaginary part) is refused here, before anything is read."""
         dtypes.numpy_dtype(self.dtype)
-        if dtypes.is_raw(layout.dtype) and layout.dtype != self.dtype:
+        if layout.dtype == self.dtype:
+            return layout
+        if dtypes.is_raw(layout.dtype):
             raise TransformError(f"cannot cast from {layout.dtype} (stored as raw bytes) in a mapping; "
                                  f"load it with the target dtype instead")
+        try:
+            ts.dtype(self.dtype)
+        except (ValueError, TypeError):
+            raise TransformError(f"cannot cast to {self.dtype} in a mapping (TensorStore has no such type); "
+                                 f"load it with the target dtype instead") from None
+        why = cast_refusal(layout.dtype, self.dtype)
+        if why is not None:
+            raise TransformError(f"cannot cast {layout.dtype} to {self.dtype}: {why}")
         return Layout(layout.shape, self.dtype, layout.chunk_shape, layout.inner_chunk_shape, layout.sharding)
 
     def view(self, store: ts.TensorStore) -> ts.TensorStore:
-        """A casting view."""
+        """A casting view: TensorStore's cast where the new dtype holds every stored value, else one that
+        checks the values it casts (:func:`~xckpt.mapping.virtual.checked_cast`: no value wraps or
+        overflows unseen, as no load's own cast lets one)."""
         if store.dtype == ts.dtype(self.dtype):
             return store
+        if narrows(store.dtype.name, self.dtype):
+            return checked_cast(store, self.dtype)
         return ts.cast(store, ts.dtype(self.dtype))
 
     def __str__(self) -> str:
