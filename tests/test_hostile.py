@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,6 +21,7 @@ import xckpt.mapping as M
 from xckpt.errors import XckptError
 
 from opened import Opened, probe
+from threaded import within
 
 CONF = Path(__file__).resolve().parents[1] / "spec" / "conformance"
 SHARDED = CONF / "valid" / "sharded" / "checkpoint"
@@ -62,19 +62,7 @@ TARGETS: dict[str, set[str]] = {
 
 def _run(op: str, path: Path, timeout: float = 60.0) -> tuple[Any, BaseException | None]:
     """Run an operation on a thread; a hang fails the test (a blocked open cannot be interrupted)."""
-    out: list[Any] = []
-
-    def target() -> None:
-        try:
-            out.append((OPS[op](path), None))
-        except BaseException as exc:  # noqa: BLE001 - inspected by the caller
-            out.append((None, exc))
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), f"{op} hangs on {path}"
-    return out[0]
+    return within(lambda: OPS[op](path), timeout, f"{op} on {path}")
 
 
 def _code(op: str, error: BaseException | None) -> str | None:

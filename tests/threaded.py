@@ -37,3 +37,21 @@ def run_ranks(n: int, fn: Callable[[ThreadCoordinator], Any]) -> list[Any]:
         if e is not None:
             raise e
     return results
+
+
+def within(fn: Callable[[], Any], limit: float, what: str = "the call") -> tuple[Any, BaseException | None]:
+    """``(fn(), None)``, or ``(None, what it raised)``, run on a daemon thread; fails the test when it runs longer
+    than ``limit`` seconds (a hang, or a blocked open, cannot be interrupted: it is left behind)."""
+    out: list[tuple[Any, BaseException | None]] = []
+
+    def target() -> None:
+        try:
+            out.append((fn(), None))
+        except BaseException as exc:  # noqa: BLE001 - inspected by the caller
+            out.append((None, exc))
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(limit)
+    assert not t.is_alive(), f"{what} still runs after {limit} s"
+    return out[0]

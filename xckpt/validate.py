@@ -207,8 +207,13 @@ def _check_files(store: LocalStore, m: Manifest, report: Report) -> None:
     owner = {path: key_str(key) for path, key in m.stored_paths()}
     between = {p for path in owner for p in naming.parents(path)}  # directories a nested path lies in
 
+    longest = max(map(len, owner), default=0)
+
     def owned(name: str) -> str | None:  # the leaf whose stored path holds ``name``
-        return owner.get(name) or next((owner[p] for p in reversed(list(naming.parents(name))) if p in owner), None)
+        # only the directories of its first ``longest`` characters can be a stored path: a name nested
+        # thousands deep costs no more than a short one
+        return owner.get(name) or next((owner[p] for p in reversed(list(naming.parents(name[:longest + 1])))
+                                        if p in owner), None)
 
     try:
         with os.scandir(store.pinned_path()) as it:

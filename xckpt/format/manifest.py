@@ -22,6 +22,7 @@ from typing import Any, NoReturn, Union
 from xckpt.format.regions import MAX_INNER, Region, check_tiling, grid_shape
 from xckpt.errors import ManifestError, ShapeError, UnsafePathError, VersionError, XckptError, XckptWarning
 from xckpt.format import dtypes, jsonobj, names
+from xckpt.format.hashing import crowded
 from xckpt.format.jsonobj import is_unicode
 from xckpt.format.tree import MAX_DEPTH, Key, Node, iter_nodes, key_str
 from xckpt.format.values import VALUE_TYPES
@@ -582,8 +583,9 @@ def check_shape(e: ArrayEntry, file: str = names.MANIFEST) -> None:
             raise ShapeError(f"segments do not tile the leaf: {why}", code="shape.segments", file=file, leaf=leaf)
 
 
-def check_consistency(m: Manifest, file: str = names.MANIFEST) -> None:
-    """Check that tree, leaves and paths agree with each other."""
+def check_consistency(m: Manifest, file: str = names.MANIFEST, *, bounded_paths: bool = True) -> None:
+    """Check that tree, leaves and paths agree with each other; ``bounded_paths``: each path within what an
+    xckpt writer stores (:func:`xckpt.format.names.check_relative`; not an Orbax checkpoint's names)."""
     keys_in_tree: dict[int, Key] = {}
     for key, node in iter_nodes(m.tree):
         if node["kind"] == "leaf":
@@ -598,6 +600,11 @@ def check_consistency(m: Manifest, file: str = names.MANIFEST) -> None:
     if len(keys_in_tree) != len(m.leaves):
         raise ManifestError(f"tree names {len(keys_in_tree)} leaves but the manifest lists {len(m.leaves)}",
                             code="manifest.tree", file=file)
+    many = crowded(keys_in_tree.values())
+    if many is not None:  # every reader indexes the leaves by key
+        raise ManifestError(f"{many[1]} leaf keys share one hash (as {key_str(many[0])[:60]!r} does): a crafted "
+                            "manifest, which would take time quadratic in their number to read", code="manifest.tree",
+                            file=file)
     paths: dict[str, Key] = {}
     has_values = False
     for i, e in enumerate(m.leaves):
@@ -607,9 +614,9 @@ def check_consistency(m: Manifest, file: str = names.MANIFEST) -> None:
         if isinstance(e, ValueEntry):
             has_values = True
             if e.orbax_path is not None:
-                _check_path(e.orbax_path, e.key, paths, m.version, file)
+                _check_path(e.orbax_path, e.key, paths, m.version, file, bounded_paths)
             continue
-        _check_path(e.path, e.key, paths, m.version, file)
+        _check_path(e.path, e.key, paths, m.version, file, bounded_paths)
     if has_values and m.values is None:
         raise ManifestError("value leaves are listed but no values file is", code="manifest.values", file=file)
     clash = names.nesting(m.stored_paths()) if any("/" in p for p in paths) else None
@@ -633,9 +640,9 @@ def version_for(leaves: list[Entry]) -> str:
     return NESTED_VERSION if nested else VERSION
 
 
-def _check_path(path: str, key: Key, paths: dict[str, Key], version: str, file: str) -> None:
+def _check_path(path: str, key: Key, paths: dict[str, Key], version: str, file: str, bounded: bool = True) -> None:
     leaf = key_str(key)
-    names.check_relative(path, file=file, leaf=leaf)
+    names.check_relative(path, file=file, leaf=leaf, bounded=bounded)
     parts = path.split("/")
     if len(parts) > 1 and version in ("1.0", "1.1", "1.2"):
         raise UnsafePathError(f"array path {path!r} must be one plain name in format {version} (paths nest from 1.3)",

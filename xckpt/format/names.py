@@ -136,10 +136,20 @@ def check_unique(keys: Iterable[Key]) -> dict[Key, str]:
     return names
 
 
-def check_relative(path: str, *, file: str | None = None, leaf: str | None = None) -> str:
-    """Validate a stored relative path: no absolute path, no ``..``, no empty part."""
+def check_relative(path: str, *, file: str | None = None, leaf: str | None = None, bounded: bool = True) -> str:
+    """Validate a stored relative path: no absolute path, no ``..``, no empty part; with ``bounded`` (an xckpt
+    manifest's paths) no part longer than :data:`MAX_NAME_BYTES` and no path longer than :data:`MAX_PATH_BYTES`:
+    what an xckpt writer may store (a longer one is no xckpt checkpoint's, and the work of walking it grows
+    with its length). An Orbax array's name is not bounded so: in OCDBT it is a key of its database, not a
+    file's name, and Orbax writes longer ones."""
     if not isinstance(path, str) or not path:
-        raise UnsafePathError(f"stored path {path!r} is empty or not a string", file=file, leaf=leaf)
+        raise UnsafePathError(f"stored path {path[:80] if isinstance(path, str) else path!r} is empty or not a "
+                              "string", file=file, leaf=leaf)
+    size = len(path.encode("utf-8", "surrogatepass"))
+    if bounded and (size > max(MAX_PATH_BYTES, MAX_NAME_BYTES) or max(len(p.encode("utf-8", "surrogatepass"))
+                                                                      for p in path.split("/")) > MAX_NAME_BYTES):
+        raise UnsafePathError(f"stored path {path[:80]!r}... ({size} bytes) is longer than a stored path may be "
+                              f"({MAX_PATH_BYTES} bytes, {MAX_NAME_BYTES} a part)", file=file, leaf=leaf)
     if path.startswith("/") or "\\" in path or "\x00" in path or ":" in path.split("/")[0]:
         raise UnsafePathError(f"stored path {path!r} is absolute or has forbidden characters",
                               file=file, leaf=leaf)

@@ -31,6 +31,7 @@ from typing import Any, NoReturn
 import msgpack
 
 from xckpt.errors import ManifestError, UnsupportedError
+from xckpt.format.hashing import crowded
 
 EXT_TUPLE, EXT_DICT, EXT_BIGINT, EXT_COMPLEX = 1, 2, 3, 4
 _INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1
@@ -224,7 +225,12 @@ class _Decoder:
                 self.fail("a dict whose keys are all strings is stored as extension type 2; the encoding rules "
                           "write it as a msgpack map")
             try:
-                out = {self.key(k): v for k, v in inner}
+                keys = [self.key(k) for k, _ in inner]
+                many = crowded(keys)
+                if many is not None:
+                    self.fail(f"{many[1]} keys of a dict share one hash (as {str(many[0])[:40]} does): a crafted "
+                              "value, which would take time quadratic in their number to read")
+                out = dict(zip(keys, (v for _, v in inner)))
             except TypeError as exc:
                 self.fail(f"a dict key cannot be a key: {exc}")
             if len(out) != len(inner):

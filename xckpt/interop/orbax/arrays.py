@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import re
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -135,15 +136,21 @@ def _array_info(raw: bytes, zarr3: bool, file: str, leaf: str) -> ArrayInfo:
     return ArrayInfo(shape, dtype, chunk, inner, compression)
 
 
+#: A zarr v2 ``dtype`` string of one scalar type: byte order, kind, size (``"<f4"``, ``"|b1"``).
+_ZARR2_TYPESTR = re.compile(r"[<>|=]?[a-zA-Z][0-9]{0,2}")
+
+
 def _zarr2_dtype(v: Any, file: str, leaf: str) -> str:
     """The logical dtype of a zarr v2 ``dtype`` (``"<f4"``, ``"|b1"``, ``"bfloat16"``, ...)."""
     if isinstance(v, str):
         if v in dtypes.LOGICAL_DTYPES:  # TensorStore's names for types numpy lacks: bfloat16, float8_*
             return v
-        try:
-            dt = np.dtype(v)
-        except TypeError:
-            dt = None
+        dt = None
+        if _ZARR2_TYPESTR.fullmatch(v):  # one scalar type: no subarray or record, whose sizes numpy would work out
+            try:
+                dt = np.dtype(v)
+            except (TypeError, ValueError):
+                dt = None
         if dt is not None and dt.fields is None and dt.name in dtypes.LOGICAL_DTYPES:
             return dt.name
     raise UnsupportedError(f"zarr v2 dtype {v!r} is not supported", code="dtype.unsupported",

@@ -296,7 +296,7 @@ def _open(loc: Location, store: Store, committed: bool | None = None) -> OrbaxCh
     m = Manifest(tree=tree, leaves=leaves, producer=producer, metadata=info,
                  values={"path": naming.ORBAX_METADATA} if any(isinstance(e, ValueEntry) for e in leaves)
                  else None)
-    manifest_mod.check_consistency(m, meta_file)
+    manifest_mod.check_consistency(m, meta_file, bounded_paths=False)  # Orbax's names: keys of OCDBT, not files
     for e in m.arrays():
         manifest_mod.check_shape(e, ckpt.metadata_file(e.path))
     ckpt.manifest = m

@@ -150,7 +150,7 @@ def _check_name(name: Any, file: str) -> str:
     """An item name must be one plain directory name inside the checkpoint."""
     if not isinstance(name, str):
         raise ManifestError(f"item name {name!r} is not a string", code="orbax.invalid", file=file)
-    naming.check_relative(name, file=file)
+    naming.check_relative(name, file=file, bounded=False)
     if "/" in name:
         raise UnsafePathError(f"item name {name!r} must be one plain name", file=file)
     return name

@@ -273,7 +273,7 @@ def check_names(records: list[Record], file: str) -> None:
     seen: dict[str, Key] = {}
     for rec in records:
         leaf = key_str(rec.key)
-        naming.check_relative(rec.name, file=file, leaf=leaf)
+        naming.check_relative(rec.name, file=file, leaf=leaf, bounded=False)
         if rec.name.split("/", 1)[0] in naming.RESERVED:
             raise UnsafePathError(f"array name {rec.name!r} is (or is below) a reserved name",
                                   file=file, leaf=leaf)
