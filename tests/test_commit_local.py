@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -973,3 +974,67 @@ def test_a_directory_that_cannot_be_synced_is_named(tmp_path):
     assert store._unsynced == []
     store.close()
     assert _open_files_under(root) == []
+
+
+def test_a_save_that_cannot_write_its_lease_leaves_nothing_beside_the_path(tmp_path: Path) -> None:
+    """On a full disk the lease file is created but not written: the save said "nothing was written" and left
+    an empty lease file, one per retry, which gc kept as a live save's for an hour (file-size limit 0 here)."""
+    child = (
+        "import resource, signal, sys, numpy as np, xckpt\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))\n"
+        "for _ in range(3):\n"
+        "    try:\n"
+        "        xckpt.save({'a': np.ones(4)}, sys.argv[1])\n"
+        "    except xckpt.XckptError as e:\n"
+        "        print(e.code)\n")
+    r = subprocess.run([sys.executable, "-c", child, str(tmp_path / "ck")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.stdout.split() == ["io.write"] * 3, r.stderr[-500:]
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+_REPLACER = """
+import sys, numpy as np, xckpt, warnings
+warnings.simplefilter("ignore")
+state = {"a": np.full(1000, 7.0), "s": "new"}
+try:
+    if sys.argv[2] == "save_async":
+        xckpt.save_async(state, sys.argv[1], overwrite=True).wait()
+    else:
+        xckpt.save(state, sys.argv[1], overwrite=True)
+    print("SAVED")
+except xckpt.XckptError as e:
+    print("FAILED", e.code, e)
+"""
+
+
+@pytest.mark.parametrize("how", ["save", "save_async"])
+def test_a_replacing_save_stopped_past_its_lease_after_the_exchange_reports_its_commit(tmp_path: Path,
+                                                                                       how: str) -> None:
+    """Stopped (SIGSTOP, as a paused machine is) right after swapping its checkpoint in, past its lease: another
+    save in the parent judged it dead and removed its temporary directory, which then held the replaced
+    checkpoint. Woken, it reported failure (a bare FileNotFoundError, or "nothing was committed") while the new
+    checkpoint it had committed stood at the path. It reports its commit."""
+    path = tmp_path / "ck"
+    xckpt.save({"a": np.full(1000, 1.0), "s": "old"}, path)
+    env = dict(os.environ, XCKPT_FAILPOINTS="after_exchange:stop", XCKPT_STALE_AFTER_S="1")
+    proc = subprocess.Popen([sys.executable, "-c", _REPLACER, str(path), how], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=10)
+        time.sleep(0.05)
+    time.sleep(1.5)  # past its lease
+    other = subprocess.run([sys.executable, "-c", "import sys, numpy as np, xckpt\n"
+                            "xckpt.save({'b': np.ones(3)}, sys.argv[1])", str(tmp_path / "other")],
+                           env=dict(os.environ, XCKPT_STALE_AFTER_S="1"), capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert not [n for n in os.listdir(tmp_path) if "xckpt-tmp" in n]  # the cleanup removed its temporary directory
+    os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=120)
+    assert out.split() == ["SAVED"], out + err[-2000:]
+    got = xckpt.load(path)
+    assert got["s"] == "new" and np.array_equal(got["a"], np.full(1000, 7.0))
+    assert xckpt.validate(path, deep=True).ok
+    assert sorted(os.listdir(tmp_path)) == ["ck", "other"]

@@ -85,27 +85,30 @@ def _kill_worker(root: Path, point: str) -> str:
     return left[0]
 
 
-def _lease(staged: Path) -> Path:
-    """The one lease file in the staged step ``staged``."""
-    leases = [p for p in staged.iterdir() if p.name.startswith(".default.xckpt-lease-")]
-    assert len(leases) == 1, sorted(p.name for p in staged.iterdir())
-    return leases[0]
+def _leases(staged: Path) -> list[Path]:
+    """The lease files in the staged step ``staged``: its item's save's and the coordinating process's own on the
+    step (taken before the item's save, given up when the step moves into place), or the latter alone once the
+    item committed."""
+    leases = sorted(p for p in staged.iterdir() if ".xckpt-lease-" in p.name)
+    assert leases and all(p.name.startswith((".default.xckpt-lease-", ".step.xckpt-lease-")) for p in leases), \
+        sorted(p.name for p in staged.iterdir())
+    return leases
 
 
 def _copy_staged(root: Path, staged: str, step: int, token: str, **record: Any) -> Path:
-    """A copy of the staged step ``staged`` as step ``step``'s, its lease record's fields replaced by ``record``
-    (``remove=True``: the lease removed; ``raw=b"..."``: the lease holding those bytes)."""
+    """A copy of the staged step ``staged`` as step ``step``'s, the record of each of its leases with fields replaced
+    by ``record`` (``remove=True``: the leases removed; ``raw=b"..."``: the leases holding those bytes)."""
     dst = root / f".{step}.xckpt-step-{token}"
     shutil.copytree(root / staged, dst)
-    lease = _lease(dst)
-    if "remove" in record:
-        lease.unlink()
-    elif "raw" in record:
-        lease.write_bytes(record["raw"])
-    else:
-        obj = json.loads(lease.read_bytes())
-        obj.update(record)
-        lease.write_bytes(json.dumps(obj).encode())
+    for lease in _leases(dst):
+        if "remove" in record:
+            lease.unlink()
+        elif "raw" in record:
+            lease.write_bytes(record["raw"])
+        else:
+            obj = json.loads(lease.read_bytes())
+            obj.update(record)
+            lease.write_bytes(json.dumps(obj).encode())
     return dst
 
 
@@ -135,7 +138,7 @@ def test_a_save_killed_here_is_removed_by_the_next_save_at_once(tmp_path: Path, 
     monkeypatch.delenv("XCKPT_FAILPOINTS", raising=False)
     root = tmp_path / "run"
     staged = _kill_worker(root, point)
-    record = json.loads(_lease(root / staged).read_bytes())
+    record = json.loads(_leases(root / staged)[0].read_bytes())
     assert record["host"] and isinstance(record["pid"], int)
     # dead whatever the stale age: not for its age, for its lease naming a process of this machine that is gone
     for age in (None, 10.0**9):
@@ -165,7 +168,7 @@ def test_a_staged_step_of_a_live_or_unknown_save_is_kept(tmp_path: Path, monkeyp
     monkeypatch.delenv("XCKPT_FAILPOINTS", raising=False)
     root = tmp_path / "run"
     dead = _kill_worker(root, "before_publish")
-    record = json.loads(_lease(root / dead).read_bytes())
+    record = json.loads(_leases(root / dead)[0].read_bytes())
     with pytest.raises(ProcessLookupError):  # the killed worker was reaped: its pid names no process
         os.kill(record["pid"], 0)
     token = "0123456789abcdef" * 2
@@ -194,7 +197,7 @@ def test_a_staged_step_of_a_live_or_unknown_save_is_kept(tmp_path: Path, monkeyp
                     and any(n.startswith(".default.xckpt-lease-") for n in os.listdir(root / e))]
             time.sleep(0.02)
         assert live, (saver.poll(), saver.stderr.read().decode()[-3000:] if saver.poll() is not None else "")
-        assert json.loads(_lease(root / live[0]).read_bytes())["pid"] == saver.pid
+        assert {json.loads(p.read_bytes())["pid"] for p in _leases(root / live[0])} == {saver.pid}
         assert _entries(root) == sorted(["1", "2", live[0], *kept.values()])  # the other process removed step 3's
 
         again = _copy_staged(root, live[0], 13, token, pid=record["pid"]).name  # the live one's, naming the dead pid
@@ -231,3 +234,82 @@ def test_a_staged_step_of_a_live_or_unknown_save_is_kept(tmp_path: Path, monkeyp
                 proc.wait(30)
     for step in (2, 4, 12):
         _restore_equals(root, step)
+
+
+_KILLED_BEFORE_PUBLISH = """
+import os, signal, sys, numpy as np, xckpt
+from xckpt import manager
+with xckpt.CheckpointManager(sys.argv[1], max_to_keep=2) as m:
+    m.save(0, {"a": np.ones(1 << 16, np.float32)}, force=True)
+    m.wait()
+    # killed after the step's item committed (its save released its own lease), before the step is moved in place
+    manager.CheckpointManager._publish = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    m.save(1, {"a": np.full(1 << 16, 2.0, np.float32)}, force=True)
+    m.wait()
+"""
+
+
+def test_a_staged_step_whose_process_was_killed_before_it_was_moved_into_place_is_dead_at_once(tmp_path: Path) -> None:
+    """The item's save releases its lease when it commits: a process killed before the step was moved into place
+    left a staged step holding a whole committed checkpoint and no lease, which gc and the next save kept as
+    "live" for an hour (XCKPT_STALE_AFTER_S). The coordinating process holds a lease on the staged step until
+    the move."""
+    root = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-c", _KILLED_BEFORE_PUBLISH, str(root)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    staged = [n for n in os.listdir(root) if n.startswith(".1.xckpt-step-")]
+    assert len(staged) == 1 and "default" in os.listdir(root / staged[0])
+    assert xckpt.validate(root / staged[0] / "default", deep=True).ok  # its item did commit
+    collected = xckpt.gc(root)
+    assert [(c.leftover.path, c.action) for c in collected] == [(str(root / staged[0]), "removed")]
+    assert sorted(os.listdir(root)) == ["0"]
+    with xckpt.CheckpointManager(root, max_to_keep=2) as m:
+        assert [info.step for info in m.all_steps()] == [0]
+        np.testing.assert_array_equal(m.restore(0)["a"], np.ones(1 << 16, np.float32))
+
+
+def test_a_published_step_holds_no_lease_of_its_staging(tmp_path: Path) -> None:
+    """The staged step's lease is given up before the step goes into place: nothing of it is left in the step."""
+    root = tmp_path / "run"
+    with xckpt.CheckpointManager(root, max_to_keep=2) as m:
+        m.save(0, {"a": np.arange(4.0)}, force=True)
+        m.wait()
+    assert not [n for n in os.listdir(root / "0") if "xckpt-lease" in n]
+    assert sorted(os.listdir(root)) == ["0"]
+
+
+_FULL_DISK_TWO_RANKS = """
+import resource, signal, sys, threading, time, numpy as np, xckpt
+from xckpt.engine.collective import ThreadGroup
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # a full disk: files are made, nothing goes into them
+group = ThreadGroup(2, timeout=30)
+out = {}
+def rank(r):
+    started = time.monotonic()
+    try:
+        with xckpt.CheckpointManager(sys.argv[1], coordinator=group.coordinator(r)) as m:
+            m.save(1, {"a": np.arange(4.0)}, force=True)
+        out[r] = ("saved", 0.0)
+    except xckpt.XckptError as e:
+        out[r] = (e.code, time.monotonic() - started)
+threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+[t.start() for t in threads]
+[t.join(120) for t in threads]
+for r in range(2):
+    print(r, out[r][0], round(out[r][1], 1))
+"""
+
+
+def test_a_step_lease_that_cannot_be_written_fails_every_process_at_once(tmp_path: Path) -> None:
+    """The coordinating process took the staged step's lease outside any collective step: when it could not (a
+    full disk), it raised alone, and the other processes waited in the save until their timeout (30 s here).
+    Taken while the step is planned, its failure is every process's, at once; nothing is left in the root."""
+    root = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-c", _FULL_DISK_TWO_RANKS, str(root)], capture_output=True, text=True,
+                       timeout=300)
+    lines = [line.split() for line in r.stdout.splitlines()]
+    assert [line[:2] for line in lines] == [["0", "io.write"], ["1", "io.write"]], r.stdout + r.stderr[-2000:]
+    assert all(float(line[2]) < 10 for line in lines), lines
+    assert os.listdir(root) == []

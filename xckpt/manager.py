@@ -324,9 +324,34 @@ class _InFlight:
     error: BaseException | None = None
     #: The last step saved before this one (what :meth:`CheckpointManager.should_save` compares with if it fails).
     previous: int | None = None
+    #: The coordinating process's lease on the staged step (:func:`_step_lease`); None on the others.
+    lease: claims.Lease | None = None
     #: Its outcome went to the caller (:meth:`CheckpointManager.wait` and the calls that finish it first), or
     #: was warned of (leaving a ``with`` block on an exception).
     reported: bool = False
+
+
+#: The name the coordinating process's lease on a staged step is taken for (``.step.xckpt-lease-<token>`` in it).
+STEP_LEASE = "step"
+
+
+def _step_lease(staging: str, token: str) -> claims.Lease:
+    """The coordinating process's lease on the staged step ``staging``, held from before its item is saved until
+    the step is moved into place: the item's save releases its own lease once it commits, and a staged step
+    whose process was killed between that commit and the move is then still known dead at once (it names a
+    process of this machine that no longer runs: :func:`xckpt.engine.claims.scan_steps`), not after an hour."""
+    try:
+        os.makedirs(staging, exist_ok=True)
+    except OSError as exc:
+        raise SaveError(f"cannot make {staging}: {exc.strerror or exc}", code="io.write", file=staging) from exc
+    lease = claims.Lease(Location(os.path.join(staging, STEP_LEASE)), token)
+    try:
+        lease.acquire()
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise SaveError(f"cannot write beside {staging}: {exc.strerror or exc}", code="io.write",
+                        file=staging) from exc
+    return lease
 
 
 class CheckpointManager:
@@ -477,9 +502,12 @@ class CheckpointManager:
         coord = self.coordinator
         plain_metrics: dict[str, Any] = {}  # the coordinating process's are recorded; the others' are not read
 
+        lease = None
+
         def plan() -> list[str]:  # on the coordinating process; whatever it raises is raised on every process
-            nonlocal plain_metrics
+            nonlocal plain_metrics, lease
             plain_metrics, token = self._plan(step, metrics)
+            lease = _step_lease(self._staging(step, token), token)
             return [token] * coord.world_size
 
         token = collective.answer_step(coord, f"CheckpointManager.save({step})",
@@ -487,7 +515,7 @@ class CheckpointManager:
         if coord.rank == collective.ROOT and self._best_key is not None and self._best_key not in plain_metrics:
             warnings.warn(f"step {step} is saved without the metric {self._best_key!r} that best_fn ranks steps "
                           "by: keep_best will not keep it", XckptWarning, stacklevel=2)
-        staging = os.path.join(self.root, f".{step}.xckpt-step-{token}")
+        staging = self._staging(step, token)
         options = dict(self.save_options)
         metadata = dict(options.pop("metadata", None) or {})
         metadata["manager"] = {"step": step, "metrics": plain_metrics}
@@ -505,7 +533,7 @@ class CheckpointManager:
         # its outcome is the manager's to report (wait()): claimed now, before the thread that waits for it
         # runs, so that an unrelated xckpt.save meanwhile does not raise this step's failure
         handle.claim()
-        flight = _InFlight(step, staging, previous=self._last_step)
+        flight = _InFlight(step, staging, previous=self._last_step, lease=lease)
         flight.thread = Worker(lambda: self._finish_in_background(flight, handle, plain_metrics, started_ns),
                                "xckpt-manager-finish")
         with self._lock:
@@ -533,6 +561,10 @@ class CheckpointManager:
             raise exc.at(file=self.step_path(step)) from None
         return plain, self._prepare_step(step)
 
+    def _staging(self, step: int, token: str) -> str:
+        """Where step ``step`` is written before it is moved into place (``token``: this save's)."""
+        return os.path.join(self.root, f".{step}.xckpt-step-{token}")
+
     def _prepare_step(self, step: int) -> str:
         """The coordinating process, before a save: make the root, remove dead leftovers, check the step is new;
         returns the staging token."""
@@ -551,6 +583,8 @@ class CheckpointManager:
         try:
             handle.wait()
             if self.coordinator.rank == collective.ROOT:
+                if flight.lease is not None:
+                    flight.lease.renew()  # fresh while the step is published, however long its item took to save
                 self._publish(flight, metrics, started_ns)
         except BaseException as exc:  # noqa: BLE001 - raised by wait() on every process
             flight.error = exc
@@ -595,6 +629,8 @@ class CheckpointManager:
             store.close()
         _synced(lambda: atomic.sync_dir(flight.staging), flight.staging)
         final = self.step_path(flight.step)
+        if flight.lease is not None:
+            flight.lease.release()  # the step goes into place without it
         try:
             atomic.move_new(flight.staging, final)
         except OSError as exc:  # FileExistsError; ENOTEMPTY: without renameat2, it appeared after the check

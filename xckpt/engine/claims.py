@@ -22,6 +22,7 @@ process of this machine that no longer runs is dead at once, as a side copy's sa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -135,10 +136,15 @@ class Lease:
         if self.final.is_local:
             fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                os.write(fd, _record(self.generation))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+                try:
+                    os.write(fd, _record(self.generation))
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except BaseException:  # a full disk, an interrupt: the save fails having written nothing, lease included
+                with contextlib.suppress(OSError):
+                    os.unlink(self._path)
+                raise
             return
         kv, file = _kv(self.final), str(self.final.child(CLAIM))
         # empty: another save's claim; or this one's, created by an attempt whose answer was lost (the driver

@@ -274,13 +274,24 @@ def publish(tmp: Location, target: Target, generation: str, rank: int = 0, hold:
         _publish_aside(src, dst, target, generation, rank, hold)
         return
     except FileNotFoundError:
-        raise SaveError(f"{dst} disappeared while this save replaced it; nothing was committed",
+        gone = dst if os.path.lexists(src) else f"this save's temporary directory {src}"
+        raise SaveError(f"{gone} disappeared while this save replaced {dst} (a save stopped past its lease is "
+                        "judged dead, and what it wrote removed); nothing was committed",
                         code="save.conflict", file=dst) from None
     except OSError as exc:
         raise _io_error(dst, "swap the new checkpoint into place", exc) from exc
     failpoints.hit("after_exchange", rank)
-    if identity(Location(src), target.kind) != target.replaces:  # another save replaced it since this one began
-        atomic.exchange(src, dst)
+    if identity(Location(src), target.kind) != target.replaces:
+        if not os.path.lexists(src):
+            # the exchange was made, and then a cleanup that judged this save dead (stopped past its lease)
+            # removed the checkpoint it replaced: the save is committed, with nothing left to remove
+            _committed(hold)
+            _settle(dst, (_SYNC, lambda: atomic.sync_dir(parent)), ("", lambda: failpoints.hit("after_publish", rank)))
+            return
+        try:  # another save replaced it since this one began: put it back
+            atomic.exchange(src, dst)
+        except OSError as exc:
+            raise _io_error(dst, "put back the checkpoint another save committed meanwhile", exc) from exc
         raise SaveError(f"another save replaced {dst} while this one was writing; nothing was committed",
                         code="save.conflict", file=dst)
     _committed(hold)
