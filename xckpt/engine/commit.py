@@ -252,6 +252,10 @@ def publish(tmp: Location, target: Target, generation: str, rank: int = 0, hold:
     src, dst = tmp.local_path, target.final.local_path
     parent = os.path.dirname(dst) or "."
     failpoints.hit("before_publish", rank)
+    def committed_new() -> None:  # the new checkpoint is in place and nothing it replaced is left to remove
+        _committed(hold)
+        _settle(dst, (_SYNC, lambda: atomic.sync_dir(parent)), ("", lambda: failpoints.hit("after_publish", rank)))
+
     if target.replaces is None:
         if target.empty_dir:
             try:
@@ -265,8 +269,7 @@ def publish(tmp: Location, target: Target, generation: str, rank: int = 0, hold:
                 raise SaveError(f"another save committed {dst} first; nothing was committed", code="save.exists",
                                 file=dst) from None
             raise _io_error(dst, "move the new checkpoint into place", exc) from exc
-        _committed(hold)
-        _settle(dst, (_SYNC, lambda: atomic.sync_dir(parent)), ("", lambda: failpoints.hit("after_publish", rank)))
+        committed_new()
         return
     try:
         atomic.exchange(src, dst)
@@ -285,8 +288,7 @@ def publish(tmp: Location, target: Target, generation: str, rank: int = 0, hold:
         if not os.path.lexists(src):
             # the exchange was made, and then a cleanup that judged this save dead (stopped past its lease)
             # removed the checkpoint it replaced: the save is committed, with nothing left to remove
-            _committed(hold)
-            _settle(dst, (_SYNC, lambda: atomic.sync_dir(parent)), ("", lambda: failpoints.hit("after_publish", rank)))
+            committed_new()
             return
         try:  # another save replaced it since this one began: put it back
             atomic.exchange(src, dst)

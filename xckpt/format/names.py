@@ -84,14 +84,20 @@ def path_name(key: Key) -> str:
     if ":" in name:
         raise TreeError(f"key {key_str(key)!r} holds ':', which a stored path may not (readers refuse it: a drive or "
                         "a stream on some file systems); rename it", leaf=key_str(key))
-    longest = max(len(p.encode("utf-8", "surrogatepass")) for p in name.split("/"))
+    size, longest = _byte_sizes(name)
     if longest > MAX_NAME_BYTES:
         raise TreeError(f"the storage name of this key has a part {longest} bytes long, more than the "
                         f"{MAX_NAME_BYTES} a file name may have on common file systems; shorten it", leaf=key_str(key))
-    if "/" in name and len(name.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
-        raise TreeError(f"the storage name of this key nests {len(name.encode('utf-8', 'surrogatepass'))} bytes "
+    if "/" in name and size > MAX_PATH_BYTES:
+        raise TreeError(f"the storage name of this key nests {size} bytes "
                         f"deep, more than the {MAX_PATH_BYTES} a stored path may have; shorten it", leaf=key_str(key))
     return name
+
+
+def _byte_sizes(name: str) -> tuple[int, int]:
+    """A stored path's length and its longest part's, in UTF-8 bytes (lone surrogates as they are encoded)."""
+    return (len(name.encode("utf-8", "surrogatepass")),
+            max(len(p.encode("utf-8", "surrogatepass")) for p in name.split("/")))
 
 
 def parents(name: str) -> Iterator[str]:
@@ -145,9 +151,8 @@ def check_relative(path: str, *, file: str | None = None, leaf: str | None = Non
     if not isinstance(path, str) or not path:
         raise UnsafePathError(f"stored path {path[:80] if isinstance(path, str) else path!r} is empty or not a "
                               "string", file=file, leaf=leaf)
-    size = len(path.encode("utf-8", "surrogatepass"))
-    if bounded and (size > max(MAX_PATH_BYTES, MAX_NAME_BYTES) or max(len(p.encode("utf-8", "surrogatepass"))
-                                                                      for p in path.split("/")) > MAX_NAME_BYTES):
+    size, longest = _byte_sizes(path)
+    if bounded and (size > MAX_PATH_BYTES or longest > MAX_NAME_BYTES):
         raise UnsafePathError(f"stored path {path[:80]!r}... ({size} bytes) is longer than a stored path may be "
                               f"({MAX_PATH_BYTES} bytes, {MAX_NAME_BYTES} a part)", file=file, leaf=leaf)
     if path.startswith("/") or "\\" in path or "\x00" in path or ":" in path.split("/")[0]:
